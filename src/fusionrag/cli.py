@@ -1,0 +1,81 @@
+"""The ``fusionrag`` command line: a thin layer over the Python API.
+
+User errors (:class:`FusionRAGError`) print one line and exit 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Callable
+
+from fusionrag.errors import FusionRAGError
+from fusionrag.models.registry import DEFAULT_MODEL, KNOWN_NAMES
+
+MODEL_HELP = f"short name ({', '.join(KNOWN_NAMES)}) or a local HF checkpoint folder; default {DEFAULT_MODEL}"
+
+
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    from fusionrag.doctor import run_doctor
+    from fusionrag.models import load_model
+
+    report = run_doctor(load_model(args.model))
+    print(json.dumps(report, indent=None if args.compact else 2))
+    return 0 if report["ok"] else 1
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from fusionrag.demo import run_demo
+
+    run_demo(model=args.model, max_new_tokens=args.max_new_tokens, limit=args.limit)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="fusionrag",
+        description="Fast RAG prefill by reusing precomputed, similarity-fused chunk KV caches.",
+    )
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores)")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("doctor", help="check the exactness invariants on a real model (JSON report)")
+    p.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
+    p.add_argument("--compact", action="store_true", help="print the JSON on one line")
+    p.set_defaults(func=_cmd_doctor)
+
+    p = sub.add_parser("demo", help="answer the bundled sample questions, Full Attention vs reuse, with TTFT")
+    p.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
+    p.add_argument("--max-new-tokens", type=int, default=24)
+    p.add_argument("--limit", type=int, default=None, help="only the first N sample questions")
+    p.set_defaults(func=_cmd_demo)
+
+    from fusionrag.cli_commands import register_commands
+
+    register_commands(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    func: Callable[[argparse.Namespace], int] = args.func
+    try:
+        return func(args)
+    except FusionRAGError as exc:
+        print(f"fusionrag: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("fusionrag: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

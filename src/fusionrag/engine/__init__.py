@@ -1,0 +1,1 @@
+"""Model execution: forward on reused KV, sparse recompute, greedy decoding."""

@@ -1,0 +1,64 @@
+"""Sparse recompute: refresh a chosen set of reused tokens, plus the question, through all layers.
+
+Given an assembled context cache (``S + chunks``, positions ``0..T-1``, mostly reused
+KV), the selected token indices ``R`` and the question tokens, one forward pass runs
+``tokens[R] + question`` at their true positions. Each of them attends to every
+position at or before its own: fresh KV for tokens in ``R`` (computed in this same
+pass, layer by layer) and reused KV for the rest; the stale KV of ``R`` is hidden.
+The fresh KV is then written into place. With ``R`` = every context token after
+``S``, this is exactly Full Attention; with ``R`` empty it is Full Reuse.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from fusionrag.engine.forward import forward
+from fusionrag.kvcache.kv import KV
+from fusionrag.models.registry import LoadedModel
+
+
+@dataclass
+class RecomputeResult:
+    kv: KV  # context (with refreshed tokens) + question, positions 0..T+q-1
+    last_logits: torch.Tensor  # [vocab] logits after the last question token
+    recomputed: int  # number of context tokens recomputed
+
+
+def sparse_recompute(
+    lm: LoadedModel,
+    context: KV,
+    context_ids: torch.Tensor,
+    recompute_idx: torch.Tensor,
+    suffix_ids: torch.Tensor,
+) -> RecomputeResult:
+    """Recompute ``context`` tokens ``recompute_idx`` and append ``suffix_ids`` (see module doc)."""
+    if context.base_position != 0:
+        raise ValueError("sparse_recompute expects an assembled context starting at position 0")
+    total = len(context)
+    context_ids = torch.as_tensor(context_ids, dtype=torch.long).reshape(-1)
+    suffix_ids = torch.as_tensor(suffix_ids, dtype=torch.long).reshape(-1)
+    if context_ids.numel() != total:
+        raise ValueError(f"{context_ids.numel()} context ids for a {total}-token cache")
+    if suffix_ids.numel() == 0:
+        raise ValueError("the suffix (question) must have at least one token")
+    idx = torch.unique(torch.as_tensor(recompute_idx, dtype=torch.long).reshape(-1))  # sorted, no repeats
+    if idx.numel() and (idx[0] < 0 or idx[-1] >= total):
+        raise ValueError("recompute indices must lie inside the context")
+    stale = torch.zeros(total, dtype=torch.bool)
+    stale[idx] = True
+    positions = torch.cat([idx, torch.arange(total, total + suffix_ids.numel())])
+    res = forward(lm, torch.cat([context_ids[idx], suffix_ids]), positions, context, past_hidden=stale)
+    r = idx.numel()
+    keys = context.keys.to(torch.float32).clone()
+    values = context.values.to(torch.float32).clone()
+    keys[:, :, idx] = res.keys[:, :, :r]
+    values[:, :, idx] = res.values[:, :, :r]
+    kv = KV(
+        torch.cat([keys, res.keys[:, :, r:]], dim=2),
+        torch.cat([values, res.values[:, :, r:]], dim=2),
+        0,
+    )
+    return RecomputeResult(kv, res.logits[-1], r)

@@ -1,0 +1,96 @@
+"""The KV of a token segment, as two stacked tensors.
+
+``keys`` and ``values`` are ``[layers, kv_heads, seq, head_dim]``; keys are post-RoPE
+at positions ``base_position .. base_position + seq - 1``. One tensor per kind (rather
+than a list per layer) keeps concatenation, slicing, rotation and safetensors storage
+one call each. Every operation returns a new object: stored/shared KV is never mutated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from fusionrag.models.rope import rotate_keys
+
+
+@dataclass(frozen=True)
+class KV:
+    keys: torch.Tensor
+    values: torch.Tensor
+    base_position: int = 0
+
+    def __post_init__(self) -> None:
+        if self.keys.shape != self.values.shape or self.keys.dim() != 4:
+            raise ValueError(f"KV tensors must both be [L, H, T, D]; got {self.keys.shape}, {self.values.shape}")
+
+    def __len__(self) -> int:
+        return self.keys.shape[2]
+
+    @property
+    def num_layers(self) -> int:
+        return self.keys.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        return self.keys.numel() * self.keys.element_size() * 2
+
+    @staticmethod
+    def empty_like(other: KV, base_position: int = 0) -> KV:
+        shape = (*other.keys.shape[:2], 0, other.keys.shape[3])
+        z = other.keys.new_zeros(shape)
+        return KV(z, z.clone(), base_position)
+
+    def slice(self, start: int, stop: int) -> KV:
+        """Tokens ``start:stop`` of this segment (positions follow)."""
+        return KV(
+            self.keys[:, :, start:stop].clone(),
+            self.values[:, :, start:stop].clone(),
+            self.base_position + start,
+        )
+
+    def to(self, dtype: torch.dtype) -> KV:
+        return KV(self.keys.to(dtype), self.values.to(dtype), self.base_position)
+
+    def moved_to(self, new_base: int, inv_freq: torch.Tensor) -> KV:
+        """This segment re-positioned to start at ``new_base`` (keys rotated, values shared)."""
+        delta = new_base - self.base_position
+        if delta == 0:
+            return self
+        return KV(rotate_keys(self.keys, delta, inv_freq), self.values, new_base)
+
+    @staticmethod
+    def concat(parts: Sequence[KV]) -> KV:
+        """Concatenate segments that are already at consecutive positions."""
+        if not parts:
+            raise ValueError("nothing to concatenate")
+        expected = parts[0].base_position
+        for p in parts:
+            if p.base_position != expected:
+                raise ValueError(f"segment at {p.base_position} does not follow position {expected}")
+            expected += len(p)
+        return KV(
+            torch.cat([p.keys for p in parts], dim=2),
+            torch.cat([p.values for p in parts], dim=2),
+            parts[0].base_position,
+        )
+
+
+def assemble(prefix: KV, chunks: Sequence[KV], inv_freq: torch.Tensor) -> tuple[KV, list[tuple[int, int]]]:
+    """``prefix + chunk_1 + ... + chunk_k`` at consecutive positions (TurboRAG "reordered").
+
+    Each chunk is rotated from wherever it was computed to right after the previous
+    segment. Returns the assembled KV (fp32 for computation) and each chunk's
+    ``(start, stop)`` token span within it.
+    """
+    parts = [prefix.to(torch.float32)]
+    spans = []
+    pos = prefix.base_position + len(prefix)
+    for chunk in chunks:
+        moved = chunk.to(torch.float32).moved_to(pos, inv_freq)
+        spans.append((pos - prefix.base_position, pos - prefix.base_position + len(chunk)))
+        parts.append(moved)
+        pos += len(chunk)
+    return KV.concat(parts), spans

@@ -1,0 +1,1 @@
+"""Online stage: assembling reused KV, selecting tokens to recompute, answering."""

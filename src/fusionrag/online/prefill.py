@@ -1,0 +1,96 @@
+"""The online prefill paths every method is built from.
+
+- :func:`prefill_full` — Full Attention: one ordinary causal prefill of the whole prompt.
+- :func:`prefill_reused` — assemble ``S`` + stored chunk KVs at consecutive positions,
+  then recompute the selected tokens and the question in one sparse pass. With no
+  tokens selected this is Full Reuse; with all of them, Full Attention.
+Both return the prompt's KV and the logits for the first answer token, with timings.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from fusionrag.engine.forward import prefill
+from fusionrag.engine.recompute import sparse_recompute
+from fusionrag.kvcache.kv import KV, assemble
+from fusionrag.models.registry import LoadedModel
+
+
+@dataclass
+class Prefilled:
+    """A prompt ready to decode from."""
+
+    kv: KV
+    last_logits: torch.Tensor
+    context_tokens: int  # chunk tokens (excludes S and the question)
+    recomputed: int  # chunk tokens recomputed
+    timings_ms: dict[str, float] = field(default_factory=dict)
+    selected: torch.Tensor | None = None  # indices (into the assembled cache) that were recomputed
+    spans: list[tuple[int, int]] = field(default_factory=list)  # each chunk's span in the cache
+
+
+def _ms(t0: float) -> float:
+    return (time.perf_counter() - t0) * 1000.0
+
+
+def prefill_full(
+    lm: LoadedModel, system_ids: Sequence[int], chunk_ids: Sequence[Sequence[int]], question_ids: Sequence[int]
+) -> Prefilled:
+    """Full Attention over ``S + chunks + Q`` (the quality reference)."""
+    t0 = time.perf_counter()
+    ids = [*system_ids, *(t for c in chunk_ids for t in c), *question_ids]
+    kv, logits = prefill(lm, torch.tensor(ids))
+    spans, pos = [], len(system_ids)
+    for c in chunk_ids:
+        spans.append((pos, pos + len(c)))
+        pos += len(c)
+    n_ctx = sum(len(c) for c in chunk_ids)
+    return Prefilled(kv, logits[-1], n_ctx, n_ctx, {"recompute": _ms(t0)}, spans=spans)
+
+
+def chunk_kv_plain(lm: LoadedModel, system_kv: KV, ids: Sequence[int]) -> KV:
+    """A chunk's Full Reuse KV: prefilled right after ``S``, only the chunk's part kept."""
+    kv, _ = prefill(lm, torch.tensor(list(ids)), past=system_kv)
+    return kv
+
+
+def assemble_context(
+    lm: LoadedModel, system_kv: KV, chunk_kvs: Sequence[KV], system_ids: Sequence[int],
+    chunk_ids: Sequence[Sequence[int]],
+) -> tuple[KV, torch.Tensor, list[tuple[int, int]]]:
+    """``S`` + chunks at consecutive positions, the matching token ids, and chunk spans."""
+    for kv, ids in zip(chunk_kvs, chunk_ids, strict=True):
+        if len(kv) != len(ids):
+            raise ValueError(f"chunk KV has {len(kv)} tokens but its ids have {len(ids)}")
+    context, spans = assemble(system_kv, chunk_kvs, lm.inv_freq)
+    ids = torch.tensor([*system_ids, *(t for c in chunk_ids for t in c)], dtype=torch.long)
+    return context, ids, spans
+
+
+def prefill_reused(
+    lm: LoadedModel,
+    context: KV,
+    context_ids: torch.Tensor,
+    spans: list[tuple[int, int]],
+    question_ids: Sequence[int],
+    recompute_idx: torch.Tensor | None = None,
+) -> Prefilled:
+    """Sparse-recompute ``recompute_idx`` (indices into ``context``) and prefill the question."""
+    t0 = time.perf_counter()
+    idx = torch.empty(0, dtype=torch.long) if recompute_idx is None else recompute_idx
+    res = sparse_recompute(lm, context, context_ids, idx, torch.tensor(list(question_ids)))
+    n_ctx = sum(b - a for a, b in spans)
+    return Prefilled(res.kv, res.last_logits, n_ctx, res.recomputed, {"recompute": _ms(t0)},
+                     selected=idx, spans=spans)
+
+
+def all_chunk_indices(spans: Sequence[tuple[int, int]]) -> torch.Tensor:
+    """Every chunk token of the assembled context (everything but ``S``)."""
+    if not spans:
+        return torch.empty(0, dtype=torch.long)
+    return torch.cat([torch.arange(a, b) for a, b in spans])

@@ -1,0 +1,73 @@
+"""The RAG prompt, cut into the segments KV reuse works on: ``S``, chunks, ``Q``.
+
+Every method (Full Attention included) sees exactly the same token ids:
+``ids(S) + ids(chunk_1) + ... + ids(chunk_k) + ids(Q)``, each segment tokenised on
+its own. ``S`` is the chat template up to the user's content (system prompt and
+instructions); a chunk is ``"[title]\\n text\\n\\n"``; ``Q`` is the question, the
+answer instruction and the template's tail up to the assistant's turn.
+This is the one place where prompt text is defined.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
+
+SYSTEM_PROMPT = (
+    "You are a helpful assistant. Answer the question using the passages below. "
+    "Reply with a short answer of a few words, without explanation."
+)
+_CTX = "\x00CONTEXT\x00"
+
+
+def chunk_text(title: str, text: str) -> str:
+    """How a passage appears in the prompt (and in the knowledge base)."""
+    title = (title or "").strip()
+    body = (text or "").strip()
+    return f"[{title}] {body}\n\n" if title else f"{body}\n\n"
+
+
+def question_text(question: str) -> str:
+    return f"Question: {question.strip()}\nAnswer:"
+
+
+@dataclass(frozen=True)
+class PromptBuilder:
+    """Tokenises prompt segments for one tokenizer and system prompt."""
+
+    tokenizer: Any
+    system_prompt: str = SYSTEM_PROMPT
+
+    @cached_property
+    def _template_parts(self) -> tuple[str, str]:
+        messages = [
+            {"role": "system", "content": self.system_prompt},
+            {"role": "user", "content": _CTX},
+        ]
+        if getattr(self.tokenizer, "chat_template", None):
+            rendered = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        else:  # base models: a plain-text layout
+            rendered = f"{self.system_prompt}\n\n{_CTX}\n"
+        head, tail = rendered.split(_CTX)
+        return head + "Passages:\n", tail
+
+    @cached_property
+    def system_ids(self) -> list[int]:
+        """Token ids of ``S``."""
+        return self.encode(self._template_parts[0])
+
+    @cached_property
+    def system_hash(self) -> str:
+        """Identifies ``S``: a chunk cache computed after another ``S`` must not be reused."""
+        return hashlib.sha256(repr(self.system_ids).encode()).hexdigest()[:16]
+
+    def chunk_ids(self, title: str, text: str) -> list[int]:
+        return self.encode(chunk_text(title, text))
+
+    def question_ids(self, question: str) -> list[int]:
+        return self.encode(question_text(question) + self._template_parts[1])
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))

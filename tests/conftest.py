@@ -1,0 +1,42 @@
+"""Shared fixtures: tiny random models (no downloads) and the bundled data location."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from fusionrag.models import wrap_model
+from fusionrag.models.tiny import byte_tokenizer, tiny_model
+
+SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+
+torch.set_grad_enabled(False)
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+@pytest.fixture(scope="session", params=["llama", "qwen2"])
+def tiny_lm(request):
+    """A tiny randomly initialised model of each family the tests must cover."""
+    return wrap_model(tiny_model(request.param, seed=1), byte_tokenizer(), name=f"tiny-{request.param}")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama():
+    return wrap_model(tiny_model("llama", seed=1), byte_tokenizer(), name="tiny-llama")
+
+
+@pytest.fixture
+def fusionrag_home(tmp_path, monkeypatch):
+    home = tmp_path / "home"
+    monkeypatch.setenv("FUSIONRAG_HOME", str(home))
+    return home
+
+
+def shared_data_file(rel: str) -> Path:
+    path = SHARED_DATA / rel
+    if not path.is_file():
+        pytest.skip(f"evaluation data not found at {path} (expected ../shared/data next to the repository)")
+    return path
