@@ -1,0 +1,91 @@
+"""Last-layer attention, recomputed from captured queries and cached keys.
+
+Query-guided selection (FusionRAG) and Cache-Craft scoring need attention weights that
+sdpa never materialises. Rather than switching the whole model to eager attention, we
+capture the last layer's query projection during the normal forward (a hook on
+``q_proj``), finish it exactly as the layer does (per-head norm for Qwen3, RoPE at the
+tokens' positions) and recompute ``softmax(q k^T / sqrt(d))`` against the keys we hold.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+from fusionrag.models.registry import LoadedModel
+
+
+@contextmanager
+def capture_last_layer_queries(lm: LoadedModel) -> Iterator[list[torch.Tensor]]:
+    """Collect the last layer's raw ``q_proj`` outputs (``[1, n, heads*head_dim]``) while inside."""
+    captured: list[torch.Tensor] = []
+    attn = lm.model.model.layers[-1].self_attn
+    handle = attn.q_proj.register_forward_hook(lambda _m, _i, out: captured.append(out.detach()))
+    try:
+        yield captured
+    finally:
+        handle.remove()
+
+
+def finish_queries(lm: LoadedModel, q_proj_out: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Raw ``q_proj`` output -> post-norm, post-RoPE queries ``[heads, n, head_dim]`` (fp32)."""
+    cfg = lm.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    q = q_proj_out.reshape(1, -1, cfg.num_attention_heads, head_dim)
+    attn = lm.model.model.layers[-1].self_attn
+    if getattr(attn, "q_norm", None) is not None:  # Qwen3 normalises each head before RoPE
+        q = attn.q_norm(q)
+    q = q.transpose(1, 2)  # [1, heads, n, d]
+    cos, sin = lm.model.model.rotary_emb(q, positions.reshape(1, -1))
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    half = head_dim // 2
+    rotated = torch.cat((-q[..., half:], q[..., :half]), dim=-1)
+    return (q * cos + rotated * sin)[0].float()
+
+
+def attention_probs(queries: torch.Tensor, keys: torch.Tensor, allowed: torch.Tensor, scale: float) -> torch.Tensor:
+    """Softmax attention ``[heads, n, T]`` of ``queries [heads, n, d]`` over ``keys [kv_heads, T, d]``.
+
+    ``allowed`` (``[n, T]`` booleans) marks visible keys; grouped-query heads share keys.
+    """
+    groups = queries.shape[0] // keys.shape[0]
+    k = keys.float().repeat_interleave(groups, dim=0)
+    scores = torch.matmul(queries, k.transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~allowed[None], torch.finfo(scores.dtype).min)
+    return torch.softmax(scores, dim=-1)
+
+
+def attention_scale(lm: LoadedModel) -> float:
+    cfg = lm.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return float(lm.model.model.layers[-1].self_attn.scaling) if hasattr(
+        lm.model.model.layers[-1].self_attn, "scaling") else head_dim ** -0.5
+
+
+def prefill_with_context_attention(
+    lm: LoadedModel, ids: torch.Tensor, past, context_start: int = 0
+):
+    """Prefill ``ids`` right after ``past`` and score each new token's attention to the context.
+
+    Returns the segment's KV and, per new token, the last layer's attention mass (summed
+    over heads) on past positions ``>= context_start`` (e.g. the neighbour chunks, not
+    ``S``). This is the simplified Cache-Craft signal: tokens that drew much from the
+    preceding chunks are the ones whose reused KV goes most stale in another context.
+    """
+    from fusionrag.engine.forward import prefill, visibility
+    from fusionrag.kvcache.kv import KV
+
+    with capture_last_layer_queries(lm) as captured:
+        kv, _ = prefill(lm, ids, past=past)
+    n = len(kv)
+    positions = torch.arange(kv.base_position, kv.base_position + n)
+    queries = finish_queries(lm, captured[-1], positions)
+    past_len = 0 if past is None else len(past)
+    keys = kv.keys[-1] if past is None else torch.cat([past.keys[-1].float(), kv.keys[-1]], dim=1)
+    past_positions = torch.arange(positions[0] - past_len, positions[0])
+    allowed = visibility(past_positions, None, positions)
+    probs = attention_probs(queries, keys, allowed, attention_scale(lm))  # [heads, n, past+n]
+    scores = probs[:, :, context_start:past_len].sum(dim=(0, 2))
+    return KV(kv.keys, kv.values, kv.base_position), scores
