@@ -116,3 +116,28 @@ def prefill(lm: LoadedModel, input_ids: torch.Tensor, past: KV | None = None, st
     res = forward(lm, input_ids, torch.arange(base, base + n), past, past_positions,
                   logits_to_keep=logits_to_keep)
     return KV(res.keys, res.values, base), res.logits
+
+
+def forward_first_layers(
+    lm: LoadedModel, input_ids: torch.Tensor, positions: torch.Tensor, past: KV | None, n_layers: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fresh KV of the first ``n_layers`` layers only (CacheBlend's cheap probe).
+
+    Runs the embedding and the first decoder layers by hand (the model's own modules, in
+    its own order), causal over ``past`` + the new tokens. Returns ``[n_layers, H, n, D]``.
+    """
+    body = lm.model.model
+    input_ids = torch.as_tensor(input_ids, dtype=torch.long).reshape(1, -1)
+    positions = torch.as_tensor(positions, dtype=torch.long).reshape(1, -1)
+    past_len = 0 if past is None else len(past)
+    cache = to_dynamic_cache(None if past is None else KV(past.keys[:n_layers], past.values[:n_layers],
+                                                          past.base_position))
+    past_positions = torch.arange(past_len) if past is None else torch.arange(
+        past.base_position, past.base_position + past_len)
+    mask = additive_mask(visibility(past_positions, None, positions[0]), lm.model.dtype)
+    hidden = body.embed_tokens(input_ids)
+    pos_emb = body.rotary_emb(hidden, position_ids=positions)
+    for layer in body.layers[:n_layers]:
+        hidden = layer(hidden, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True,
+                       position_embeddings=pos_emb)
+    return cache_tail(cache, input_ids.shape[1])

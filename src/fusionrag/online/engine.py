@@ -1,0 +1,273 @@
+"""The answer path: retrieve -> load reused KV -> select -> sparse recompute -> decode.
+
+``Engine`` is the Python API behind ``fusionrag ask``, the server and the benchmarks::
+
+    engine = Engine.open("kb/", model="qwen2.5-0.5b")
+    result = engine.answer("Who discovered polonium?", method="fusionrag", ratio=0.15)
+    print(result.text, result.ttft_ms)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from fusionrag.engine.generate import TextStreamer, greedy_tokens
+from fusionrag.errors import FusionRAGError
+from fusionrag.kvcache.kv import KV
+from fusionrag.online.policies import METHODS, SelectionInput, make_policy, select
+from fusionrag.online.prefill import Prefilled, assemble_context, chunk_kv_plain, prefill_full, prefill_reused
+from fusionrag.prompt import chunk_text
+
+DEFAULT_TOP_K = 5
+#: Which stored KV a method reuses unless ``kv=`` says otherwise. FusionRAG is query-guided
+#: selection on the fused (offline-preprocessed) caches; every baseline uses plain caches.
+DEFAULT_KV = {"fusionrag": "fused"}
+
+
+@dataclass
+class Answer:
+    text: str
+    token_ids: list[int]
+    method: str
+    kv: str
+    ratio: float
+    chunk_ids: list[int | None]  # None for request-supplied passages not in the store
+    context_tokens: int
+    recomputed_tokens: int
+    ttft_ms: dict[str, float]
+    first_logits: torch.Tensor = field(repr=False)
+    selected: torch.Tensor | None = field(default=None, repr=False)
+    spans: list[tuple[int, int]] = field(default_factory=list, repr=False)
+    passages: list[dict] = field(default_factory=list, repr=False)
+    fused_fallbacks: int = 0
+
+    def to_json(self) -> dict:
+        return {
+            "answer": self.text,
+            "method": self.method,
+            "kv": self.kv,
+            "ratio": self.ratio,
+            "chunk_ids": self.chunk_ids,
+            "context_tokens": self.context_tokens,
+            "recomputed_tokens": self.recomputed_tokens,
+            "generated_tokens": len(self.token_ids),
+            "ttft_ms": {k: round(v, 2) for k, v in self.ttft_ms.items()},
+            "fused_fallbacks": self.fused_fallbacks,
+        }
+
+
+@dataclass
+class Prepared:
+    """Everything up to the first token; decoding continues from ``pre``."""
+
+    pre: Prefilled
+    method: str
+    kv: str
+    ratio: float
+    chunk_ids: list[int | None]
+    passages: list[dict]
+    ttft_ms: dict[str, float]
+    fused_fallbacks: int
+
+
+def _ms(t0: float) -> float:
+    return (time.perf_counter() - t0) * 1000.0
+
+
+class Engine:
+    """Answers questions over a knowledge store with a chosen KV-reuse method."""
+
+    def __init__(self, store, adhoc_cache_entries: int = 4096) -> None:
+        self.store = store
+        self.lm = store.lm
+        self.prompt = store.prompt
+        self._system_kv: KV | None = None
+        self._adhoc: dict[str, KV] = {}  # KV of request-supplied passages, one replica per content
+        self._adhoc_limit = adhoc_cache_entries
+        self._lock = threading.RLock()  # the model runs one request at a time
+
+    @classmethod
+    def open(cls, store_dir: str | Path, model: str | None = None) -> Engine:
+        from fusionrag.retrieval.knowledge import KnowledgeStore
+
+        from fusionrag.models import load_model
+
+        path = Path(store_dir)
+        if not path.exists():
+            raise FusionRAGError(
+                f"no knowledge store at '{path}'; create one with 'fusionrag ingest FILES --store {path}'"
+            )
+        lm = load_model(model) if model else None
+        return cls(KnowledgeStore.open(path, lm=lm))
+
+    @property
+    def system_kv(self) -> KV:
+        if self._system_kv is None:
+            self._system_kv = self.store.system_kv().to(torch.float32)
+        return self._system_kv
+
+    # -- public API -------------------------------------------------------------------
+
+    def answer(
+        self,
+        question: str,
+        method: str = "fusionrag",
+        ratio: float = 0.15,
+        top_k: int | None = None,
+        chunks: Sequence[dict] | None = None,
+        max_new_tokens: int = 32,
+        kv: str | None = None,
+        **policy_options,
+    ) -> Answer:
+        """Answer ``question``; ``chunks`` (``{title, text}`` dicts, in order) bypasses retrieval."""
+        with self._lock:
+            prep = self.prepare(question, method, ratio, top_k, chunks, kv, **policy_options)
+            ids = list(greedy_tokens(self.lm, prep.pre.kv, prep.pre.last_logits, max_new_tokens))
+        return self._result(prep, ids)
+
+    def stream(self, question: str, max_new_tokens: int = 32, **kwargs) -> Iterator[str]:
+        """Yield the answer as text deltas (the first one as soon as the first token exists)."""
+        with self._lock:
+            prep = self.prepare(question, **kwargs)
+            streamer = TextStreamer(self.lm.tokenizer)
+            for tok in greedy_tokens(self.lm, prep.pre.kv, prep.pre.last_logits, max_new_tokens):
+                delta = streamer.push(tok)
+                if delta:
+                    yield delta
+
+    def prepare(
+        self,
+        question: str,
+        method: str = "fusionrag",
+        ratio: float = 0.15,
+        top_k: int | None = None,
+        chunks: Sequence[dict] | None = None,
+        kv: str | None = None,
+        **policy_options,
+    ) -> Prepared:
+        """Everything up to the first answer token, with the TTFT breakdown."""
+        question = (question or "").strip()
+        if not question:
+            raise FusionRAGError("the question is empty")
+        if method not in METHODS:
+            raise FusionRAGError(f"unknown method '{method}'; choose one of: {', '.join(METHODS)}")
+        if not 0.0 <= float(ratio) <= 1.0:
+            raise FusionRAGError(f"ratio must be within [0, 1], got {ratio}")
+        kv_kind = kv or DEFAULT_KV.get(method, "plain")
+        if kv_kind not in ("plain", "fused"):
+            raise FusionRAGError(f"kv must be 'plain' or 'fused', got {kv_kind!r}")
+        t_start = time.perf_counter()
+        timings: dict[str, float] = {}
+
+        t0 = time.perf_counter()
+        chunk_ids, passages = self._retrieve(question, top_k, chunks)
+        timings["retrieve"] = _ms(t0)
+        token_ids = [self._token_ids(cid, p) for cid, p in zip(chunk_ids, passages, strict=True)]
+        question_ids = self.prompt.question_ids(question)
+
+        fallbacks = 0
+        if method == "full":
+            timings["load"] = timings["select"] = 0.0
+            pre = prefill_full(self.lm, self.prompt.system_ids, token_ids, question_ids)
+            timings["recompute"] = pre.timings_ms["recompute"]
+            ratio = 1.0
+        else:
+            t0 = time.perf_counter()
+            kvs, fallbacks = self._load_kvs(chunk_ids, passages, token_ids, kv_kind)
+            ctx, ctx_ids, spans = assemble_context(self.lm, self.system_kv, kvs, self.prompt.system_ids, token_ids)
+            timings["load"] = _ms(t0)
+            t0 = time.perf_counter()
+            if method == "reuse":
+                idx, ratio = None, 0.0
+            else:
+                scores = None
+                if method == "cachecraft":
+                    scores = [self.store.load_scores(c) if c is not None else None for c in chunk_ids]
+                inp = SelectionInput(self.lm, ctx, ctx_ids, spans, torch.tensor(question_ids),
+                                     chunk_scores=scores or [])
+                idx = select(make_policy(method, **policy_options), inp, float(ratio))
+            timings["select"] = _ms(t0)
+            pre = prefill_reused(self.lm, ctx, ctx_ids, spans, question_ids, idx)
+            timings["recompute"] = pre.timings_ms["recompute"]
+        t0 = time.perf_counter()
+        int(torch.argmax(pre.last_logits))  # the first token itself (part of TTFT)
+        timings["first_token"] = _ms(t0)
+        timings["total"] = _ms(t_start)
+        return Prepared(pre, method, kv_kind if method != "full" else "none", float(ratio), chunk_ids, passages,
+                        timings, fallbacks)
+
+    # -- internals --------------------------------------------------------------------
+
+    def _result(self, prep: Prepared, ids: list[int]) -> Answer:
+        return Answer(
+            text=self.lm.tokenizer.decode(ids, skip_special_tokens=True).strip(),
+            token_ids=ids,
+            method=prep.method,
+            kv=prep.kv,
+            ratio=prep.ratio,
+            chunk_ids=prep.chunk_ids,
+            context_tokens=prep.pre.context_tokens,
+            recomputed_tokens=prep.pre.recomputed,
+            ttft_ms=prep.ttft_ms,
+            first_logits=prep.pre.last_logits,
+            selected=prep.pre.selected,
+            spans=prep.pre.spans,
+            passages=prep.passages,
+            fused_fallbacks=prep.fused_fallbacks,
+        )
+
+    def _retrieve(self, question: str, top_k: int | None, chunks: Sequence[dict] | None):
+        if chunks is not None:
+            if not chunks:
+                raise FusionRAGError("chunks= was given but is empty")
+            passages = [{"title": c.get("title", ""), "text": c["text"]} for c in chunks]
+            ids = [self.store.find_by_hash(_content_hash(p)) for p in passages]
+            return ids, passages
+        if not self.store.chunk_ids():
+            raise FusionRAGError("the knowledge store is empty; add documents with 'fusionrag ingest'")
+        ids = self.store.search(question, top_k or DEFAULT_TOP_K)
+        passages = []
+        for cid in ids:
+            rec = self.store.chunk(cid)
+            passages.append({"title": rec.title, "text": rec.text})
+        return list(ids), passages
+
+    def _token_ids(self, chunk_id: int | None, passage: dict) -> list[int]:
+        if chunk_id is not None:
+            return list(self.store.chunk(chunk_id).token_ids)
+        return self.prompt.chunk_ids(passage["title"], passage["text"])
+
+    def _load_kvs(self, chunk_ids, passages, token_ids, kind: str) -> tuple[list[KV], int]:
+        kvs, fallbacks = [], 0
+        for cid, passage, ids in zip(chunk_ids, passages, token_ids, strict=True):
+            if cid is not None and self.store.has_kv(cid, kind):
+                kvs.append(self.store.load_kv(cid, kind))
+                continue
+            if cid is not None and self.store.has_kv(cid, "plain"):
+                kvs.append(self.store.load_kv(cid, "plain"))
+            else:
+                kvs.append(self._adhoc_kv(passage, ids))
+            fallbacks += kind == "fused"
+        return kvs, fallbacks
+
+    def _adhoc_kv(self, passage: dict, ids: list[int]) -> KV:
+        """Plain KV of a passage the store does not hold, computed once (alternative path: ``S + chunk``)."""
+        key = _content_hash(passage)
+        kv = self._adhoc.get(key)
+        if kv is None:
+            kv = chunk_kv_plain(self.lm, self.system_kv, ids)
+            if len(self._adhoc) >= self._adhoc_limit:
+                self._adhoc.pop(next(iter(self._adhoc)))
+            self._adhoc[key] = kv
+        return kv
+
+
+def _content_hash(passage: dict) -> str:
+    return hashlib.sha256(chunk_text(passage.get("title", ""), passage["text"]).encode("utf-8")).hexdigest()
