@@ -1,9 +1,14 @@
-"""Sub-commands added by the knowledge-base, online, evaluation and serving layers."""
+"""Sub-commands contributed by the layers (knowledge base, online, evaluation, serving)."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
+
+# Each module exposes ``register(subparsers)``; imported lazily-cheap (no torch at import).
+_COMMAND_MODULES = ["fusionrag.online.cli"]
 
 
 def register_commands(sub: argparse._SubParsersAction) -> None:
-    return None
+    for name in _COMMAND_MODULES:
+        importlib.import_module(name).register(sub)

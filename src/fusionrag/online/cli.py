@@ -1,0 +1,61 @@
+"""``fusionrag ask``: one question against a knowledge store."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from fusionrag.online.policies import METHODS
+
+
+def _cmd_ask(args: argparse.Namespace) -> int:
+    from fusionrag.online.engine import Engine
+
+    engine = Engine.open(args.store, model=args.model)
+    options = {"softmax": args.softmax} if args.softmax and args.method in ("fusionrag", "query") else {}
+    if args.stream and not (args.json or args.explain):
+        for delta in engine.stream(args.question, max_new_tokens=args.max_new_tokens, method=args.method,
+                                   ratio=args.ratio, top_k=args.top_k, kv=args.kv, **options):
+            sys.stdout.write(delta)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+        return 0
+    result = engine.answer(args.question, method=args.method, ratio=args.ratio, top_k=args.top_k,
+                           max_new_tokens=args.max_new_tokens, kv=args.kv, **options)
+    if args.explain:
+        from fusionrag.online.explain import render_explain_html, write_explain
+
+        token_ids = [engine._token_ids(c, p) for c, p in zip(result.chunk_ids, result.passages, strict=True)]
+        write_explain(args.explain, render_explain_html(result, args.question, engine.lm.tokenizer, token_ids))
+    if args.json:
+        print(json.dumps({"question": args.question, **result.to_json()}))
+    else:
+        t = result.ttft_ms
+        print(result.text)
+        print(
+            f"[{result.method} on {result.kv} KV, ratio {result.ratio:.2f}: {result.recomputed_tokens}/"
+            f"{result.context_tokens} context tokens recomputed; TTFT {t['total']:.0f} ms = retrieve "
+            f"{t['retrieve']:.0f} + load {t['load']:.0f} + select {t['select']:.0f} + recompute "
+            f"{t['recompute']:.0f} + first token {t['first_token']:.0f}]",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("ask", help="answer a question over a knowledge store")
+    p.add_argument("question")
+    p.add_argument("--store", required=True, help="knowledge store folder (from 'fusionrag ingest')")
+    p.add_argument("--model", default=None, help="model (default: the one the store was built with)")
+    p.add_argument("--method", default="fusionrag", choices=METHODS)
+    p.add_argument("--ratio", type=float, default=0.15, help="fraction of context tokens to recompute")
+    p.add_argument("--top-k", type=int, default=None, help="chunks to retrieve (default 5)")
+    p.add_argument("--kv", choices=["plain", "fused"], default=None,
+                   help="which stored KV to reuse (default: fused for fusionrag, plain otherwise)")
+    p.add_argument("--softmax", choices=["per_chunk", "global"], default=None, help="query-guided scoring")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--stream", action="store_true", help="print tokens as they are generated")
+    p.add_argument("--explain", metavar="FILE.html", help="write a page showing which tokens were recomputed")
+    p.set_defaults(func=_cmd_ask)
