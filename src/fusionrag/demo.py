@@ -1,59 +1,59 @@
-"""``fusionrag demo``: the bundled sample answered by several methods, side by side with TTFT."""
+"""``fusionrag demo``: the whole pipeline on the bundled sample.
+
+Ingest the sample passages into a knowledge store (plain chunk KV), run the offline
+similarity-guided preprocessing (fused KV), then answer each sample question with Full
+Attention, Full Reuse and FusionRAG at 15% recompute, printing the answers, their TTFTs
+and the speed-up over Full Attention, all measured in this run.
+"""
 
 from __future__ import annotations
 
 import time
 
-import torch
 from rich.console import Console
 from rich.table import Table
 
-from fusionrag.engine.forward import prefill
-from fusionrag.engine.generate import greedy_tokens
 from fusionrag.models import load_model
-from fusionrag.online.prefill import Prefilled, assemble_context, chunk_kv_plain, prefill_full, prefill_reused
-from fusionrag.prompt import PromptBuilder
+from fusionrag.paths import fusionrag_home
 from fusionrag.sample import load_sample
 
-
-def _answer(lm, pre: Prefilled, max_new_tokens: int) -> str:
-    ids = list(greedy_tokens(lm, pre.kv, pre.last_logits, max_new_tokens))
-    return lm.tokenizer.decode(ids, skip_special_tokens=True).strip()
+METHODS = (("full", 1.0, "Full Attention"), ("reuse", 0.0, "Full Reuse"), ("fusionrag", 0.15, "FusionRAG 15%"))
 
 
-def run_demo(model: str, max_new_tokens: int = 24, limit: int | None = None) -> None:
+def run_demo(model: str, max_new_tokens: int = 24, limit: int | None = None, top_k: int = 4,
+             top_n: int = 3) -> list[dict]:
+    from fusionrag.online.engine import Engine
+    from fusionrag.retrieval.knowledge import KnowledgeStore
+
     console = Console()
     with console.status(f"loading {model}"):
         lm = load_model(model)
-    pb = PromptBuilder(lm.tokenizer)
     examples = load_sample()[:limit]
+    path = fusionrag_home() / "demo" / lm.fingerprint.replace(":", "_")
     t0 = time.perf_counter()
-    system_kv, _ = prefill(lm, torch.tensor(pb.system_ids))
-    cache: dict[tuple[int, ...], object] = {}
-    for ex in examples:
-        for p in ex["passages"]:
-            ids = tuple(pb.chunk_ids(p["title"], p["text"]))
-            if ids not in cache:
-                cache[ids] = chunk_kv_plain(lm, system_kv, ids)
-    console.print(f"offline: {len(cache)} chunk caches computed in {time.perf_counter() - t0:.1f} s (not in TTFT)")
+    store = KnowledgeStore.open(path, lm=lm) if (path / "store.sqlite").exists() else KnowledgeStore.create(path, lm)
+    passages = {(p["title"], p["text"]): p for ex in examples for p in ex["passages"]}
+    store.add_passages(list(passages.values()), doc="sample")
+    store.preprocess(top_n=top_n, progress=True)
+    console.print(f"offline: {len(passages)} passages ingested and preprocessed (top-{top_n} neighbours) in "
+                  f"{time.perf_counter() - t0:.1f} s; store at {path}")
 
-    table = Table(title=f"fusionrag demo on {lm.name}", show_lines=True)
-    for col in ("question", "gold", "Full Attention", "TTFT", "Full Reuse", "TTFT", "speed-up"):
-        table.add_column(col)
+    engine = Engine(store)
+    engine.answer(examples[0]["question"], method="reuse", top_k=top_k, max_new_tokens=1)  # warm-up
+    table = Table(title=f"fusionrag demo on {lm.name} (top-{top_k} retrieval)", show_lines=False)
+    for col, style in (("question / method", None), ("answer", "bold"), ("TTFT", None), ("speed-up", None)):
+        table.add_column(col, style=style, overflow="fold")
+    results = []
     for ex in examples:
-        chunks = [pb.chunk_ids(p["title"], p["text"]) for p in ex["passages"]]
-        question = pb.question_ids(ex["question"])
-        t = time.perf_counter()
-        full = prefill_full(lm, pb.system_ids, chunks, question)
-        ttft_full = time.perf_counter() - t
-        t = time.perf_counter()
-        ctx, ids, spans = assemble_context(lm, system_kv, [cache[tuple(c)] for c in chunks], pb.system_ids, chunks)
-        reuse = prefill_reused(lm, ctx, ids, spans, question)
-        ttft_reuse = time.perf_counter() - t
-        table.add_row(
-            ex["question"], ex["answers"][0],
-            _answer(lm, full, max_new_tokens), f"{ttft_full * 1000:.0f} ms",
-            _answer(lm, reuse, max_new_tokens), f"{ttft_reuse * 1000:.0f} ms",
-            f"{ttft_full / ttft_reuse:.1f}x",
-        )
+        table.add_row(f"[cyan]{ex['question']}[/] (gold: {ex['answers'][0]})", "", "", "")
+        full_ttft = None
+        for method, ratio, label in METHODS:
+            ans = engine.answer(ex["question"], method=method, ratio=ratio, top_k=top_k,
+                                max_new_tokens=max_new_tokens)
+            ttft = ans.ttft_ms["total"]
+            full_ttft = full_ttft or ttft
+            table.add_row(f"  {label}", ans.text, f"{ttft:.0f} ms", f"{full_ttft / ttft:.1f}x")
+            results.append({"question": ex["question"], "method": method, "answer": ans.text, "ttft_ms": ttft})
+        table.add_section()
     console.print(table)
+    return results

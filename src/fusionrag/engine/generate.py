@@ -54,3 +54,9 @@ class TextStreamer:
             return ""
         delta, self.emitted = text[len(self.emitted):], text
         return delta
+
+    def flush(self) -> str:
+        """Whatever is still held back at the end of generation (even an invalid byte sequence)."""
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        delta, self.emitted = text[len(self.emitted):], text
+        return delta

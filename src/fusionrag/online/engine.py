@@ -141,6 +141,9 @@ class Engine:
                 delta = streamer.push(tok)
                 if delta:
                     yield delta
+            tail = streamer.flush()
+            if tail:
+                yield tail
 
     def prepare(
         self,

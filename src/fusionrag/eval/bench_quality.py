@@ -1,0 +1,288 @@
+"""``fusionrag bench quality``: methods x ratios on real QA data, side by side, resumable.
+
+For each data file: the knowledge base is the union of the passages of the questions in
+the run (so a chunk's neighbours may come from other questions, as in the paper); each
+question's own passages, in file order, are its retrieved chunks (passed explicitly, no
+retrieval). Every method sees the same token ids. Per-question records are appended to
+``records.jsonl`` as they finish, so an interrupted run resumes where it stopped; Full
+Attention outputs (answer + first-token logits) are cached under ``cache/full`` and
+reused across runs, ablations and methods.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from tqdm.auto import tqdm
+
+from fusionrag.errors import FusionRAGError
+from fusionrag.eval import metrics
+from fusionrag.eval.datasets import QAExample, knowledge_base, load_questions
+
+POLICY_METHODS = ("cacheblend", "cachecraft", "epic", "random")
+DEFAULT_METHODS = ("full", "reuse", "cacheblend", "cachecraft", "epic", "query", "fusionrag")
+DEFAULT_RATIOS = (0.0, 0.05, 0.1, 0.15, 0.3)
+
+
+@dataclass
+class QualitySpec:
+    data: list[Path]
+    out: Path
+    model: str = "qwen2.5-0.5b"
+    limit: int | None = 50
+    methods: Sequence[str] = DEFAULT_METHODS
+    ratios: Sequence[float] = DEFAULT_RATIOS
+    kv: str = "default"  # default | both: run the baseline policies on fused KV as well (Figure 16)
+    top_n: Sequence[int] = (10,)
+    max_new_tokens: int = 24
+    max_passage_words: int | None = None
+    seed: int = 0
+    cache_dir: Path | None = None
+    command: str | None = None
+    progress: bool = True
+    extra_meta: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Run:
+    """One cell of the matrix: a selection method, the KV it reuses, a ratio, the offline top-n."""
+
+    method: str
+    kv: str
+    ratio: float
+    top_n: int
+
+    @property
+    def key(self) -> str:
+        return f"{self.method}|{self.kv}|{self.ratio:g}|{self.top_n}"
+
+
+def plan_runs(spec: QualitySpec) -> list[Run]:
+    """The matrix, without duplicates: ratio-independent methods once, ratio 0 = Full Reuse."""
+    runs: list[Run] = []
+    top_ns = list(spec.top_n)
+    main_n = top_ns[-1] if len(top_ns) == 1 else (10 if 10 in top_ns else top_ns[0])
+    ratios = [r for r in spec.ratios if 0.0 < r < 1.0]
+    for m in spec.methods:
+        if m == "full":
+            runs.append(Run("full", "none", 1.0, 0))
+        elif m == "reuse":
+            runs.append(Run("reuse", "plain", 0.0, 0))
+            runs.extend(Run("reuse", "fused", 0.0, n) for n in top_ns)
+        elif m == "fusionrag":
+            runs.extend(Run("fusionrag", "fused", r, n) for n in top_ns for r in ratios)
+        elif m == "query":
+            runs.extend(Run("query", "plain", r, 0) for r in ratios)
+        elif m in POLICY_METHODS:
+            runs.extend(Run(m, "plain", r, 0 if m != "cachecraft" else main_n) for r in ratios)
+            if spec.kv == "both":
+                runs.extend(Run(m, "fused", r, main_n) for r in ratios)
+        else:
+            raise FusionRAGError(f"unknown method '{m}' for bench quality")
+    seen, unique = set(), []
+    for r in runs:
+        if r.key not in seen:
+            seen.add(r.key)
+            unique.append(r)
+    return unique
+
+
+class FullCache:
+    """Full Attention answer + first-token logits per (model, dataset, question), on disk (safetensors)."""
+
+    def __init__(self, root: Path, model: str) -> None:
+        self.root = root / "full" / model.replace("/", "_")
+
+    def _path(self, dataset: str, qid: str, max_new_tokens: int) -> Path:
+        safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in qid)
+        return self.root / dataset / f"{safe}.t{max_new_tokens}.safetensors"
+
+    def get(self, dataset: str, qid: str, max_new_tokens: int) -> tuple[str, torch.Tensor, dict] | None:
+        p = self._path(dataset, qid, max_new_tokens)
+        if not p.is_file():
+            return None
+        from safetensors import safe_open
+
+        with safe_open(str(p), "pt") as f:
+            meta = f.metadata() or {}
+        return meta.get("answer", ""), load_file(str(p))["first_logits"], json.loads(meta.get("info", "{}"))
+
+    def put(self, dataset: str, qid: str, max_new_tokens: int, answer: str, logits: torch.Tensor, info: dict) -> None:
+        p = self._path(dataset, qid, max_new_tokens)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        tmp = p.with_suffix(".tmp")
+        save_file(
+            {"first_logits": logits.float().contiguous()},
+            str(tmp),
+            metadata={"answer": answer, "info": json.dumps(info)},
+        )
+        os.replace(tmp, p)
+
+
+def _records(path: Path) -> dict[tuple[str, str, str], dict]:
+    done: dict[tuple[str, str, str], dict] = {}
+    if path.is_file():
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                try:
+                    r = json.loads(line)
+                except ValueError:
+                    continue  # a line cut by an interruption: that cell is simply redone
+                done[(r["dataset"], r["qid"], r["run"])] = r
+    return done
+
+
+def _open_store(spec: QualitySpec, dataset: str, examples: list[QAExample], top_n: int, lm):
+    from fusionrag.retrieval.knowledge import KnowledgeStore
+
+    path = spec.out / "stores" / f"{dataset}-n{spec.limit}-top{top_n}"
+    store = (
+        KnowledgeStore.open(path, lm=lm)
+        if (path / "store.sqlite").exists()
+        else KnowledgeStore.create(path, lm, chunk_tokens=100_000, kv_dtype="float16")
+    )
+    passages = [{"title": p.title, "text": p.text} for p in knowledge_base(examples)]
+    store.add_passages(passages, doc=dataset)
+    if top_n > 0:
+        store.preprocess(top_n=top_n, progress=spec.progress)
+    return store
+
+
+def run_quality(spec: QualitySpec) -> list[dict]:
+    """Run the matrix, append per-question records, aggregate and write the report."""
+    from fusionrag.eval.report import write_quality_report
+    from fusionrag.models import load_model
+    from fusionrag.online.engine import Engine
+
+    spec.out.mkdir(parents=True, exist_ok=True)
+    rec_path = spec.out / "records.jsonl"
+    done = _records(rec_path)
+    runs = plan_runs(spec)
+    lm = load_model(spec.model)
+    full_cache = FullCache(spec.cache_dir or spec.out / "cache", lm.name)
+    t_start = time.process_time()
+    wall_start = time.perf_counter()
+    for data_file in spec.data:
+        examples = load_questions(data_file, spec.limit, seed=spec.seed, max_passage_words=spec.max_passage_words)
+        if not examples:
+            raise FusionRAGError(f"{data_file}: no questions")
+        dataset = examples[0].dataset
+        engines = {}
+        for n in sorted({r.top_n for r in runs if r.kv == "fused" or r.method == "cachecraft"} | {0}):
+            engines[n] = Engine(_open_store(spec, dataset, examples, n, lm))
+        todo = [(ex, run) for ex in examples for run in runs if (dataset, ex.id, run.key) not in done]
+        print(
+            f"[bench quality] {dataset}: {len(examples)} questions x {len(runs)} runs; "
+            f"{len(todo)} cells to compute ({len(examples) * len(runs) - len(todo)} already done)"
+        )
+        bar = tqdm(todo, desc=f"bench {dataset}", unit="cell", disable=not spec.progress)
+        estimated = False
+        with open(rec_path, "a", encoding="utf-8") as out:
+            for ex, run in bar:
+                rec = _run_cell(engines, full_cache, spec, dataset, ex, run)
+                out.write(json.dumps(rec) + "\n")
+                out.flush()
+                done[(dataset, ex.id, run.key)] = rec
+                if not estimated and bar.n >= min(len(runs), len(todo)) - 1 and bar.n > 0:
+                    per_cell = (time.perf_counter() - wall_start) / (bar.n + 1)
+                    print(f"[bench quality] estimated {per_cell * len(todo) / 60:.1f} min wall for {dataset}")
+                    estimated = True
+    rows = aggregate([r for r in done.values() if r["dataset"] in _datasets_of(spec)])
+    cpu, wall = time.process_time() - t_start, time.perf_counter() - wall_start
+    print(f"[bench quality] actual: CPU time {cpu:.0f} s, wall {wall:.0f} s")
+    write_quality_report(
+        rows,
+        spec.out,
+        command=spec.command,
+        model=lm.name,
+        data_files=spec.data,
+        meta={
+            "runs": [r.key for r in runs],
+            "limit": spec.limit,
+            "max_new_tokens": spec.max_new_tokens,
+            **spec.extra_meta,
+        },
+    )
+    return rows
+
+
+def _datasets_of(spec: QualitySpec) -> set[str]:
+    from fusionrag.eval.datasets import infer_dataset_name
+
+    return {infer_dataset_name(p) for p in spec.data}
+
+
+def _run_cell(engines, full_cache: FullCache, spec: QualitySpec, dataset: str, ex: QAExample, run: Run) -> dict:
+    chunks = [{"title": p.title, "text": p.text} for p in ex.passages]
+    engine = engines[run.top_n] if run.top_n in engines else engines[0]
+    cached = full_cache.get(dataset, ex.id, spec.max_new_tokens)
+    if cached is None or run.method == "full":
+        full = engine.answer(ex.question, method="full", chunks=chunks, max_new_tokens=spec.max_new_tokens)
+        info = {"ttft_ms": full.ttft_ms, "context_tokens": full.context_tokens}
+        full_cache.put(dataset, ex.id, spec.max_new_tokens, full.text, full.first_logits, info)
+        cached = (full.text, full.first_logits, info)
+        if run.method == "full":
+            res = full
+    full_text, full_logits, _ = cached
+    if run.method != "full":
+        res = engine.answer(
+            ex.question,
+            method=run.method,
+            ratio=run.ratio,
+            chunks=chunks,
+            kv=run.kv,
+            max_new_tokens=spec.max_new_tokens,
+        )
+    scores = metrics.answer_scores(res.text, ex.answers)
+    return {
+        "dataset": dataset,
+        "qid": ex.id,
+        "run": run.key,
+        "method": run.method,
+        "kv": run.kv,
+        "ratio": run.ratio,
+        "top_n": run.top_n,
+        "answer": res.text,
+        "full_answer": full_text,
+        **scores,
+        "agree_f1": metrics.agreement_f1(res.text, full_text),
+        "kl_first": float(metrics.kl_first_token(full_logits, res.first_logits)),
+        "top1_agree": float(metrics.top1_agree(full_logits, res.first_logits)),
+        "ctx_tokens": res.context_tokens,
+        "recomputed_tokens": res.recomputed_tokens,
+        "ttft_ms": res.ttft_ms.get("total"),
+        "fused_fallbacks": res.fused_fallbacks,
+    }
+
+
+def aggregate(records: Iterable[dict]) -> list[dict]:
+    """Per (dataset, method, kv, ratio, top_n): means with bootstrap CIs and normalised scores."""
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for r in records:
+        groups[(r["dataset"], r["method"], r["kv"], r["ratio"], r.get("top_n", 0))].append(r)
+    rows = []
+    for (dataset, method, kv, ratio, top_n), recs in sorted(groups.items(), key=lambda kv_: str(kv_[0])):
+        row = {"dataset": dataset, "method": method, "kv": kv, "ratio": ratio, "top_n": top_n, "n": len(recs)}
+        for m in ("f1", "em", "contains", "agree_f1", "kl_first", "top1_agree"):
+            mean, lo, hi = metrics.bootstrap_ci([r.get(m) for r in recs])
+            row[m], row[f"{m}_ci"] = mean, [lo, hi]
+        row["ctx_tokens"] = statistics.fmean(r["ctx_tokens"] for r in recs)
+        row["recomputed_tokens"] = statistics.fmean(r["recomputed_tokens"] for r in recs)
+        row["ttft_ms_median"] = statistics.median(r["ttft_ms"] for r in recs if r.get("ttft_ms") is not None)
+        rows.append(row)
+    # normalisation against Full Attention and plain Full Reuse of the same dataset
+    by = {(r["dataset"], r["method"], r["kv"]): r for r in rows if r["method"] in ("full", "reuse")}
+    for row in rows:
+        full, reuse = by.get((row["dataset"], "full", "none")), by.get((row["dataset"], "reuse", "plain"))
+        row["norm_f1"] = metrics.normalised_score(row["f1"], reuse and reuse["f1"], full and full["f1"])
+        row["norm_agree"] = metrics.normalised_agreement(row["agree_f1"], reuse and reuse["agree_f1"])
+    return rows

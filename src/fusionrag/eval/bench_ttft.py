@@ -1,0 +1,165 @@
+"""``fusionrag bench ttft``: TTFT vs context length per method, with its breakdown.
+
+Contexts of the requested token counts are built from real passages of a data file;
+the question is the file's first. Every method answers the same prompt in the same run,
+and the speed-up over Full Attention is computed within the run. Two KV tiers:
+``memory`` (chunk KVs already in RAM) and ``disk`` (read from the store for every
+request, with the files dropped from the OS page cache first, i.e. a cold read).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from fusionrag.errors import FusionRAGError
+
+
+@dataclass
+class TTFTSpec:
+    data: Path
+    out: Path
+    model: str = "qwen2.5-0.5b"
+    context_tokens: Sequence[int] = (1024, 2048, 4096, 8192)
+    ratios: Sequence[float] = (0.0, 0.15)
+    methods: Sequence[str] = ("full", "fusionrag", "cacheblend")
+    tiers: Sequence[str] = ("memory", "disk")
+    repeats: int = 3
+    top_n: int = 2
+    command: str | None = None
+
+
+class MemoryTier:
+    """A store view whose chunk KVs were read into RAM beforehand (the hot tier)."""
+
+    def __init__(self, store, chunk_ids: Sequence[int]) -> None:
+        self._store = store
+        self._kv = {(c, k): store.load_kv(c, k) for c in chunk_ids for k in ("plain", "fused") if store.has_kv(c, k)}
+
+    def load_kv(self, chunk_id: int, kind: str = "fused"):
+        return self._kv[(chunk_id, kind)]
+
+    def __getattr__(self, name):
+        return getattr(self._store, name)
+
+
+class ColdDiskTier:
+    """A store view that evicts each KV file from the page cache before reading it (cold disk read)."""
+
+    def __init__(self, store) -> None:
+        self._store = store
+
+    def load_kv(self, chunk_id: int, kind: str = "fused"):
+        path = self._store.kv.path(chunk_id, kind)
+        if path.is_file() and hasattr(os, "posix_fadvise"):
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+        return self._store.load_kv(chunk_id, kind)
+
+    def __getattr__(self, name):
+        return getattr(self._store, name)
+
+
+def _contexts(store, lengths: Sequence[int]) -> dict[int, list[int]]:
+    """For each target length, the first chunks of the store whose tokens add up to about it."""
+    ids = store.chunk_ids()
+    out = {}
+    for target in lengths:
+        chosen, total = [], 0
+        for cid in ids:
+            if total >= target:
+                break
+            chosen.append(cid)
+            total += store.chunk(cid).n_tokens
+        if total < target * 0.9:
+            raise FusionRAGError(f"not enough passages for a {target}-token context (have {total} tokens)")
+        out[target] = chosen
+    return out
+
+
+def run_ttft(spec: TTFTSpec) -> list[dict]:
+    from fusionrag.retrieval.knowledge import KnowledgeStore
+
+    from fusionrag.eval.datasets import load_questions
+    from fusionrag.eval.report import write_ttft_report
+    from fusionrag.models import load_model
+    from fusionrag.online.engine import Engine
+
+    lm = load_model(spec.model)
+    examples = load_questions(spec.data)
+    question = examples[0].question
+    path = spec.out / "store"
+    store = (
+        KnowledgeStore.open(path, lm=lm)
+        if (path / "store.sqlite").exists()
+        else KnowledgeStore.create(path, lm, chunk_tokens=512, kv_dtype="float16")
+    )
+    need = max(spec.context_tokens)
+    passages, total = [], 0
+    for ex in examples:
+        for p in ex.passages:
+            passages.append({"title": p.title, "text": p.text})
+            total += len(p.text.split()) * 1.3
+        if total > need * 1.2:
+            break
+    store.add_passages(passages, doc="ttft")
+    contexts = _contexts(store, spec.context_tokens)
+    if spec.top_n > 0:
+        used = sorted({c for ids in contexts.values() for c in ids})
+        store.preprocess(top_n=spec.top_n, chunk_ids=used)
+    plan = [("full", 1.0)] + [
+        (m, r) for m in spec.methods if m != "full" for r in spec.ratios if not (m != "fusionrag" and r == 0.0)
+    ]
+    rows = []
+    cells = [
+        (n, tier, m, r)
+        for n in spec.context_tokens
+        for tier in spec.tiers
+        for m, r in plan
+        if not (m == "full" and tier == "disk")
+    ]
+    for n, tier, method, ratio in tqdm(cells, desc="bench ttft", unit="cell"):
+        ids = contexts[n]
+        view = MemoryTier(store, ids) if tier == "memory" else ColdDiskTier(store)
+        engine = Engine(view)
+        chunks = [{"title": store.chunk(c).title, "text": store.chunk(c).text} for c in ids]
+        engine.prepare(question, method=method, ratio=ratio, chunks=chunks[:1])  # warm-up (allocator, threads)
+        samples = [engine.prepare(question, method=method, ratio=ratio, chunks=chunks) for _ in range(spec.repeats)]
+        t = {k: statistics.median(s.ttft_ms[k] for s in samples) for k in samples[0].ttft_ms}
+        pre = samples[0].pre
+        rows.append(
+            {
+                "method": method,
+                "ratio": ratio,
+                "kv": samples[0].kv,
+                "context_tokens": pre.context_tokens + len(store.prompt.system_ids),
+                "tier": tier,
+                "ttft_ms": t["total"],
+                "load_ms": t["load"],
+                "select_ms": t["select"],
+                "recompute_ms": t["recompute"],
+                "first_token_ms": t["first_token"],
+                "retrieve_ms": t["retrieve"],
+                "recomputed_tokens": pre.recomputed,
+                "target_tokens": n,
+            }
+        )
+    for row in rows:
+        full = next(r for r in rows if r["method"] == "full" and r["target_tokens"] == row["target_tokens"])
+        row["speedup_vs_full"] = full["ttft_ms"] / row["ttft_ms"]
+    write_ttft_report(
+        rows,
+        spec.out,
+        command=spec.command,
+        model=lm.name,
+        meta={"data_file": str(spec.data), "question": question, "repeats": spec.repeats, "top_n": spec.top_n},
+    )
+    return rows

@@ -1,0 +1,110 @@
+"""``fusionrag bench quality|ttft``: the evaluation harness on the command line."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+
+from fusionrag.models.registry import DEFAULT_MODEL
+
+
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x.strip()]
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def _names(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def _command() -> str:
+    return shlex.join(["fusionrag", *sys.argv[1:]])
+
+
+def _cmd_quality(args: argparse.Namespace) -> int:
+    from fusionrag.errors import FusionRAGError
+    from fusionrag.eval.bench_quality import QualitySpec, run_quality
+
+    for r in args.ratios:
+        if not 0.0 <= r <= 1.0:
+            raise FusionRAGError(f"ratios must be within [0, 1], got {r}")
+    spec = QualitySpec(
+        data=[Path(p) for p in args.data],
+        out=Path(args.out),
+        model=args.model,
+        limit=args.limit,
+        methods=args.methods,
+        ratios=args.ratios,
+        kv=args.kv,
+        top_n=args.top_n,
+        max_new_tokens=args.max_new_tokens,
+        max_passage_words=args.max_passage_words,
+        seed=args.seed,
+        cache_dir=Path(args.cache_dir) if args.cache_dir else None,
+        command=_command(),
+    )
+    run_quality(spec)
+    print(f"[bench quality] wrote {spec.out}/results.json, results.md and plots")
+    return 0
+
+
+def _cmd_ttft(args: argparse.Namespace) -> int:
+    from fusionrag.eval.bench_ttft import TTFTSpec, run_ttft
+
+    spec = TTFTSpec(
+        data=Path(args.data),
+        out=Path(args.out),
+        model=args.model,
+        context_tokens=args.context_tokens,
+        ratios=args.ratios,
+        methods=args.methods,
+        tiers=args.tiers,
+        repeats=args.repeats,
+        top_n=args.top_n,
+        command=_command(),
+    )
+    run_ttft(spec)
+    print(f"[bench ttft] wrote {spec.out}/ttft.json, ttft.md and ttft.png")
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    bench = sub.add_parser("bench", help="benchmarks: quality, ttft, serve")
+    bsub = bench.add_subparsers(dest="bench_command", required=True)
+
+    q = bsub.add_parser("quality", help="methods x ratios on QA data: F1/EM, fidelity to Full Attention")
+    q.add_argument("--data", nargs="+", required=True, help="JSONL files in the ../shared/data schema")
+    q.add_argument("--limit", type=int, default=50, help="first N questions of each file")
+    q.add_argument("--methods", type=_names, default="full,reuse,cacheblend,cachecraft,epic,query,fusionrag")
+    q.add_argument("--ratios", type=_floats, default="0,0.05,0.1,0.15,0.3")
+    q.add_argument(
+        "--kv",
+        choices=["default", "both"],
+        default="default",
+        help="'both' also runs the baseline policies on fused KV (offline stage on/off ablation)",
+    )
+    q.add_argument("--top-n", type=_ints, default="10", help="offline neighbours; a list runs the ablation")
+    q.add_argument("--model", default=DEFAULT_MODEL)
+    q.add_argument("--max-new-tokens", type=int, default=24)
+    q.add_argument("--max-passage-words", type=int, default=None, help="truncate passages (context length control)")
+    q.add_argument("--seed", type=int, default=0)
+    q.add_argument("--cache-dir", default=None, help="Full Attention cache (default OUT/cache)")
+    q.add_argument("--out", required=True)
+    q.set_defaults(func=_cmd_quality)
+
+    t = bsub.add_parser("ttft", help="TTFT vs context length with breakdown, memory vs cold disk")
+    t.add_argument("--data", required=True, help="a JSONL file whose passages build the contexts")
+    t.add_argument("--model", default=DEFAULT_MODEL)
+    t.add_argument("--context-tokens", type=_ints, default="1024,2048,4096,8192")
+    t.add_argument("--ratios", type=_floats, default="0,0.15")
+    t.add_argument("--methods", type=_names, default="full,fusionrag,cacheblend")
+    t.add_argument("--tiers", type=_names, default="memory,disk")
+    t.add_argument("--repeats", type=int, default=3)
+    t.add_argument("--top-n", type=int, default=2, help="offline neighbours for the fused KV used here")
+    t.add_argument("--out", required=True)
+    t.set_defaults(func=_cmd_ttft)

@@ -1,0 +1,123 @@
+"""The Engine answer path end to end on a tiny model and a tiny store (no downloads)."""
+
+import json
+
+import pytest
+import torch
+
+from fusionrag.cli import main
+from fusionrag.errors import FusionRAGError
+from fusionrag.models import load_model
+from fusionrag.online.engine import Engine
+from fusionrag.retrieval.embedder import HashingEmbedder
+from fusionrag.retrieval.knowledge import KnowledgeStore
+from fusionrag.sample import load_sample
+
+
+@pytest.fixture(scope="module")
+def store_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("kb") / "store"
+    lm = load_model("tiny-llama")
+    store = KnowledgeStore.create(path, lm, chunk_tokens=4096, kv_dtype="float32", embedder=HashingEmbedder(),
+                                  model_source="tiny-llama")
+    passages = {p["title"]: p for ex in load_sample() for p in ex["passages"]}
+    store.add_passages(list(passages.values()), doc="sample")
+    store.preprocess(top_n=2, progress=False)
+    return path
+
+
+@pytest.fixture(scope="module")
+def engine(store_dir):
+    return Engine(KnowledgeStore.open(store_dir, embedder=HashingEmbedder()))
+
+
+QUESTION = "In which city was the discoverer of polonium born?"
+
+
+@pytest.mark.parametrize("method", ["full", "reuse", "fusionrag", "query", "cacheblend", "cachecraft", "epic",
+                                    "random"])
+def test_every_method_answers_with_breakdown(engine, method):
+    res = engine.answer(QUESTION, method=method, ratio=0.15, top_k=3, max_new_tokens=4)
+    assert len(res.chunk_ids) == 3 and all(c is not None for c in res.chunk_ids)
+    assert set(res.ttft_ms) >= {"retrieve", "load", "select", "recompute", "first_token", "total"}
+    expected = {"full": res.context_tokens, "reuse": 0}.get(method)
+    if expected is not None:
+        assert res.recomputed_tokens == expected
+    else:
+        assert 0 < res.recomputed_tokens <= res.context_tokens
+    assert res.kv == {"full": "none", "fusionrag": "fused"}.get(method, "plain")
+
+
+def test_ratio_one_equals_full_and_fused_kv_differs_from_plain(engine):
+    full = engine.answer(QUESTION, method="full", top_k=3, max_new_tokens=1)
+    for method in ("fusionrag", "cacheblend"):
+        one = engine.answer(QUESTION, method=method, ratio=1.0, top_k=3, max_new_tokens=1)
+        assert (one.first_logits - full.first_logits).abs().max() < 1e-4
+    plain = engine.answer(QUESTION, method="reuse", top_k=3, kv="plain", max_new_tokens=1)
+    fused = engine.answer(QUESTION, method="reuse", top_k=3, kv="fused", max_new_tokens=1)
+    assert not torch.allclose(plain.first_logits, fused.first_logits)
+    assert fused.fused_fallbacks == 0
+
+
+def test_explicit_chunks_bypass_retrieval_and_unknown_passages_are_computed(engine):
+    ex = load_sample()[1]
+    known = engine.answer(ex["question"], method="reuse", chunks=ex["passages"], max_new_tokens=2)
+    assert all(c is not None for c in known.chunk_ids)
+    novel = [{"title": "Nowhere", "text": "A passage that is not in the store."}, *ex["passages"][:1]]
+    res = engine.answer(ex["question"], method="fusionrag", chunks=novel, max_new_tokens=2)
+    assert res.chunk_ids[0] is None and res.chunk_ids[1] is not None
+    assert res.fused_fallbacks == 1  # the request-supplied passage has only a plain (S + chunk) KV
+
+
+def test_stream_yields_the_answer_text(engine):
+    streamed = "".join(engine.stream(QUESTION, method="reuse", top_k=2, max_new_tokens=6))
+    assert streamed.strip() == engine.answer(QUESTION, method="reuse", top_k=2, max_new_tokens=6).text
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"method": "magic"}, "unknown method"),
+    ({"ratio": 1.5}, "ratio"),
+    ({"ratio": -0.1}, "ratio"),
+])
+def test_bad_requests_are_clear_errors(engine, kwargs, message):
+    with pytest.raises(FusionRAGError, match=message):
+        engine.answer(QUESTION, **kwargs)
+    with pytest.raises(FusionRAGError, match="empty"):
+        engine.answer("   ")
+
+
+def test_ask_cli_json_and_explain(store_dir, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("fusionrag.retrieval.embedder.get_embedder", lambda name=None: HashingEmbedder())
+    page = tmp_path / "why.html"
+    rc = main(["ask", QUESTION, "--store", str(store_dir), "--json", "--max-new-tokens", "3", "--top-k", "2",
+               "--explain", str(page)])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["method"] == "fusionrag" and out["recomputed_tokens"] > 0 and "total" in out["ttft_ms"]
+    html = page.read_text()
+    assert "<mark>" in html and "of the selection" in html
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--method", "magic"], "invalid choice"),
+    (["--ratio", "2"], "ratio must be within"),
+])
+def test_ask_cli_errors_exit_nonzero_without_traceback(store_dir, capsys, argv, message):
+    with pytest.raises(SystemExit) if "magic" in argv else _noop():
+        rc = main(["ask", QUESTION, "--store", str(store_dir), *argv])
+        assert rc == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_ask_on_missing_or_empty_store(tmp_path, capsys):
+    assert main(["ask", "q?", "--store", str(tmp_path / "none")]) == 2
+    assert "no knowledge store" in capsys.readouterr().err
+
+
+class _noop:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
