@@ -86,12 +86,11 @@ def _contexts(store, lengths: Sequence[int]) -> dict[int, list[int]]:
 
 
 def run_ttft(spec: TTFTSpec) -> list[dict]:
-    from fusionrag.retrieval.knowledge import KnowledgeStore
-
     from fusionrag.eval.datasets import load_questions
     from fusionrag.eval.report import write_ttft_report
     from fusionrag.models import load_model
     from fusionrag.online.engine import Engine
+    from fusionrag.retrieval.knowledge import KnowledgeStore
 
     lm = load_model(spec.model)
     examples = load_questions(spec.data)

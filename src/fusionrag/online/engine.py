@@ -95,9 +95,8 @@ class Engine:
 
     @classmethod
     def open(cls, store_dir: str | Path, model: str | None = None) -> Engine:
-        from fusionrag.retrieval.knowledge import KnowledgeStore
-
         from fusionrag.models import load_model
+        from fusionrag.retrieval.knowledge import KnowledgeStore
 
         path = Path(store_dir)
         if not path.exists():
