@@ -50,6 +50,7 @@ class QualitySpec:
     command: str | None = None
     progress: bool = True
     extra_meta: dict = field(default_factory=dict)
+    embedder: object | None = None  # None: the store's default (MiniLM); tests inject a cheap one
 
 
 @dataclass(frozen=True)
@@ -278,6 +279,9 @@ def aggregate(records: Iterable[dict]) -> list[dict]:
         row["ctx_tokens"] = statistics.fmean(r["ctx_tokens"] for r in recs)
         row["recomputed_tokens"] = statistics.fmean(r["recomputed_tokens"] for r in recs)
         row["ttft_ms_median"] = statistics.median(r["ttft_ms"] for r in recs if r.get("ttft_ms") is not None)
+        for part in ("retrieve", "load", "select", "recompute", "first_token"):
+            vals = [r["ttft_breakdown_ms"][part] for r in recs if part in r.get("ttft_breakdown_ms", {})]
+            row[f"{part}_ms_median"] = statistics.median(vals) if vals else None
         rows.append(row)
     # normalisation against Full Attention and plain Full Reuse of the same dataset
     by = {(r["dataset"], r["method"], r["kv"]): r for r in rows if r["method"] in ("full", "reuse")}

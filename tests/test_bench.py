@@ -1,0 +1,45 @@
+"""A tiny end-to-end ``bench quality`` run (tiny random model, three questions) and its resume."""
+
+import json
+
+from fusionrag.eval.bench_quality import QualitySpec, plan_runs, run_quality
+from fusionrag.retrieval.embedder import HashingEmbedder
+from fusionrag.sample import load_sample
+
+
+def _data(tmp_path):
+    path = tmp_path / "hotpotqa" / "mini.jsonl"
+    path.parent.mkdir()
+    path.write_text("".join(json.dumps(ex) + "\n" for ex in load_sample()[:3]))
+    return path
+
+
+def test_plan_has_no_duplicates_and_ratio_independent_methods_once():
+    spec = QualitySpec(data=[], out=None, ratios=[0, 0.1, 0.15, 1.0], kv="both", top_n=[0, 2])
+    runs = plan_runs(spec)
+    keys = [r.key for r in runs]
+    assert len(keys) == len(set(keys))
+    assert sum(r.method == "full" for r in runs) == 1
+    assert {r.ratio for r in runs if r.method == "fusionrag"} == {0.1, 0.15}
+
+
+def test_tiny_bench_writes_well_formed_results_and_resumes(tmp_path):
+    data = _data(tmp_path)
+    out = tmp_path / "out"
+    spec = QualitySpec(data=[data], out=out, model="tiny-llama", limit=3, ratios=[0.15],
+                       methods=["full", "reuse", "cacheblend", "cachecraft", "query", "fusionrag"], top_n=[2],
+                       max_new_tokens=3, progress=False, embedder=HashingEmbedder())
+    rows = run_quality(spec)
+    doc = json.loads((out / "results.json").read_text())
+    assert doc["meta"]["model"] == "tiny-llama" and len(doc["rows"]) == len(rows)
+    by = {(r["method"], r["kv"]): r for r in rows}
+    assert by[("full", "none")]["agree_f1"] == 1.0 and by[("full", "none")]["kl_first"] < 1e-6
+    for r in rows:
+        assert r["n"] == 3 and r["dataset"] == "hotpotqa"
+        for key in ("f1", "em", "agree_f1", "kl_first", "top1_agree", "ctx_tokens", "recomputed_tokens",
+                    "ttft_ms_median", "f1_ci"):
+            assert key in r
+    assert (out / "results.md").is_file() and (out / "norm_f1_vs_ratio.png").is_file()
+    n_records = len((out / "records.jsonl").read_text().splitlines())
+    run_quality(spec)  # everything cached: nothing recomputed
+    assert len((out / "records.jsonl").read_text().splitlines()) == n_records
