@@ -1,0 +1,489 @@
+"""Chunk-granular prefix caches: the plain one (vLLM/SGLang) and FusionRAG's alternative path.
+
+A RAG request is ``(S, [c_0, ..., c_{k-1}])``: a system-prompt hash and the content hashes
+of its retrieved chunks, in prompt order. A chunk's cached KV is keyed by the hash of
+``(S, c_0, ..., c_{j-1}, c_j)``, i.e. the context it was computed in plus the chunk itself
+(chained like vLLM's block hashes, so a key is a fixed-size digest whatever the depth).
+
+- :class:`RadixPrefixCache` is the baseline: a trie over chunk hashes (SGLang's radix cache
+  with one chunk per edge). Chunk ``j`` hits only if chunks ``0..j`` are a cached path, and
+  every miss is stored under its full prefix, so the same chunk retrieved in a different
+  order is recomputed and stored again: one replica per prefix.
+- :class:`AlternativePathCache` first takes the same longest exact prefix match; for each
+  remaining chunk it backs off by dropping earlier chunks, ``(S, c_i..c_j)`` for
+  ``i = 0..j``, down to ``(S, c_j)`` alone. Misses are computed once and stored under
+  ``(S, c_j)``, so every distinct chunk has one replica regardless of order. Reusing a
+  replica computed in another context is approximate; FusionRAG repairs that with the
+  offline fused caches and the online sparse recompute, which is why this is sound there
+  and not in a plain prefix cache.
+
+Values are opaque (e.g. :class:`~fusionrag.kvcache.kv.KV`): only ``value.nbytes`` is read,
+so both structures are testable without a model. Misses are produced by a caller-supplied
+``compute(system, context, chunk)`` callback; ``context`` is the chunk tuple the value is
+meant to be conditioned on (always ``()`` for the alternative path).
+
+Both keep the same statistics (:class:`PrefixCacheStats`), including a shadow of what an
+unbounded plain prefix cache would store for the same stream, so ``bytes_saved`` is
+reported by either structure alone.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import threading
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+Source = Literal["prefix", "alt", "computed"]
+
+
+Compute = Callable[[str, tuple[str, ...], str], Any]
+"""``compute(system, context, chunk) -> value`` with ``value.nbytes``."""
+
+
+def content_hash(content: str | bytes) -> str:
+    """A short, stable hash of a chunk's (or system prompt's) content: the cache's key material."""
+    data = content.encode("utf-8") if isinstance(content, str) else content
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+def path_key(system: str, path: Sequence[str]) -> bytes:
+    """Key of the last chunk of ``path`` computed after ``system + path[:-1]``.
+
+    Chained (each step hashes the previous digest with the next chunk), length-prefixed so
+    that different splits of the same characters never collide.
+    """
+    h = hashlib.blake2b(b"S" + _lp(system), digest_size=16).digest()
+    for chunk in path:
+        h = hashlib.blake2b(h + _lp(chunk), digest_size=16).digest()
+    return h
+
+
+def _lp(s: str) -> bytes:
+    b = s.encode("utf-8")
+    return len(b).to_bytes(4, "little") + b
+
+
+@dataclass
+class PrefixCacheStats:
+    """Counters of one cache. ``lookups`` counts chunks, ``requests`` counts lookup calls."""
+
+    requests: int = 0
+    lookups: int = 0
+    prefix_hits: int = 0  # leading chunks matched under their full prefix (what vLLM reuses)
+    alt_hits: int = 0  # matched after backing off (dropping earlier chunks)
+    recomputations: int = 0  # misses computed
+    redundant_recomputations: int = 0  # a replica of (S, content) was cached under another key
+    repeat_recomputations: int = 0  # (S, content) had been computed or preloaded before (maybe evicted since)
+    preloaded: int = 0
+    evictions: int = 0
+    entries: int = 0
+    bytes_stored: int = 0
+    bytes_reused: int = 0  # bytes served from the cache instead of recomputed
+    bytes_computed: int = 0
+    plain_prefix_bytes: int = 0  # what an unbounded plain prefix cache would hold for the same stream
+
+    @property
+    def hits(self) -> int:
+        return self.prefix_hits + self.alt_hits
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.lookups if self.lookups else 0.0
+
+    @property
+    def bytes_saved(self) -> int:
+        """Bytes not stored compared with an unbounded plain prefix cache on the same stream."""
+        return self.plain_prefix_bytes - self.bytes_stored
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.update(hits=self.hits, hit_rate=self.hit_rate, bytes_saved=self.bytes_saved)
+        return d
+
+
+@dataclass(frozen=True)
+class ChunkResult:
+    """One chunk of a looked-up request: where its value came from and in what context.
+
+    ``context`` is the chunk tuple the returned value was computed after (``()`` means
+    right after ``S``); it equals the request's own prefix only for prefix hits and for
+    the baseline's computed chunks.
+    """
+
+    chunk: str
+    value: Any
+    source: Source
+    context: tuple[str, ...]
+
+
+@dataclass
+class LookupResult:
+    chunks: list[ChunkResult]
+
+    @property
+    def values(self) -> list[Any]:
+        return [c.value for c in self.chunks]
+
+    @property
+    def sources(self) -> list[Source]:
+        return [c.source for c in self.chunks]
+
+
+@dataclass
+class _Entry:
+    key: Hashable
+    system: str
+    chunk: str
+    context_len: int
+    value: Any
+    nbytes: int
+
+
+class _ChunkCache:
+    """Shared bookkeeping: statistics, replica index, the plain-prefix shadow, the lock."""
+
+    def __init__(self, max_bytes: int | None = None, *, track_plain_prefix: bool = True) -> None:
+        if max_bytes is not None and max_bytes < 0:
+            raise ValueError("max_bytes must be >= 0")
+        self.max_bytes = max_bytes
+        self._stats = PrefixCacheStats()
+        self._replicas: Counter[tuple[str, str]] = Counter()  # (S, chunk) -> cached entries ending in it
+        self._ever: set[tuple[str, str]] = set()  # (S, chunk) ever computed or preloaded
+        # Full-prefix keys seen -> nbytes: an unbounded plain prefix cache's content, for bytes_saved.
+        self._track_plain = track_plain_prefix
+        self._plain: dict[bytes, int] = {}
+        self._lock = threading.RLock()
+
+    # -- public -------------------------------------------------------------------------
+    def stats(self) -> PrefixCacheStats:
+        with self._lock:
+            return PrefixCacheStats(**asdict(self._stats))
+
+    @property
+    def nbytes(self) -> int:
+        return self._stats.bytes_stored
+
+    def __len__(self) -> int:
+        return self._stats.entries
+
+    # -- helpers for subclasses -----------------------------------------------------------
+    def _shadow(self, system: str, path: Sequence[str], nbytes: int) -> None:
+        if self._track_plain:
+            key = path_key(system, path)
+            if key not in self._plain:
+                self._plain[key] = nbytes
+                self._stats.plain_prefix_bytes += nbytes
+
+    def _count_computed(self, system: str, chunk: str, nbytes: int) -> None:
+        s = self._stats
+        s.recomputations += 1
+        s.bytes_computed += nbytes
+        if self._replicas[(system, chunk)] > 0:
+            s.redundant_recomputations += 1
+        if (system, chunk) in self._ever:
+            s.repeat_recomputations += 1
+        self._ever.add((system, chunk))
+
+    def _added(self, e: _Entry) -> None:
+        self._replicas[(e.system, e.chunk)] += 1
+        self._stats.entries += 1
+        self._stats.bytes_stored += e.nbytes
+
+    def _removed(self, e: _Entry) -> None:
+        r = (e.system, e.chunk)
+        self._replicas[r] -= 1
+        if self._replicas[r] <= 0:
+            del self._replicas[r]
+        self._stats.entries -= 1
+        self._stats.bytes_stored -= e.nbytes
+        self._stats.evictions += 1
+
+    def _fits_at_all(self, nbytes: int) -> bool:
+        return self.max_bytes is None or nbytes <= self.max_bytes
+
+
+def _nbytes(value: Any) -> int:
+    n = int(value.nbytes)
+    if n < 0:
+        raise ValueError("value.nbytes must be >= 0")
+    return n
+
+
+class AlternativePathCache(_ChunkCache):
+    """Prefix cache with FusionRAG's alternative path: one replica per distinct chunk.
+
+    A flat LRU map from path keys to entries (entries at depth > 1 can only come from
+    :meth:`insert`, e.g. caches produced by a full prefill; online misses go to depth 1).
+    Eviction is plain LRU by bytes: entries do not depend on each other, unlike a trie.
+    """
+
+    def __init__(self, max_bytes: int | None = None, *, track_plain_prefix: bool = True) -> None:
+        super().__init__(max_bytes, track_plain_prefix=track_plain_prefix)
+        self._entries: OrderedDict[bytes, _Entry] = OrderedDict()
+
+    def insert(self, system: str, path: Sequence[str], value: Any) -> bool:
+        """Store ``value`` as the KV of ``path[-1]`` computed after ``system + path[:-1]``.
+
+        Used to preload the knowledge base's caches (``path=[chunk]``). Returns whether it
+        was stored (an entry larger than the whole budget is not).
+        """
+        if not path:
+            raise ValueError("path must name at least the chunk itself")
+        path = tuple(path)
+        with self._lock:
+            self._stats.preloaded += 1
+            self._ever.add((system, path[-1]))
+            self._shadow(system, path, _nbytes(value))
+            return self._put(system, path, value)
+
+    def peek(self, system: str, chunks: Sequence[str]) -> list[Source | None]:
+        """Where each chunk would come from, without computing, inserting or counting.
+
+        ``None`` marks a miss. Chunks repeated within the request are reported as the
+        lookup would serve them (the second occurrence hits the first one's replica).
+        """
+        with self._lock:
+            pending: set[bytes] = set()
+            out: list[Source | None] = []
+            prefix_ok = True
+            for j, chunk in enumerate(chunks):
+                src, _ = self._match(system, chunks, j, prefix_ok, extra=pending)
+                if src != "prefix":
+                    prefix_ok = False
+                if src is None:
+                    pending.add(path_key(system, (chunk,)))
+                out.append(src)
+            return out
+
+    def lookup(self, system: str, chunks: Sequence[str], compute: Compute) -> LookupResult:
+        """Serve each chunk from the longest prefix, then the alternative path, else compute.
+
+        Chunks are processed in order and misses are inserted as they are computed, so a
+        chunk repeated within one request is computed once. ``compute`` runs outside the
+        lock; two concurrent requests missing the same new chunk may both compute it (the
+        second insert replaces the first and is counted as a redundant recomputation).
+        """
+        chunks = tuple(chunks)
+        results: list[ChunkResult] = []
+        with self._lock:
+            self._stats.requests += 1
+        prefix_ok = True
+        for j, chunk in enumerate(chunks):
+            with self._lock:
+                self._stats.lookups += 1
+                src, entry = self._match(system, chunks, j, prefix_ok)
+                if src != "prefix":
+                    prefix_ok = False
+                if entry is not None:
+                    self._entries.move_to_end(entry.key)  # type: ignore[arg-type]
+                    if src == "prefix":
+                        self._stats.prefix_hits += 1
+                    else:
+                        self._stats.alt_hits += 1
+                    self._stats.bytes_reused += entry.nbytes
+                    self._shadow(system, chunks[: j + 1], entry.nbytes)
+                    ctx = chunks[j - entry.context_len : j]
+                    results.append(ChunkResult(chunk, entry.value, src, ctx))  # type: ignore[arg-type]
+                    continue
+            value = compute(system, (), chunk)
+            nbytes = _nbytes(value)
+            with self._lock:
+                self._count_computed(system, chunk, nbytes)
+                self._shadow(system, chunks[: j + 1], nbytes)
+                self._put(system, (chunk,), value)
+            results.append(ChunkResult(chunk, value, "computed", ()))
+        return LookupResult(results)
+
+    # -- internals ------------------------------------------------------------------------
+    def _match(
+        self, system: str, chunks: Sequence[str], j: int, prefix_ok: bool, extra: set[bytes] | None = None
+    ) -> tuple[Source | None, _Entry | None]:
+        """Longest context first: the full prefix (a prefix hit while the run is unbroken),
+        then drop earlier chunks one at a time down to ``(S, c_j)``."""
+        for i in range(j + 1):
+            key = path_key(system, chunks[i : j + 1])
+            entry = self._entries.get(key)
+            if entry is not None or (extra is not None and key in extra):
+                return ("prefix" if (i == 0 and prefix_ok) else "alt"), entry
+        return None, None
+
+    def _put(self, system: str, path: tuple[str, ...], value: Any) -> bool:
+        nbytes = _nbytes(value)
+        key = path_key(system, path)
+        old = self._entries.pop(key, None)
+        if old is not None:
+            self._removed(old)
+            self._stats.evictions -= 1  # a replacement, not an eviction
+        if not self._fits_at_all(nbytes):
+            return False
+        if self.max_bytes is not None:
+            while self._entries and self._stats.bytes_stored + nbytes > self.max_bytes:
+                _, victim = self._entries.popitem(last=False)
+                self._removed(victim)
+        e = _Entry(key, system, path[-1], len(path) - 1, value, nbytes)
+        self._entries[key] = e
+        self._added(e)
+        return True
+
+
+@dataclass(eq=False)
+class _Node:
+    """A trie node: the KV of ``chunk`` after its ancestors' chunks (the root holds none)."""
+
+    chunk: str
+    parent: _Node | None
+    entry: _Entry | None = None
+    children: dict[str, _Node] = field(default_factory=dict)
+    last_access: int = 0
+
+    def __lt__(self, other: _Node) -> bool:  # heap order for eviction: least recently used first
+        return self.last_access < other.last_access
+
+
+class RadixPrefixCache(_ChunkCache):
+    """The baseline: a trie over chunk hashes, one tree per system prompt (SGLang-style).
+
+    A node exists only if its whole path does, so a lookup walks down until the first
+    missing chunk and computes everything after it, each under its full prefix. Eviction
+    removes least-recently-used leaves (interior nodes are needed by their descendants),
+    never a node on the path of the request being served.
+    """
+
+    def __init__(self, max_bytes: int | None = None, *, track_plain_prefix: bool = True) -> None:
+        super().__init__(max_bytes, track_plain_prefix=track_plain_prefix)
+        self._roots: dict[str, _Node] = {}
+        self._tick = 0
+
+    def insert(self, system: str, path: Sequence[str], value: Any) -> bool:
+        """Store ``value`` as the KV of ``path[-1]`` after ``system + path[:-1]``.
+
+        The parent path must already be cached (a trie has no holes).
+        """
+        if not path:
+            raise ValueError("path must name at least the chunk itself")
+        path = tuple(path)
+        with self._lock:
+            parent = self._walk(system, path[:-1])
+            if parent is None:
+                raise KeyError("parent path is not cached")
+            self._stats.preloaded += 1
+            self._ever.add((system, path[-1]))
+            self._shadow(system, path, _nbytes(value))
+            return self._add_child(system, parent, path, value, protected=set()) is not None
+
+    def peek(self, system: str, chunks: Sequence[str]) -> list[Source | None]:
+        """``"prefix"`` for the leading cached path, ``None`` for the rest; no side effects."""
+        with self._lock:
+            node = self._roots.get(system)
+            out: list[Source | None] = []
+            for chunk in chunks:
+                node = node.children.get(chunk) if node is not None else None
+                out.append("prefix" if node is not None else None)
+            return out
+
+    def lookup(self, system: str, chunks: Sequence[str], compute: Compute) -> LookupResult:
+        """Longest cached path, then compute and insert every remaining chunk under its prefix."""
+        chunks = tuple(chunks)
+        results: list[ChunkResult] = []
+        with self._lock:
+            self._stats.requests += 1
+            node: _Node | None = self._root(system)
+            on_path: set[int] = {id(node)}
+        matching = True
+        for j, chunk in enumerate(chunks):
+            with self._lock:
+                self._stats.lookups += 1
+                child = node.children.get(chunk) if (matching and node is not None) else None
+                if child is not None and child.entry is not None:
+                    self._touch(child)
+                    on_path.add(id(child))
+                    self._stats.prefix_hits += 1
+                    self._stats.bytes_reused += child.entry.nbytes
+                    self._shadow(system, chunks[: j + 1], child.entry.nbytes)
+                    results.append(ChunkResult(chunk, child.entry.value, "prefix", chunks[:j]))
+                    node = child
+                    continue
+                matching = False
+            value = compute(system, chunks[:j], chunk)
+            nbytes = _nbytes(value)
+            with self._lock:
+                self._count_computed(system, chunk, nbytes)
+                self._shadow(system, chunks[: j + 1], nbytes)
+                if node is not None and self._attached(node):
+                    node = self._add_child(system, node, chunks[: j + 1], value, protected=on_path)
+                    if node is not None:
+                        on_path.add(id(node))
+                else:
+                    node = None  # the path could not be kept; later chunks are computed uncached
+            results.append(ChunkResult(chunk, value, "computed", chunks[:j]))
+        return LookupResult(results)
+
+    # -- internals ------------------------------------------------------------------------
+    def _root(self, system: str) -> _Node:
+        root = self._roots.get(system)
+        if root is None:
+            root = self._roots[system] = _Node(chunk="", parent=None)
+        return root
+
+    def _walk(self, system: str, path: Sequence[str]) -> _Node | None:
+        node: _Node | None = self._root(system)
+        for chunk in path:
+            node = node.children.get(chunk) if node is not None else None
+        return node
+
+    def _attached(self, node: _Node) -> bool:
+        """False once an ancestor (or the node) was evicted while we computed outside the lock."""
+        while node.parent is not None:
+            if node.parent.children.get(node.chunk) is not node:
+                return False
+            node = node.parent
+        return True
+
+    def _touch(self, node: _Node) -> None:
+        self._tick += 1
+        node.last_access = self._tick
+
+    def _add_child(
+        self, system: str, parent: _Node, path: tuple[str, ...], value: Any, protected: set[int]
+    ) -> _Node | None:
+        nbytes = _nbytes(value)
+        old = parent.children.get(path[-1])
+        if old is not None and old.entry is not None:  # a concurrent request computed it too: replace value
+            self._stats.bytes_stored += nbytes - old.entry.nbytes
+            old.entry = _Entry(old.entry.key, system, path[-1], len(path) - 1, value, nbytes)
+            self._touch(old)
+            return old
+        if not self._fits_at_all(nbytes) or not self._make_room(nbytes, protected):
+            return None
+        node = _Node(chunk=path[-1], parent=parent)
+        node.entry = _Entry(path_key(system, path), system, path[-1], len(path) - 1, value, nbytes)
+        parent.children[path[-1]] = node
+        self._touch(node)
+        self._added(node.entry)
+        return node
+
+    def _make_room(self, nbytes: int, protected: set[int]) -> bool:
+        if self.max_bytes is None or self._stats.bytes_stored + nbytes <= self.max_bytes:
+            return True
+        leaves = [n for n in self._iter_nodes() if not n.children and id(n) not in protected]
+        heapq.heapify(leaves)
+        while leaves and self._stats.bytes_stored + nbytes > self.max_bytes:
+            victim = heapq.heappop(leaves)
+            parent = victim.parent
+            assert parent is not None and victim.entry is not None
+            del parent.children[victim.chunk]
+            self._removed(victim.entry)
+            if parent.parent is not None and not parent.children and id(parent) not in protected:
+                heapq.heappush(leaves, parent)
+        return self._stats.bytes_stored + nbytes <= self.max_bytes
+
+    def _iter_nodes(self):
+        stack = [c for r in self._roots.values() for c in r.children.values()]
+        while stack:
+            n = stack.pop()
+            yield n
+            stack.extend(n.children.values())
