@@ -177,9 +177,10 @@ def run_quality(spec: QualitySpec) -> list[dict]:
         if not examples:
             raise FusionRAGError(f"{data_file}: no questions")
         dataset = examples[0].dataset
-        engines = {}
-        for n in sorted({r.top_n for r in runs if r.kv == "fused" or r.method == "cachecraft"} | {0}):
-            engines[n] = Engine(_open_store(spec, dataset, examples, n, lm))
+        # One store per offline top-n; plain KV is the same in all of them, so plain runs use the first.
+        engines = {n: Engine(_open_store(spec, dataset, examples, n, lm))
+                   for n in sorted({r.top_n for r in runs if r.kv == "fused" or r.method == "cachecraft"}
+                                   or {spec.top_n[0]})}
         todo = [(ex, run) for ex in examples for run in runs if (dataset, ex.id, run.key) not in done]
         print(
             f"[bench quality] {dataset}: {len(examples)} questions x {len(runs)} runs; "
@@ -224,7 +225,7 @@ def _datasets_of(spec: QualitySpec) -> set[str]:
 
 def _run_cell(engines, full_cache: FullCache, spec: QualitySpec, dataset: str, ex: QAExample, run: Run) -> dict:
     chunks = [{"title": p.title, "text": p.text} for p in ex.passages]
-    engine = engines[run.top_n] if run.top_n in engines else engines[0]
+    engine = engines.get(run.top_n) or next(iter(engines.values()))
     cached = full_cache.get(dataset, ex.id, spec.max_new_tokens)
     if cached is None or run.method == "full":
         full = engine.answer(ex.question, method="full", chunks=chunks, max_new_tokens=spec.max_new_tokens)
