@@ -145,7 +145,8 @@ def _records(path: Path) -> dict[tuple[str, str, str], dict]:
 def _open_store(spec: QualitySpec, dataset: str, examples: list[QAExample], top_n: int, lm):
     from fusionrag.retrieval.knowledge import KnowledgeStore
 
-    path = spec.out / "stores" / f"{dataset}-n{spec.limit}-top{top_n}"
+    # Stores hold gigabytes of KV: they live in the cache folder, never next to the report.
+    path = (spec.cache_dir or spec.out / "cache") / "stores" / f"{spec.model}-{dataset}-n{spec.limit}-top{top_n}"
     store = (
         KnowledgeStore.open(path, lm=lm)
         if (path / "store.sqlite").exists()
