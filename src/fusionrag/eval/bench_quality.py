@@ -81,6 +81,8 @@ def plan_runs(spec: QualitySpec) -> list[Run]:
             runs.extend(Run("reuse", "fused", 0.0, n) for n in top_ns)
         elif m == "fusionrag":
             runs.extend(Run("fusionrag", "fused", r, n) for n in top_ns for r in ratios)
+        elif m == "fusionrag-global":  # the softmax ablation: global instead of per-chunk normalisation
+            runs.extend(Run(m, "fused", r, main_n) for r in ratios)
         elif m == "query":
             runs.extend(Run("query", "plain", r, 0) for r in ratios)
         elif m in POLICY_METHODS:
@@ -237,14 +239,11 @@ def _run_cell(engines, full_cache: FullCache, spec: QualitySpec, dataset: str, e
             res = full
     full_text, full_logits, _ = cached
     if run.method != "full":
-        res = engine.answer(
-            ex.question,
-            method=run.method,
-            ratio=run.ratio,
-            chunks=chunks,
-            kv=run.kv,
-            max_new_tokens=spec.max_new_tokens,
-        )
+        method, options = run.method, {}
+        if method == "fusionrag-global":
+            method, options = "fusionrag", {"softmax": "global"}
+        res = engine.answer(ex.question, method=method, ratio=run.ratio, chunks=chunks, kv=run.kv,
+                            max_new_tokens=spec.max_new_tokens, **options)
     scores = metrics.answer_scores(res.text, ex.answers)
     return {
         "dataset": dataset,
