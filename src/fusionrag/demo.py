@@ -31,7 +31,10 @@ def run_demo(model: str, max_new_tokens: int = 24, limit: int | None = None, top
     examples = load_sample()[:limit]
     path = fusionrag_home() / "demo" / lm.fingerprint.replace(":", "_")
     t0 = time.perf_counter()
-    store = KnowledgeStore.open(path, lm=lm) if (path / "store.sqlite").exists() else KnowledgeStore.create(path, lm)
+    if (path / "store.sqlite").exists():
+        store = KnowledgeStore.open(path, lm=lm)
+    else:
+        store = KnowledgeStore.create(path, lm, model_source=model)
     passages = {(p["title"], p["text"]): p for ex in examples for p in ex["passages"]}
     store.add_passages(list(passages.values()), doc="sample")
     store.preprocess(top_n=top_n, progress=True)
