@@ -108,3 +108,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--top-n", type=int, default=2, help="offline neighbours for the fused KV used here")
     t.add_argument("--out", required=True)
     t.set_defaults(func=_cmd_ttft)
+
+    from fusionrag.serve.cli import add_bench_serve
+
+    add_bench_serve(bsub)

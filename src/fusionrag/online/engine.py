@@ -129,7 +129,7 @@ class Engine:
         with self._lock:
             prep = self.prepare(question, method, ratio, top_k, chunks, kv, **policy_options)
             ids = list(greedy_tokens(self.lm, prep.pre.kv, prep.pre.last_logits, max_new_tokens))
-        return self._result(prep, ids)
+        return self.result_of(prep, ids)
 
     def stream(self, question: str, max_new_tokens: int = 32, **kwargs) -> Iterator[str]:
         """Yield the answer as text deltas (the first one as soon as the first token exists)."""
@@ -205,9 +205,18 @@ class Engine:
         return Prepared(pre, method, kv_kind if method != "full" else "none", float(ratio), chunk_ids, passages,
                         timings, fallbacks)
 
-    # -- internals --------------------------------------------------------------------
+    @property
+    def lock(self) -> threading.RLock:
+        """Held while the model runs; batch decoding takes it between steps."""
+        return self._lock
 
-    def _result(self, prep: Prepared, ids: list[int]) -> Answer:
+    @property
+    def adhoc_entries(self) -> int:
+        """Number of cached KVs of request-supplied passages."""
+        return len(self._adhoc)
+
+    def result_of(self, prep: Prepared, ids: list[int]) -> Answer:
+        """The :class:`Answer` for a prepared request and its generated token ids (used by batch decoding)."""
         return Answer(
             text=self.lm.tokenizer.decode(ids, skip_special_tokens=True).strip(),
             token_ids=ids,

@@ -1,0 +1,611 @@
+"""Continuous batching: concurrent requests decode together, one forward per step for all of them.
+
+Why: decoding one token is a forward of a single token, dominated by reading the weights
+(and on CPU by per-call overhead); B requests decoding in one forward of B tokens cost
+little more than one, so throughput grows with concurrency. Prefill stays per request
+(its shape and KV-reuse path differ per method) and runs between decode steps.
+
+How (see :class:`BatchScheduler`): one *model thread* owns the engine. It admits waiting
+requests by running ``engine.prepare`` (everything up to the first token), then runs
+batched decode steps over the active requests. Each request keeps its own KV, laid out
+as one row of a padded batch cache ``[B, H, W, D]`` per layer; the pad slots are hidden
+by an additive float mask (``finfo.min``, never a boolean mask) and each row decodes at
+its own position id, so padding changes nothing a request sees. Requests join and leave
+between steps: joining pads the batch to the widest row, leaving drops the row (and
+compacts the padding when it grows). Shared chunk KV is never touched: ``prepare`` hands
+each request its own assembled copy.
+
+The model thread also runs *tasks* (e.g. adding documents to the store) between steps,
+so everything that touches the model or the store happens on one thread: the model runs
+one forward at a time, and thread-bound resources (SQLite connections) stay on the
+thread that created them when the engine is built by a factory on this thread.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+
+from fusionrag.engine.generate import TextStreamer
+from fusionrag.errors import FusionRAGError
+from fusionrag.kvcache.kv import KV
+
+log = logging.getLogger(__name__)
+
+
+class QueueFullError(FusionRAGError):
+    """Too many requests are waiting for prefill (the server answers 429)."""
+
+
+class PromptTooLongError(FusionRAGError):
+    """The prompt (``S`` + passages + question) is longer than the configured limit."""
+
+
+class SchedulerClosedError(FusionRAGError):
+    """The scheduler is shutting down or its engine failed to load (the server answers 503)."""
+
+
+class RequestCancelledError(FusionRAGError):
+    """The request was cancelled (e.g. the client went away) before it finished."""
+
+
+@dataclass
+class Event:
+    """One thing that happened to a request, in order: ``token``* then ``done`` or ``error``."""
+
+    kind: str  # "token" | "done" | "error"
+    token: int | None = None
+    text: str = ""  # the text delta of this token (may be "" inside a multi-byte character)
+    answer: Any = None  # fusionrag.online.engine.Answer, on "done"
+    finish_reason: str | None = None  # "stop" | "length", on "done"
+    error: BaseException | None = None
+
+
+Listener = Callable[[Event], None]
+
+
+@dataclass
+class SchedulerStats:
+    prefills: int = 0
+    decode_steps: int = 0
+    decode_rows: int = 0  # sum of batch sizes over steps (tokens decoded by batched forwards)
+    max_batch_seen: int = 0
+    tokens_generated: int = 0  # including each request's first token (from the prefill logits)
+    completed: int = 0
+    failed: int = 0
+    cancelled: int = 0
+    tasks: int = 0
+    compactions: int = 0  # batch caches re-packed because padding outgrew the KV
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["mean_batch"] = self.decode_rows / self.decode_steps if self.decode_steps else 0.0
+        return d
+
+
+class DecodeRequest:
+    """A submitted request: its events, its result, and its place in the batch."""
+
+    def __init__(self, question: str, max_new_tokens: int, prepare_kwargs: dict[str, Any],
+                 listener: Listener | None) -> None:
+        self.id = uuid.uuid4().hex
+        self.question = question
+        self.max_new_tokens = int(max_new_tokens)
+        self.prepare_kwargs = prepare_kwargs
+        self.submitted_at = time.perf_counter()
+        self.prefill_started_at: float | None = None
+        self.first_token_at: float | None = None
+        self.finished_at: float | None = None
+        self.prep: Any = None  # fusionrag.online.engine.Prepared, after prefill
+        self.prompt_tokens = 0
+        self.tokens: list[int] = []
+        self.answer: Any = None
+        self.finish_reason: str | None = None
+        self.error: BaseException | None = None
+        self._listener = listener
+        self._events: queue.Queue[Event] | None = None if listener is not None else queue.Queue()
+        self._cancelled = threading.Event()
+        self._done = threading.Event()
+        self._streamer: TextStreamer | None = None
+        # decode state (model thread only)
+        self.last_token = -1
+        self.next_pos = 0
+
+    # -- caller side --------------------------------------------------------------------
+
+    def cancel(self) -> None:
+        """Ask the scheduler to drop this request at the next step (no-op once finished)."""
+        self._cancelled.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    @property
+    def finished(self) -> bool:
+        return self._done.is_set()
+
+    @property
+    def queue_ms(self) -> float:
+        """Time spent waiting for the model thread before this request's prefill started."""
+        start = self.prefill_started_at if self.prefill_started_at is not None else time.perf_counter()
+        return (start - self.submitted_at) * 1000.0
+
+    @property
+    def ttft_ms(self) -> float | None:
+        """Server-side time to first token: submission (queueing included) to the first token."""
+        return None if self.first_token_at is None else (self.first_token_at - self.submitted_at) * 1000.0
+
+    def events(self, timeout: float | None = None) -> Iterator[Event]:
+        """Yield this request's events until ``done``/``error`` (only without a listener)."""
+        if self._events is None:
+            raise RuntimeError("this request delivers its events to a listener")
+        while True:
+            try:
+                ev = self._events.get(timeout=timeout)
+            except queue.Empty:
+                raise TimeoutError(f"request {self.id} produced no event within {timeout} s") from None
+            yield ev
+            if ev.kind in ("done", "error"):
+                return
+
+    def result(self, timeout: float | None = None) -> Any:
+        """Block until the request finishes; returns its ``Answer`` or raises its error."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"request {self.id} did not finish within {timeout} s")
+        if self.error is not None:
+            raise self.error
+        return self.answer
+
+    # -- model-thread side --------------------------------------------------------------
+
+    def _emit(self, ev: Event) -> None:
+        if ev.kind in ("done", "error"):
+            self.finished_at = time.perf_counter()
+        try:
+            if self._listener is not None:
+                self._listener(ev)
+            else:
+                assert self._events is not None
+                self._events.put(ev)
+        except Exception:  # a listener whose consumer is gone (closed event loop) must not stop the model
+            log.debug("listener of request %s failed", self.id, exc_info=True)
+        if ev.kind in ("done", "error"):
+            self._done.set()
+
+
+@dataclass
+class _Task:
+    fn: Callable[..., Any]
+    args: tuple
+    kwargs: dict
+    future: Future = field(default_factory=Future)
+
+
+class BatchScheduler:
+    """The model thread: prefill admitted requests, then decode all active requests together.
+
+    ``engine`` is an :class:`~fusionrag.online.engine.Engine` or a zero-argument factory that
+    builds one; a factory runs on the model thread (so a store whose SQLite connection is
+    bound to its creating thread works), and :meth:`wait_ready` reports a failure to load.
+
+    ``max_batch`` bounds the rows of a decode step; ``max_queue`` bounds requests waiting for
+    prefill (:class:`QueueFullError` beyond it); ``max_prompt_tokens`` refuses longer prompts
+    (:class:`PromptTooLongError`); ``prefills_per_step`` bounds how many waiting requests are
+    prefilled between two decode steps (more: lower TTFT under load; fewer: steadier decode).
+    """
+
+    def __init__(
+        self,
+        engine: Any,
+        max_batch: int = 8,
+        max_queue: int = 64,
+        max_prompt_tokens: int | None = None,
+        prefills_per_step: int | None = None,
+        stop_ids: list[int] | None = None,
+        autostart: bool = True,
+    ) -> None:
+        if max_batch < 1:
+            raise ValueError("max_batch must be >= 1")
+        if max_queue < 0:
+            raise ValueError("max_queue must be >= 0")
+        self._factory: Callable[[], Any] | None = engine if callable(engine) and not hasattr(engine, "prepare") \
+            else None
+        self.engine: Any = None if self._factory is not None else engine
+        self.max_batch = int(max_batch)
+        self.max_queue = int(max_queue)
+        self.max_prompt_tokens = max_prompt_tokens
+        self.prefills_per_step = int(prefills_per_step or max_batch)
+        self._stop_override = stop_ids
+        self.stop_ids: set[int] = set()
+        self.load_error: BaseException | None = None
+        self.stats = SchedulerStats()
+        self._cond = threading.Condition()
+        self._pending: collections.deque[DecodeRequest] = collections.deque()
+        self._tasks: collections.deque[_Task] = collections.deque()
+        self._closed = False
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="fusionrag-model", daemon=True)
+        # batch state (model thread only)
+        self._rows: list[DecodeRequest] = []
+        self._joining: list[DecodeRequest] = []
+        self._keys: list[torch.Tensor] = []  # per layer [B, H, W, D]
+        self._values: list[torch.Tensor] = []
+        self._valid: torch.Tensor | None = None  # [B, W] bool: which slots of each row hold its KV
+        if autostart:
+            self.start()
+
+    # -- control ----------------------------------------------------------------------
+
+    def start(self) -> None:
+        if not self._thread.is_alive():
+            self._thread.start()
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """True once the engine is loaded; raises the load error if loading failed."""
+        ok = self._ready.wait(timeout)
+        if self.load_error is not None:
+            raise self.load_error
+        return ok
+
+    @property
+    def ready(self) -> bool:
+        return self._ready.is_set() and self.load_error is None
+
+    def close(self, timeout: float | None = 30.0) -> None:
+        """Stop the model thread; waiting and active requests fail with :class:`SchedulerClosedError`."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+    @property
+    def queue_length(self) -> int:
+        """Requests waiting for prefill (the ``max_queue`` bound applies to these)."""
+        with self._cond:
+            return len(self._pending)
+
+    @property
+    def active(self) -> int:
+        """Requests prefilled and decoding."""
+        return len(self._rows) + len(self._joining)
+
+    # -- submission -------------------------------------------------------------------
+
+    def submit(self, question: str, max_new_tokens: int = 32, listener: Listener | None = None,
+               **prepare_kwargs: Any) -> DecodeRequest:
+        """Queue a request (``prepare_kwargs`` go to ``engine.prepare``: method, ratio, top_k, chunks, kv...).
+
+        ``listener`` receives every :class:`Event` on the model thread (keep it cheap and
+        non-blocking, e.g. ``loop.call_soon_threadsafe``); without one, read
+        :meth:`DecodeRequest.events` or :meth:`DecodeRequest.result`.
+        """
+        req = DecodeRequest(question, max_new_tokens, prepare_kwargs, listener)
+        with self._cond:
+            if self._closed or self.load_error is not None:
+                raise SchedulerClosedError("the server is shutting down" if self._closed else
+                                           f"the model failed to load: {self.load_error}")
+            if len(self._pending) >= self.max_queue:
+                raise QueueFullError(f"too many requests waiting ({len(self._pending)} queued, limit "
+                                     f"{self.max_queue}); retry later")
+            self._pending.append(req)
+            self._cond.notify_all()
+        return req
+
+    def run_task(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Future:
+        """Run ``fn(*args, **kwargs)`` on the model thread between decode steps; returns a Future.
+
+        ``fn`` may take the engine: pass it explicitly or read ``scheduler.engine`` inside.
+        While a task runs, decoding pauses (the model runs one thing at a time).
+        """
+        task = _Task(fn, args, kwargs)
+        with self._cond:
+            if self._closed:
+                raise SchedulerClosedError("the server is shutting down")
+            self._tasks.append(task)
+            self._cond.notify_all()
+        return task.future
+
+    # -- model thread -----------------------------------------------------------------
+
+    def _run(self) -> None:
+        # Grad mode is per thread: without this every forward here would record autograd graphs.
+        with torch.no_grad():
+            try:
+                if self._factory is not None:
+                    self.engine = self._factory()
+                lm = self.engine.lm
+                self.stop_ids = set(lm.stop_token_ids if self._stop_override is None else self._stop_override)
+            except BaseException as exc:  # reported by wait_ready / submit / health
+                self.load_error = exc
+                log.error("engine failed to load: %s", exc)
+            finally:
+                self._ready.set()
+            if self.load_error is not None:
+                self._drain(SchedulerClosedError(f"the model failed to load: {self.load_error}"))
+                return
+            while True:
+                with self._cond:
+                    while not (self._closed or self._pending or self._tasks or self._rows or self._joining):
+                        self._cond.wait()
+                    if self._closed:
+                        break
+                    task = self._tasks.popleft() if self._tasks else None
+                    n = min(self.max_batch - self.active, self.prefills_per_step, len(self._pending))
+                    admitted = [self._pending.popleft() for _ in range(max(0, n))]
+                if task is not None:
+                    self._run_task(task)
+                for req in admitted:
+                    self._prefill(req)
+                if self._rows or self._joining:
+                    try:
+                        self._step()
+                    except Exception as exc:  # never let one bad step kill the server
+                        log.exception("batched decode step failed")
+                        for req in [*self._rows, *self._joining]:
+                            self._fail(req, exc)
+                        self._reset_batch()
+            self._drain(SchedulerClosedError("the server is shutting down"))
+
+    def _drain(self, exc: BaseException) -> None:
+        with self._cond:
+            pending, self._pending = list(self._pending), collections.deque()
+            tasks, self._tasks = list(self._tasks), collections.deque()
+        for req in [*pending, *self._rows, *self._joining]:
+            self._fail(req, exc)
+        for task in tasks:
+            task.future.set_exception(exc)
+        self._reset_batch()
+
+    def _lock(self):
+        """The engine's own lock, so direct ``engine.answer`` calls elsewhere never overlap ours."""
+        return getattr(self.engine, "lock", None) or _NULL_LOCK
+
+    def _run_task(self, task: _Task) -> None:
+        if not task.future.set_running_or_notify_cancel():
+            return
+        self.stats.tasks += 1
+        try:
+            with self._lock():
+                result = task.fn(*task.args, **task.kwargs)
+        except BaseException as exc:
+            task.future.set_exception(exc)
+        else:
+            task.future.set_result(result)
+
+    def _fail(self, req: DecodeRequest, exc: BaseException) -> None:
+        if req.finished:
+            return
+        req.error = exc
+        if isinstance(exc, RequestCancelledError):
+            self.stats.cancelled += 1
+        else:
+            self.stats.failed += 1
+        req._emit(Event("error", error=exc))
+
+    def _finish(self, req: DecodeRequest, reason: str) -> None:
+        req.finish_reason = reason
+        try:
+            req.answer = self.engine.result_of(req.prep, list(req.tokens))
+        except Exception as exc:
+            self._fail(req, exc)
+            return
+        self.stats.completed += 1
+        req._emit(Event("done", answer=req.answer, finish_reason=reason))
+
+    def _emit_token(self, req: DecodeRequest, token: int) -> None:
+        if req._streamer is None:
+            req._streamer = TextStreamer(self.engine.lm.tokenizer)
+        req.tokens.append(token)
+        self.stats.tokens_generated += 1
+        if req.first_token_at is None:
+            req.first_token_at = time.perf_counter()
+        req._emit(Event("token", token=token, text=req._streamer.push(token)))
+
+    def _check_prompt_before(self, req: DecodeRequest) -> None:
+        """Refuse request-supplied passages that are too long before spending a prefill on them."""
+        chunks = req.prepare_kwargs.get("chunks")
+        if not self.max_prompt_tokens or not chunks:
+            return
+        prompt = self.engine.prompt
+        n = len(prompt.system_ids) + len(prompt.question_ids(req.question))
+        n += sum(len(prompt.chunk_ids(c.get("title", ""), c.get("text", ""))) for c in chunks)
+        if n > self.max_prompt_tokens:
+            raise PromptTooLongError(f"the prompt has {n} tokens; this server accepts at most "
+                                     f"{self.max_prompt_tokens} (fewer or shorter documents, or a lower top_k)")
+
+    def _prefill(self, req: DecodeRequest) -> None:
+        req.prefill_started_at = time.perf_counter()
+        if req.cancelled:
+            self._fail(req, RequestCancelledError("cancelled before prefill"))
+            return
+        t0 = time.perf_counter()
+        try:
+            self._check_prompt_before(req)
+            with self._lock():
+                prep = self.engine.prepare(req.question, **req.prepare_kwargs)
+            req.prompt_tokens = len(prep.pre.kv)
+            if self.max_prompt_tokens and req.prompt_tokens > self.max_prompt_tokens:
+                raise PromptTooLongError(f"the prompt has {req.prompt_tokens} tokens; this server accepts at most "
+                                         f"{self.max_prompt_tokens} (use a lower top_k)")
+        except Exception as exc:
+            self._fail(req, exc)
+            return
+        finally:
+            self.stats.prefills += 1
+            self.stats.prefill_seconds += time.perf_counter() - t0
+        req.prep = prep
+        first = int(torch.argmax(prep.pre.last_logits))
+        if req.max_new_tokens <= 0:
+            self._finish(req, "length")
+            return
+        if first in self.stop_ids:
+            self._finish(req, "stop")
+            return
+        self._emit_token(req, first)
+        if len(req.tokens) >= req.max_new_tokens:
+            self._finish(req, "length")
+            return
+        req.last_token = first
+        req.next_pos = prep.pre.kv.base_position + len(prep.pre.kv)
+        self._joining.append(req)
+
+    # -- the batch ----------------------------------------------------------------------
+
+    def _reset_batch(self) -> None:
+        self._rows, self._joining = [], []
+        self._keys, self._values, self._valid = [], [], None
+
+    def _join(self) -> None:
+        """Add the newly prefilled requests as rows, padding every row to the widest one."""
+        new = self._joining
+        self._joining = []
+        kvs: list[KV] = [r.prep.pre.kv for r in new]
+        for r in new:  # the batch holds the only copy from now on
+            r.prep.pre = dataclasses.replace(r.prep.pre, kv=KV.empty_like(r.prep.pre.kv))
+        if self._valid is None:
+            dtype, device = kvs[0].keys.dtype, kvs[0].keys.device
+            n_layers, heads, _, dim = kvs[0].keys.shape
+            b_old, w_old = 0, 0
+        else:
+            dtype, device = self._keys[0].dtype, self._keys[0].device
+            b_old, heads, w_old, dim = self._keys[0].shape
+            n_layers = len(self._keys)
+        width = max(w_old, *(len(kv) for kv in kvs))
+        batch = b_old + len(new)
+        keys, values = [], []
+        for layer in range(n_layers):
+            k = torch.zeros(batch, heads, width, dim, dtype=dtype, device=device)
+            v = torch.zeros(batch, heads, width, dim, dtype=dtype, device=device)
+            if b_old:
+                k[:b_old, :, :w_old] = self._keys[layer]
+                v[:b_old, :, :w_old] = self._values[layer]
+            for j, kv in enumerate(kvs):
+                k[b_old + j, :, : len(kv)] = kv.keys[layer].to(device=device, dtype=dtype)
+                v[b_old + j, :, : len(kv)] = kv.values[layer].to(device=device, dtype=dtype)
+            keys.append(k)
+            values.append(v)
+        valid = torch.zeros(batch, width, dtype=torch.bool, device=device)
+        if b_old:
+            valid[:b_old, :w_old] = self._valid
+        for j, kv in enumerate(kvs):
+            valid[b_old + j, : len(kv)] = True
+        self._keys, self._values, self._valid = keys, values, valid
+        self._rows.extend(new)
+
+    def _leave(self, gone: list[int]) -> None:
+        """Drop finished rows; drop slots no row uses; compact once padding is over half the cache.
+
+        Slot order inside a row does not matter (keys carry their RoPE positions and the
+        mask says what is visible), so compaction may move a row's slots to the left.
+        """
+        gone_set = set(gone)
+        keep = [b for b in range(len(self._rows)) if b not in gone_set]
+        if not keep:
+            self._reset_batch()
+            return
+        assert self._valid is not None
+        idx = torch.tensor(keep, device=self._valid.device)
+        self._rows = [self._rows[b] for b in keep]
+        keys = [k.index_select(0, idx) for k in self._keys]
+        values = [v.index_select(0, idx) for v in self._values]
+        valid = self._valid.index_select(0, idx)
+        used = valid.any(dim=0)
+        if not bool(used.all()):  # e.g. the tail of a longer row that just left
+            cols = used.nonzero().squeeze(1)
+            keys = [k.index_select(2, cols) for k in keys]
+            values = [v.index_select(2, cols) for v in values]
+            valid = valid.index_select(1, cols)
+        counts = valid.sum(dim=1)
+        if int(counts.sum()) * 2 < valid.numel():
+            width = int(counts.max())
+            packed_k, packed_v = [], []
+            for k, v in zip(keys, values, strict=True):
+                nk = k.new_zeros(k.shape[0], k.shape[1], width, k.shape[3])
+                nv = v.new_zeros(nk.shape)
+                for b in range(len(keep)):
+                    n = int(counts[b])
+                    nk[b, :, :n] = k[b][:, valid[b]]
+                    nv[b, :, :n] = v[b][:, valid[b]]
+                packed_k.append(nk)
+                packed_v.append(nv)
+            keys, values = packed_k, packed_v
+            valid = torch.arange(width, device=counts.device)[None, :] < counts[:, None]
+            self.stats.compactions += 1
+        self._keys, self._values, self._valid = keys, values, valid
+
+    def _step(self) -> None:
+        """One batched decode step: the last token of every row, each at its own position."""
+        if self._joining:
+            self._join()
+        # Requests cancelled since the last step leave before spending a forward on them.
+        gone = [b for b, r in enumerate(self._rows) if r.cancelled]
+        for b in gone:
+            self._fail(self._rows[b], RequestCancelledError("cancelled while decoding"))
+        if gone:
+            self._leave(gone)
+        if not self._rows:
+            return
+        t0 = time.perf_counter()
+        lm = self.engine.lm
+        batch = len(self._rows)
+        assert self._valid is not None
+        device = self._valid.device
+        input_ids = torch.tensor([[r.last_token] for r in self._rows], dtype=torch.long, device=device)
+        positions = torch.tensor([[r.next_pos] for r in self._rows], dtype=torch.long, device=device)
+        valid = torch.cat([self._valid, torch.ones(batch, 1, dtype=torch.bool, device=device)], dim=1)
+        mask_dtype = lm.model.dtype
+        mask = torch.where(valid, torch.zeros((), dtype=mask_dtype, device=device),
+                           torch.tensor(torch.finfo(mask_dtype).min, dtype=mask_dtype, device=device))[:, None, None, :]
+        cache = DynamicCache(ddp_cache_data=list(zip(self._keys, self._values, strict=True)))
+        with self._lock():
+            out = lm.model(input_ids=input_ids, position_ids=positions, attention_mask=mask, cache=cache,
+                           use_cache=True, logits_to_keep=1)
+        self._keys = [layer.keys for layer in cache.layers]
+        self._values = [layer.values for layer in cache.layers]
+        self._valid = valid
+        next_tokens = out.logits[:, -1].float().argmax(dim=-1).tolist()
+        self.stats.decode_steps += 1
+        self.stats.decode_rows += batch
+        self.stats.max_batch_seen = max(self.stats.max_batch_seen, batch)
+        gone = []
+        for b, (req, tok) in enumerate(zip(self._rows, next_tokens, strict=True)):
+            req.next_pos += 1
+            if tok in self.stop_ids:
+                self._finish(req, "stop")
+                gone.append(b)
+                continue
+            req.last_token = tok
+            self._emit_token(req, tok)
+            if len(req.tokens) >= req.max_new_tokens:
+                self._finish(req, "length")
+                gone.append(b)
+        if gone:
+            self._leave(gone)
+        self.stats.decode_seconds += time.perf_counter() - t0
+
+
+class _NullLock:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+_NULL_LOCK = _NullLock()
