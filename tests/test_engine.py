@@ -121,3 +121,18 @@ class _noop:
 
     def __exit__(self, *exc):
         return False
+
+
+def test_memory_tier_and_prefetch_give_identical_answers(store_dir):
+    store = KnowledgeStore.open(store_dir, embedder=HashingEmbedder())
+    plain_engine = Engine(store)
+    tiered = Engine(store, memory_budget_bytes=64 << 20)
+    ref = plain_engine.answer(QUESTION, method="fusionrag", top_k=3, max_new_tokens=3)
+    tiered.prefetch(ref.chunk_ids, kv="fused")
+    first = tiered.answer(QUESTION, method="fusionrag", top_k=3, max_new_tokens=3)
+    again = tiered.answer(QUESTION, method="fusionrag", top_k=3, max_new_tokens=3)
+    assert first.token_ids == again.token_ids == ref.token_ids
+    assert torch.equal(first.first_logits, ref.first_logits)
+    stats = tiered.tier_stats()["host"]
+    assert stats.loads == 3  # each chunk read from disk once (by the prefetch), then served from memory
+    assert stats.memory_hits + stats.inflight_hits >= 3

@@ -84,7 +84,10 @@ def _ms(t0: float) -> float:
 class Engine:
     """Answers questions over a knowledge store with a chosen KV-reuse method."""
 
-    def __init__(self, store, adhoc_cache_entries: int = 4096) -> None:
+    def __init__(self, store, adhoc_cache_entries: int = 4096, memory_budget_bytes: int | None = None,
+                 loader_threads: int = 2) -> None:
+        """``memory_budget_bytes`` enables the in-memory KV tier (heat-based) with an asynchronous
+        loader of ``loader_threads`` threads over the on-disk store; ``None`` reads the store directly."""
         self.store = store
         self.lm = store.lm
         self.prompt = store.prompt
@@ -92,6 +95,12 @@ class Engine:
         self._adhoc: dict[str, KV] = {}  # KV of request-supplied passages, one replica per content
         self._adhoc_limit = adhoc_cache_entries
         self._lock = threading.RLock()  # the model runs one request at a time
+        self.tiers = None
+        if memory_budget_bytes:
+            from fusionrag.kvcache.tiers import TieredKVCache
+
+            self.tiers = TieredKVCache(lambda key: store.load_kv(*key), memory_budget_bytes,
+                                       max_workers=loader_threads)
 
     @classmethod
     def open(cls, store_dir: str | Path, model: str | None = None) -> Engine:
@@ -255,17 +264,37 @@ class Engine:
             return list(self.store.chunk(chunk_id).token_ids)
         return self.prompt.chunk_ids(passage["title"], passage["text"])
 
+    def tier_stats(self) -> dict:
+        """Hits per tier of the in-memory KV cache (empty when it is off)."""
+        return {"host": self.tiers.stats()} if self.tiers is not None else {}
+
+    def prefetch(self, chunk_ids: Sequence[int | None], kv: str = "fused") -> None:
+        """Start loading these chunks' KV in the background (the asynchronous loader).
+
+        Called for queued requests while the model computes others, so their ``load``
+        step finds the KV in memory. A no-op without the memory tier.
+        """
+        if self.tiers is not None:
+            self.tiers.prefetch([k for k in (self._stored_key(c, kv) for c in chunk_ids) if k is not None])
+
+    def _stored_key(self, chunk_id: int | None, kind: str) -> tuple[int, str] | None:
+        if chunk_id is None:
+            return None
+        if self.store.has_kv(chunk_id, kind):
+            return (chunk_id, kind)
+        return (chunk_id, "plain") if self.store.has_kv(chunk_id, "plain") else None
+
     def _load_kvs(self, chunk_ids, passages, token_ids, kind: str) -> tuple[list[KV], int]:
+        keys = [self._stored_key(cid, kind) for cid in chunk_ids]
+        stored = [k for k in keys if k is not None]
+        if self.tiers is not None:
+            loaded = dict(zip(stored, self.tiers.get_many(stored), strict=True))
+        else:
+            loaded = {k: self.store.load_kv(*k) for k in stored}
         kvs, fallbacks = [], 0
-        for cid, passage, ids in zip(chunk_ids, passages, token_ids, strict=True):
-            if cid is not None and self.store.has_kv(cid, kind):
-                kvs.append(self.store.load_kv(cid, kind))
-                continue
-            if cid is not None and self.store.has_kv(cid, "plain"):
-                kvs.append(self.store.load_kv(cid, "plain"))
-            else:
-                kvs.append(self._adhoc_kv(passage, ids))
-            fallbacks += kind == "fused"
+        for key, passage, ids in zip(keys, passages, token_ids, strict=True):
+            kvs.append(loaded[key] if key is not None else self._adhoc_kv(passage, ids))
+            fallbacks += kind == "fused" and (key is None or key[1] != "fused")
         return kvs, fallbacks
 
     def _adhoc_kv(self, passage: dict, ids: list[int]) -> KV:
