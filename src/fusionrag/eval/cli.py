@@ -66,6 +66,7 @@ def _cmd_ttft(args: argparse.Namespace) -> int:
         tiers=args.tiers,
         repeats=args.repeats,
         top_n=args.top_n,
+        loader_requests=args.loader_requests,
         command=_command(),
     )
     run_ttft(spec)
@@ -106,6 +107,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--tiers", type=_names, default="memory,disk")
     t.add_argument("--repeats", type=int, default=3)
     t.add_argument("--top-n", type=int, default=2, help="offline neighbours for the fused KV used here")
+    t.add_argument("--loader-requests", type=int, default=4,
+                   help="queued requests for the asynchronous-loader comparison on a cold disk tier (0: skip)")
     t.add_argument("--out", required=True)
     t.set_defaults(func=_cmd_ttft)
 
