@@ -1,0 +1,234 @@
+"""On-disk KV entries: one safetensors file per (chunk, kind), verified on every load.
+
+A reused cache that silently belongs to another model, another system prompt or other
+tokens gives wrong answers with no error, so every entry carries in its header the
+model fingerprint, the system-prompt hash, the sha256 of its token ids, its base
+position and dtype, and a checksum over the tensor bytes *and* that metadata. Loading
+checks all of them and raises :class:`CacheIntegrityError` (never returns a doubtful
+cache). Files are written to a temp file in the same folder, fsynced, then renamed over
+the final name, so an interrupted write leaves either the old entry or none.
+
+Tensors: ``keys``/``values`` ``[L, H, T, D]`` (as :class:`~fusionrag.kvcache.kv.KV`) in the
+storage dtype (fp16 halves the disk and memory; re-rotation always happens in fp32 in
+``KV.moved_to`` / ``assemble``), and optionally ``scores`` ``[T]`` fp32. No pickles.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from fusionrag.errors import CacheIntegrityError, FusionRAGError
+from fusionrag.kvcache.kv import KV
+
+FORMAT = "fusionrag-kv/1"
+KINDS = ("plain", "fused", "system")
+DTYPES = {"float16": torch.float16, "fp16": torch.float16, "float32": torch.float32, "fp32": torch.float32}
+_MAX_HEADER = 16 << 20
+
+
+def canonical_dtype(name: str) -> str:
+    """``float16`` or ``float32`` (accepting ``fp16``/``fp32``); anything else is a user error."""
+    if name not in DTYPES:
+        raise FusionRAGError(f"unsupported KV storage dtype '{name}' (choose float16 or float32)")
+    return str(DTYPES[name]).removeprefix("torch.")
+
+
+def tokens_hash(token_ids) -> str:
+    return hashlib.sha256(json.dumps([int(t) for t in token_ids]).encode()).hexdigest()
+
+
+@dataclass
+class KVEntry:
+    kv: KV
+    scores: torch.Tensor | None
+    metadata: dict[str, str]
+
+    @property
+    def extra(self) -> dict[str, Any]:
+        return json.loads(self.metadata.get("extra", "{}"))
+
+
+class KVStore:
+    """The ``kv/`` folder of a knowledge base, bound to one model and one system prompt."""
+
+    def __init__(self, root: Path, fingerprint: str, system_hash: str, dtype: str = "float16") -> None:
+        self.root = Path(root)
+        self.fingerprint = fingerprint
+        self.system_hash = system_hash
+        self.dtype = canonical_dtype(dtype)
+
+    # ------------------------------------------------------------ layout
+
+    def path(self, chunk_id: int | None, kind: str) -> Path:
+        if kind not in KINDS:
+            raise ValueError(f"unknown KV kind '{kind}' (one of {', '.join(KINDS)})")
+        if kind == "system":
+            return self.root / "system.safetensors"
+        # Sharded folders keep directory listings short for large corpora.
+        return self.root / f"{int(chunk_id) // 1000:05d}" / f"{int(chunk_id)}.{kind}.safetensors"
+
+    def exists(self, chunk_id: int | None, kind: str) -> bool:
+        return self.path(chunk_id, kind).is_file()
+
+    def entries(self, kind: str) -> list[Path]:
+        return sorted(self.root.glob(f"*/*.{kind}.safetensors")) if self.root.is_dir() else []
+
+    def remove_temp_files(self) -> int:
+        """Delete temp files left by an interrupted writer (never valid entries)."""
+        n = 0
+        if self.root.is_dir():
+            for p in self.root.rglob(".*.tmp"):
+                p.unlink(missing_ok=True)
+                n += 1
+        return n
+
+    # ------------------------------------------------------------ write
+
+    def save(self, chunk_id: int | None, kind: str, kv: KV, token_ids, scores: torch.Tensor | None = None,
+             extra: dict[str, Any] | None = None, dtype: str | None = None) -> Path:
+        """Write one entry atomically (temp file, fsync, rename)."""
+        if len(kv) != len(token_ids):
+            raise ValueError(f"KV has {len(kv)} tokens but {len(token_ids)} token ids were given")
+        dtype = canonical_dtype(dtype or self.dtype)
+        tdtype = DTYPES[dtype]
+        tensors = {
+            "keys": kv.keys.detach().to(tdtype).contiguous(),
+            "values": kv.values.detach().to(tdtype).contiguous(),
+        }
+        if scores is not None:
+            tensors["scores"] = scores.detach().to(torch.float32).reshape(-1).contiguous()
+            if tensors["scores"].numel() != len(kv):
+                raise ValueError(f"{tensors['scores'].numel()} scores for {len(kv)} tokens")
+        for name in ("keys", "values"):
+            if not torch.isfinite(tensors[name]).all():
+                raise FusionRAGError(
+                    f"chunk {chunk_id}: KV {name} are not finite in {dtype} (values beyond the fp16 range?); "
+                    "store this knowledge base with kv dtype float32"
+                )
+        meta = {
+            "format": FORMAT,
+            "kind": kind,
+            "chunk_id": "" if chunk_id is None else str(int(chunk_id)),
+            "fingerprint": self.fingerprint,
+            "system_hash": self.system_hash,
+            "tokens_sha256": tokens_hash(token_ids),
+            "n_tokens": str(len(kv)),
+            "base_position": str(int(kv.base_position)),
+            "dtype": dtype,
+            "extra": json.dumps(extra or {}, sort_keys=True),
+        }
+        meta["checksum"] = _checksum(tensors, meta)
+        data = st_save(tensors, metadata=meta)
+        path = self.path(chunk_id, kind)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _atomic_write(path, data)
+        return path
+
+    # ------------------------------------------------------------ read
+
+    def header(self, chunk_id: int | None, kind: str) -> dict[str, str] | None:
+        """The entry's metadata without reading its tensors (``None`` if absent or unreadable).
+
+        Cheap enough for resume checks; not a verification (use :meth:`load` for that).
+        """
+        path = self.path(chunk_id, kind)
+        try:
+            with open(path, "rb") as f:
+                n = int.from_bytes(f.read(8), "little")
+                if n <= 0 or n > _MAX_HEADER:
+                    return None
+                meta = json.loads(f.read(n)).get("__metadata__")
+        except (OSError, ValueError, AttributeError):
+            return None
+        return meta if isinstance(meta, dict) else None
+
+    def load(self, chunk_id: int | None, kind: str, token_ids=None) -> KVEntry:
+        """Read and verify one entry; :class:`CacheIntegrityError` says what is wrong."""
+        path = self.path(chunk_id, kind)
+        what = "system prompt KV" if kind == "system" else f"{kind} KV of chunk {chunk_id}"
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            raise CacheIntegrityError(f"{what} is missing ({path})") from None
+        except OSError as exc:
+            raise CacheIntegrityError(f"{what}: cannot read {path}: {exc}") from exc
+        try:
+            n = int.from_bytes(data[:8], "little")
+            if len(data) < 8 or n <= 0 or n > min(_MAX_HEADER, len(data) - 8):
+                raise ValueError("header length out of range")
+            meta = json.loads(data[8:8 + n]).get("__metadata__") or {}
+            tensors = st_load(data)
+        except (SafetensorError, ValueError, AttributeError, RuntimeError) as exc:
+            raise CacheIntegrityError(
+                f"{what} is truncated or corrupted ({path}: {exc}); delete it and re-run ingest/preprocess"
+            ) from exc
+        if meta.get("format") != FORMAT or "keys" not in tensors or "values" not in tensors:
+            raise CacheIntegrityError(f"{what}: {path} is not a fusionrag KV entry")
+        if _checksum(tensors, meta) != meta.get("checksum"):
+            raise CacheIntegrityError(
+                f"{what}: checksum mismatch in {path} (the file was corrupted or modified); "
+                "delete it and re-run ingest/preprocess"
+            )
+        if meta.get("fingerprint") != self.fingerprint:
+            raise CacheIntegrityError(
+                f"{what} was computed by model {meta.get('fingerprint')}, not by the loaded model "
+                f"{self.fingerprint}; refusing to reuse it"
+            )
+        if meta.get("system_hash") != self.system_hash:
+            raise CacheIntegrityError(
+                f"{what} was computed after another system prompt ({meta.get('system_hash')} != "
+                f"{self.system_hash}); refusing to reuse it"
+            )
+        if token_ids is not None and meta.get("tokens_sha256") != tokens_hash(token_ids):
+            raise CacheIntegrityError(f"{what} was computed for other tokens than the chunk's; refusing to reuse it")
+        if meta.get("kind") != kind or (chunk_id is not None and meta.get("chunk_id") != str(int(chunk_id))):
+            raise CacheIntegrityError(f"{what}: {path} holds {meta.get('kind')} KV of chunk {meta.get('chunk_id')}")
+        try:
+            kv = KV(tensors["keys"], tensors["values"], int(meta["base_position"]))
+        except (ValueError, KeyError) as exc:
+            raise CacheIntegrityError(f"{what}: malformed entry {path}: {exc}") from exc
+        if str(len(kv)) != meta.get("n_tokens"):
+            raise CacheIntegrityError(f"{what}: {path} has {len(kv)} tokens, header says {meta.get('n_tokens')}")
+        return KVEntry(kv, tensors.get("scores"), meta)
+
+
+def _checksum(tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> str:
+    """sha256 over the tensor bytes (in a fixed order) and every metadata field but itself."""
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].contiguous()
+        h.update(f"{name}:{t.dtype!s}:{tuple(t.shape)}".encode())
+        if t.numel():
+            h.update(t.view(torch.uint8).numpy())  # buffer protocol: no copy
+    h.update(json.dumps({k: v for k, v in meta.items() if k != "checksum"}, sort_keys=True).encode())
+    return h.hexdigest()
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    try:  # make the rename itself durable
+        fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass

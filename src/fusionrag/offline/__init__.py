@@ -1,0 +1,1 @@
+"""Offline stage: plain (Full Reuse) and similarity-fused chunk KV, and the ``ingest`` / ``preprocess`` CLI."""

@@ -1,0 +1,111 @@
+"""``fusionrag ingest``, ``fusionrag preprocess`` and ``fusionrag store info``.
+
+Thin handlers over :class:`~fusionrag.retrieval.knowledge.KnowledgeStore`: they return
+an exit code and raise :class:`FusionRAGError` for user errors (the CLI prints one line).
+Reports go to stdout as JSON so that scripts can read them; skipped input goes to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from fusionrag.errors import FusionRAGError
+
+_MODEL_HELP = (
+    "model short name or local checkpoint (default: qwen2.5-0.5b for a new store, the store's model otherwise)"
+)
+
+
+def cmd_ingest(args: argparse.Namespace) -> int:
+    from fusionrag.models import DEFAULT_MODEL, load_model
+    from fusionrag.retrieval.embedder import get_embedder
+    from fusionrag.retrieval.knowledge import DB_NAME, KnowledgeStore
+
+    store_dir = Path(args.store)
+    if (store_dir / DB_NAME).is_file():
+        store = KnowledgeStore.open(store_dir, lm=load_model(args.model) if args.model else None,
+                                    embedder=get_embedder(args.embedder) if args.embedder else None)
+        for opt, key in (("chunk_tokens", "chunk_tokens"), ("kv_dtype", "kv_dtype")):
+            given = getattr(args, opt)
+            if given is not None and str(given) not in (str(store.settings[key]),) and not (
+                    key == "kv_dtype" and _same_dtype(given, store.settings[key])):
+                raise FusionRAGError(
+                    f"the store at {store_dir} uses --{opt.replace('_', '-')} {store.settings[key]}; "
+                    "it cannot change after creation (use a new --store)"
+                )
+    else:
+        model = args.model or DEFAULT_MODEL
+        embedder = get_embedder(args.embedder) if args.embedder else None
+        store = KnowledgeStore.create(store_dir, load_model(model), chunk_tokens=args.chunk_tokens or 256,
+                                      kv_dtype=args.kv_dtype or "float16", embedder=embedder, model_source=model)
+    try:
+        report = store.ingest([Path(p) for p in args.paths], progress=not args.quiet)
+    finally:
+        store.close()
+    for problem in report.problems:
+        print(f"fusionrag: skipped {problem}", file=sys.stderr)
+    print(json.dumps(report.to_dict(), indent=2))
+    if report.files == 0 and report.problems:
+        raise FusionRAGError("nothing was ingested (see the skipped inputs above)")
+    return 0
+
+
+def _same_dtype(a: str, b: str) -> bool:
+    from fusionrag.kvcache.store import canonical_dtype
+
+    return canonical_dtype(a) == canonical_dtype(b)
+
+
+def cmd_preprocess(args: argparse.Namespace) -> int:
+    from fusionrag.models import load_model
+    from fusionrag.retrieval.knowledge import KnowledgeStore
+
+    store = KnowledgeStore.open(Path(args.store), lm=load_model(args.model) if args.model else None)
+    try:
+        report = store.preprocess(top_n=args.top_n, progress=not args.quiet, neighbour_order=args.neighbour_order,
+                                  same_document=True if args.same_document else None)
+    finally:
+        store.close()
+    print(json.dumps(report.to_dict(), indent=2))
+    return 0
+
+
+def cmd_store_info(args: argparse.Namespace) -> int:
+    from fusionrag.retrieval.knowledge import store_info
+
+    print(json.dumps(store_info(Path(args.store)), indent=2))
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add ``ingest``, ``preprocess`` and ``store info`` to the ``fusionrag`` sub-commands."""
+    p = sub.add_parser("ingest", help="add .txt/.md/.jsonl documents to a knowledge base: chunks, vectors, plain KV")
+    p.add_argument("paths", nargs="+", metavar="PATH", help="files or folders to ingest")
+    p.add_argument("--store", required=True, help="knowledge-base folder (created if missing)")
+    p.add_argument("--model", default=None, help=_MODEL_HELP)
+    p.add_argument("--chunk-tokens", type=int, default=None, help="max tokens per chunk, title included (default 256)")
+    p.add_argument("--kv-dtype", choices=["float16", "float32"], default=None,
+                   help="KV storage dtype (default float16; rotation is always fp32)")
+    p.add_argument("--embedder", default=None,
+                   help="embedding model for a new store: all-MiniLM-L6-v2 (default) or hashing-<dim> (tests)")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.set_defaults(func=cmd_ingest)
+
+    p = sub.add_parser("preprocess", help="fuse each chunk's KV with its top-n most similar chunks (resumable)")
+    p.add_argument("--store", required=True, help="knowledge-base folder")
+    p.add_argument("--top-n", type=int, default=10, help="neighbours per chunk (0 = plain KV; default 10)")
+    p.add_argument("--neighbour-order", choices=["nearest_last", "nearest_first"], default=None,
+                   help="where the most similar neighbour goes: right before the chunk (default) or first")
+    p.add_argument("--same-document", action="store_true", help="take neighbours only from the chunk's document")
+    p.add_argument("--model", default=None, help="load the store's model from here (must be the same weights)")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.set_defaults(func=cmd_preprocess)
+
+    p = sub.add_parser("store", help="knowledge-base maintenance")
+    store_sub = p.add_subparsers(dest="store_command", required=True)
+    q = store_sub.add_parser("info", help="print a store's model, counts, sizes and settings as JSON")
+    q.add_argument("--store", required=True, help="knowledge-base folder")
+    q.set_defaults(func=cmd_store_info)

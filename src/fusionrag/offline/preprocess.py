@@ -1,0 +1,263 @@
+"""Offline KV computation: plain (Full Reuse) chunk caches and FusionRAG's fused caches.
+
+Plain KV of a chunk: the chunk prefilled right after ``S`` (base position ``len(S)``),
+only the chunk's part kept. Fused KV (the paper's similarity-guided preliminary
+cross-attention): the chunk's top-n most similar other chunks, taken from their *plain*
+caches and re-rotated to consecutive positions after ``S``, then the chunk prefilled on
+top of them; its new KV is rotated back to ``len(S)`` and stored (one replica per chunk)
+together with Cache-Craft scores (how much attention each token paid to the neighbours).
+
+Neighbour order default: the **most similar neighbour nearest the chunk** (last before
+it). Attention to recent tokens is strongest, so the chunk's KV absorbs most from the
+neighbour that is most likely to be co-retrieved with it; ``nearest_first`` is the
+alternative setting. Neighbours come from the whole corpus by default, or from the
+chunk's document group with ``same_document``.
+
+:func:`plain_batch` and :func:`fuse_batch` are pure functions of their inputs (token ids,
+neighbour lists, a plain-KV loader): the store-facing driver :func:`run_preprocess` only
+decides what to compute and writes results, so a distributed engine can map the pure
+part over shards of a large corpus.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from tqdm.auto import tqdm
+
+from fusionrag.engine.attention import prefill_with_context_attention
+from fusionrag.errors import FusionRAGError
+from fusionrag.kvcache.kv import KV, assemble
+from fusionrag.kvcache.store import tokens_hash
+from fusionrag.models.registry import LoadedModel
+from fusionrag.online.prefill import chunk_kv_plain
+
+if TYPE_CHECKING:
+    from fusionrag.retrieval.knowledge import KnowledgeStore
+
+NEIGHBOUR_ORDERS = ("nearest_last", "nearest_first")
+DEFAULT_TOP_N = 10
+
+
+@dataclass
+class FusedKV:
+    """A chunk's fused cache, at base position ``len(S)``."""
+
+    chunk_id: int
+    kv: KV
+    scores: torch.Tensor  # [T] fp32: last-layer attention mass each token put on the neighbours
+    neighbours: list[int]  # most similar first (whatever the order in the prefix)
+    neighbour_order: str
+
+
+def prefix_order(neighbours: Sequence[int], neighbour_order: str) -> list[int]:
+    """Neighbours in the order they precede the chunk (input: most similar first)."""
+    if neighbour_order not in NEIGHBOUR_ORDERS:
+        raise FusionRAGError(f"unknown neighbour order '{neighbour_order}' (one of {', '.join(NEIGHBOUR_ORDERS)})")
+    return list(reversed(neighbours)) if neighbour_order == "nearest_last" else list(neighbours)
+
+
+def plain_batch(lm: LoadedModel, system_kv: KV, token_ids: Mapping[int, Sequence[int]]) -> dict[int, KV]:
+    """Plain KV of every chunk in ``token_ids`` (``{chunk_id: ids}``), each at base ``len(S)``."""
+    return {cid: chunk_kv_plain(lm, system_kv, ids) for cid, ids in token_ids.items()}
+
+
+def fuse_one(lm: LoadedModel, system_kv: KV, chunk_id: int, token_ids: Sequence[int], neighbours: Sequence[int],
+             load_plain: Callable[[int], KV], neighbour_order: str = "nearest_last") -> FusedKV:
+    """The fused KV of one chunk (see the module docstring)."""
+    base = system_kv.base_position + len(system_kv)
+    neighbours = [int(n) for n in neighbours]
+    if chunk_id in neighbours:
+        raise ValueError(f"chunk {chunk_id} is listed among its own neighbours")
+    if not neighbours:
+        # top-n 0: by definition the plain cache, bit for bit (no recomputation noise).
+        plain = load_plain(chunk_id)
+        if len(plain) != len(token_ids):
+            raise ValueError(f"plain KV of chunk {chunk_id} has {len(plain)} tokens, expected {len(token_ids)}")
+        return FusedKV(chunk_id, plain, torch.zeros(len(plain), dtype=torch.float32), [], neighbour_order)
+    context, _ = assemble(system_kv, [load_plain(n) for n in prefix_order(neighbours, neighbour_order)], lm.inv_freq)
+    context = context.to(lm.model.dtype)
+    kv, scores = prefill_with_context_attention(lm, torch.tensor(list(token_ids)), past=context,
+                                                context_start=len(system_kv))
+    return FusedKV(chunk_id, kv.moved_to(base, lm.inv_freq), scores.float(), neighbours, neighbour_order)
+
+
+def fuse_batch(lm: LoadedModel, system_kv: KV, chunk_ids: Sequence[int], token_ids: Mapping[int, Sequence[int]],
+               neighbours: Mapping[int, Sequence[int]], load_plain: Callable[[int], KV],
+               neighbour_order: str = "nearest_last") -> dict[int, FusedKV]:
+    """Fused KV of each chunk in ``chunk_ids``; a pure function of its arguments."""
+    return {cid: fuse_one(lm, system_kv, cid, token_ids[cid], neighbours[cid], load_plain, neighbour_order)
+            for cid in chunk_ids}
+
+
+def compute_neighbours(store: KnowledgeStore, chunk_ids: Sequence[int], top_n: int,
+                       same_document: bool = False) -> dict[int, list[int]]:
+    """Top-``top_n`` most similar other chunks of each chunk (most similar first, never itself)."""
+    if not same_document:
+        return store.index.neighbours_many(list(chunk_ids), top_n)
+    groups = store.doc_groups()
+    doc_of = {cid: doc for doc, ids in groups.items() for cid in ids}
+    return store.index.neighbours_many(list(chunk_ids), top_n, among={c: groups[doc_of[c]] for c in chunk_ids})
+
+
+class PlainCache:
+    """Loader of verified plain KVs with a small LRU: similar chunks share neighbours."""
+
+    def __init__(self, store: KnowledgeStore, size: int = 64) -> None:
+        self.store = store
+        self.size = size
+        self._items: OrderedDict[int, KV] = OrderedDict()
+
+    def __call__(self, chunk_id: int) -> KV:
+        if chunk_id in self._items:
+            self._items.move_to_end(chunk_id)
+            return self._items[chunk_id]
+        kv = self.store.load_kv(chunk_id, "plain").to(torch.float32)
+        self._items[chunk_id] = kv
+        if len(self._items) > self.size:
+            self._items.popitem(last=False)
+        return kv
+
+
+@dataclass
+class PreprocessReport:
+    top_n: int
+    neighbour_order: str
+    same_document: bool
+    chunks: int = 0  # considered
+    computed: int = 0
+    new: int = 0  # computed, had no fused entry before
+    refused: int = 0  # computed, replaced an entry made with other neighbours/settings
+    skipped: int = 0  # already up to date (resume / unchanged neighbours)
+    seconds: float = 0.0
+    tokens: int = 0  # chunk tokens of the computed chunks
+    neighbour_changes: list[int] = field(default_factory=list)  # ids re-fused (not new)
+
+    @property
+    def chunks_per_s(self) -> float:
+        return self.computed / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def s_per_chunk(self) -> float:
+        return self.seconds / self.computed if self.computed else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["chunks_per_s"] = round(self.chunks_per_s, 3)
+        d["s_per_chunk"] = round(self.s_per_chunk, 4)
+        d["seconds"] = round(self.seconds, 3)
+        return d
+
+
+def fuse_key(neighbours: Sequence[int], neighbour_order: str) -> dict[str, Any]:
+    """What a fused entry depends on besides the model, ``S`` and the chunk's tokens."""
+    return {"neighbours": [int(n) for n in neighbours], "neighbour_order": neighbour_order}
+
+
+def entry_is_current(store: KnowledgeStore, chunk_id: int, key: dict[str, Any]) -> tuple[bool, bool]:
+    """``(exists, current)`` for the chunk's fused entry, from its header only."""
+    meta = store.kv.header(chunk_id, "fused")
+    if meta is None:
+        return False, False
+    try:
+        extra = json.loads(meta.get("extra", "{}"))
+    except ValueError:
+        return True, False
+    current = (
+        meta.get("fingerprint") == store.kv.fingerprint
+        and meta.get("system_hash") == store.kv.system_hash
+        and meta.get("dtype") == store.kv.dtype
+        and meta.get("tokens_sha256") == tokens_hash(store.chunk(chunk_id).token_ids)
+        and {k: extra.get(k) for k in key} == key
+    )
+    return True, current
+
+
+def run_plain(store: KnowledgeStore, chunk_ids: Sequence[int] | None = None, progress: bool = True,
+              batch_size: int = 8) -> tuple[int, float]:
+    """Compute and store the plain KV of every chunk (of ``chunk_ids``) lacking one.
+
+    Resumable: existing entries are skipped, each entry is written atomically.
+    Returns ``(computed, seconds)``.
+    """
+    ids = store.chunk_ids() if chunk_ids is None else list(chunk_ids)
+    todo = [c for c in ids if not store.has_kv(c, "plain")]
+    if not todo:
+        return 0, 0.0
+    system_kv = store.system_kv()
+    t0 = time.perf_counter()
+    with tqdm(total=len(todo), unit="chunk", desc="plain KV (S + chunk)", disable=not progress) as bar:
+        for i in range(0, len(todo), batch_size):
+            batch = {c: store.chunk(c).token_ids for c in todo[i:i + batch_size]}
+            for cid, kv in plain_batch(store.lm, system_kv, batch).items():
+                store.kv.save(cid, "plain", kv, batch[cid])
+                bar.update(1)
+    return len(todo), time.perf_counter() - t0
+
+
+def run_preprocess(store: KnowledgeStore, top_n: int = DEFAULT_TOP_N, neighbour_order: str = "nearest_last",
+                   same_document: bool = False, chunk_ids: Sequence[int] | None = None, progress: bool = True,
+                   batch_size: int = 4) -> PreprocessReport:
+    """Fuse every chunk (of ``chunk_ids``) whose fused entry is missing or out of date.
+
+    Neighbours are always searched in the whole store (or document group). A chunk is
+    skipped when its entry was made with the same neighbours, order, model, ``S`` and
+    tokens, so an interrupted run resumes where it stopped and an incremental ingest
+    re-fuses only chunks whose neighbour lists changed.
+    """
+    if top_n < 0:
+        raise FusionRAGError(f"--top-n must be >= 0, got {top_n}")
+    prefix_order([], neighbour_order)  # validates the name
+    report = PreprocessReport(top_n, neighbour_order, bool(same_document))
+    ids = store.chunk_ids() if chunk_ids is None else [int(c) for c in chunk_ids]
+    report.chunks = len(ids)
+    if not ids:
+        return report
+    run_plain(store, progress=progress)  # neighbours need plain KV (also completes an interrupted ingest)
+    neighbours = compute_neighbours(store, ids, top_n, same_document)
+    todo, replaced = [], set()
+    for cid in ids:
+        exists, current = entry_is_current(store, cid, fuse_key(neighbours[cid], neighbour_order))
+        if current:
+            report.skipped += 1
+        else:
+            todo.append(cid)
+            if exists:
+                replaced.add(cid)
+    todo_set = set(todo)
+    store.record_neighbours({c: neighbours[c] for c in ids if c not in todo_set})
+    if not todo:
+        return report
+    system_kv = store.system_kv()
+    loader = PlainCache(store)
+    t0 = time.perf_counter()
+    try:
+        with tqdm(total=len(todo), unit="chunk", desc=f"fuse (top-{top_n} neighbours)", disable=not progress) as bar:
+            for i in range(0, len(todo), batch_size):
+                batch = todo[i:i + batch_size]
+                tokens = {c: store.chunk(c).token_ids for c in batch}
+                fused = fuse_batch(store.lm, system_kv, batch, tokens, {c: neighbours[c] for c in batch}, loader,
+                                   neighbour_order)
+                for cid in batch:
+                    f = fused[cid]
+                    extra = {**fuse_key(f.neighbours, f.neighbour_order), "top_n": top_n,
+                             "same_document": bool(same_document)}
+                    store.kv.save(cid, "fused", f.kv, tokens[cid], scores=f.scores, extra=extra)
+                    store.record_neighbours({cid: f.neighbours})
+                    report.computed += 1
+                    report.tokens += len(tokens[cid])
+                    if cid in replaced:
+                        report.refused += 1
+                        report.neighbour_changes.append(cid)
+                    else:
+                        report.new += 1
+                    bar.update(1)
+    finally:
+        report.seconds = time.perf_counter() - t0
+    return report

@@ -1,0 +1,225 @@
+"""On-disk KV entries (integrity, atomic writes) and the knowledge-store facade."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import pytest
+import torch
+
+from fusionrag.errors import CacheIntegrityError, FusionRAGError
+from fusionrag.kvcache.kv import KV
+from fusionrag.kvcache.store import KVStore
+from fusionrag.models import load_model
+from fusionrag.online.prefill import chunk_kv_plain
+from fusionrag.prompt import chunk_text
+from fusionrag.retrieval.chunking import content_hash
+from fusionrag.retrieval.embedder import HashingEmbedder
+from fusionrag.retrieval.knowledge import KnowledgeStore, UnknownChunkError
+
+PASSAGES = [
+    {"title": "Paris", "text": "Paris is the capital of France. It lies on the Seine river."},
+    {"title": "Lyon", "text": "Lyon is a city in France on the Rhone and Saone rivers."},
+    {"title": "Berlin", "text": "Berlin is the capital of Germany. It lies on the Spree river."},
+    {"title": "Rhine", "text": "The Rhine river flows through Germany and the Netherlands."},
+    {"title": "Cats", "text": "Cats are small domesticated carnivorous mammals that purr."},
+]
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return load_model("tiny-llama")
+
+
+def _kv(n=5, seed=0, base=7):
+    g = torch.Generator().manual_seed(seed)
+    return KV(torch.randn(2, 2, n, 16, generator=g), torch.randn(2, 2, n, 16, generator=g), base)
+
+
+def _write_corpus(path, passages=PASSAGES, doc="q1"):
+    path.write_text(json.dumps({"id": doc, "question": "?", "passages": passages}) + "\n")
+    return path
+
+
+def _store(tmp_path, lm, **kw):
+    kw.setdefault("kv_dtype", "float32")
+    return KnowledgeStore.create(tmp_path / "kb", lm, chunk_tokens=160, embedder=HashingEmbedder(64), **kw)
+
+
+# ---------------------------------------------------------------- KVStore
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_entry_roundtrip_with_metadata(tmp_path, dtype):
+    store = KVStore(tmp_path, "fp-A", "sys-1", dtype)
+    kv, ids = _kv(), [1, 2, 3, 4, 5]
+    scores = torch.arange(5, dtype=torch.float32)
+    store.save(3, "fused", kv, ids, scores=scores, extra={"neighbours": [1, 2]})
+    entry = store.load(3, "fused", token_ids=ids)
+    tol = 0 if dtype == "float32" else 2e-3
+    assert entry.kv.keys.dtype == getattr(torch, dtype) and entry.kv.base_position == 7
+    torch.testing.assert_close(entry.kv.keys.float(), kv.keys, atol=tol, rtol=tol)
+    torch.testing.assert_close(entry.kv.values.float(), kv.values, atol=tol, rtol=tol)
+    assert torch.equal(entry.scores, scores) and entry.extra == {"neighbours": [1, 2]}
+    header = store.header(3, "fused")
+    assert header["fingerprint"] == "fp-A" and header["system_hash"] == "sys-1" and header["dtype"] == dtype
+    assert header["base_position"] == "7" and header["n_tokens"] == "5" and len(header["checksum"]) == 64
+
+
+def test_truncated_or_corrupted_entries_are_refused(tmp_path):
+    store = KVStore(tmp_path, "fp-A", "sys-1")
+    path = store.save(1, "plain", _kv(), [1, 2, 3, 4, 5])
+    data = path.read_bytes()
+
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CacheIntegrityError, match="truncated or corrupted"):
+        store.load(1, "plain")
+    path.write_bytes(data[:5])
+    with pytest.raises(CacheIntegrityError, match="truncated or corrupted"):
+        store.load(1, "plain")
+
+    flipped = bytearray(data)
+    flipped[-3] ^= 0x40  # one bit in the tensor data
+    path.write_bytes(bytes(flipped))
+    with pytest.raises(CacheIntegrityError, match="checksum mismatch"):
+        store.load(1, "plain")
+
+    path.write_bytes(data.replace(b'"base_position":"7"', b'"base_position":"9"'))  # header edited
+    with pytest.raises(CacheIntegrityError, match="checksum mismatch"):
+        store.load(1, "plain")
+
+    path.write_bytes(data)
+    store.load(1, "plain")  # intact again
+    with pytest.raises(CacheIntegrityError, match="not by the loaded model"):
+        KVStore(tmp_path, "fp-B", "sys-1").load(1, "plain")
+    with pytest.raises(CacheIntegrityError, match="another system prompt"):
+        KVStore(tmp_path, "fp-A", "sys-2").load(1, "plain")
+    with pytest.raises(CacheIntegrityError, match="other tokens"):
+        store.load(1, "plain", token_ids=[9, 9, 9, 9, 9])
+    with pytest.raises(CacheIntegrityError, match="missing"):
+        store.load(2, "plain")
+
+
+def test_interrupted_write_leaves_old_entry_or_none(tmp_path, monkeypatch):
+    store = KVStore(tmp_path, "fp-A", "sys-1")
+    store.save(1, "plain", _kv(seed=1), [1, 2, 3, 4, 5])
+
+    def crash(*_a, **_k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(os, "replace", crash)
+    with pytest.raises(KeyboardInterrupt):
+        store.save(1, "plain", _kv(seed=2), [1, 2, 3, 4, 5])
+    with pytest.raises(KeyboardInterrupt):
+        store.save(2, "plain", _kv(seed=2), [1, 2, 3, 4, 5])
+    monkeypatch.undo()
+    assert torch.equal(store.load(1, "plain").kv.keys, _kv(seed=1).keys.half())  # the old entry, intact
+    assert not store.exists(2, "plain")
+    assert not list(tmp_path.rglob("*.tmp"))
+
+
+def test_fp16_overflow_is_refused(tmp_path):
+    kv = _kv()
+    big = KV(kv.keys * 1e6, kv.values, kv.base_position)
+    with pytest.raises(FusionRAGError, match="float32"):
+        KVStore(tmp_path, "fp", "s", "float16").save(1, "plain", big, [1, 2, 3, 4, 5])
+    with pytest.raises(FusionRAGError, match="unsupported KV storage dtype"):
+        KVStore(tmp_path, "fp", "s", "int8")
+
+
+# ---------------------------------------------------------------- KnowledgeStore
+
+
+def test_store_lifecycle(tmp_path, lm):
+    ks = _store(tmp_path, lm)
+    report = ks.ingest([_write_corpus(tmp_path / "c.jsonl")], progress=False)
+    assert report.new_chunks == 5 and report.plain_computed == 5 and not report.problems
+    ids = ks.chunk_ids()
+    assert ids == [0, 1, 2, 3, 4]
+    rec = ks.chunk(0)
+    assert (rec.title, rec.doc, rec.n_tokens) == ("Paris", "c.jsonl#q1", len(rec.token_ids))
+    assert rec.token_ids == ks.prompt.chunk_ids("Paris", PASSAGES[0]["text"])
+    assert ks.find_by_hash(content_hash("Lyon", PASSAGES[1]["text"])) == 1 and ks.find_by_hash("nope") is None
+    with pytest.raises(UnknownChunkError):
+        ks.chunk(99)
+
+    # plain KV = S + chunk prefill, verified, at base len(S)
+    s_len = len(ks.prompt.system_ids)
+    plain = ks.load_kv(2, "plain")
+    assert plain.base_position == s_len and len(plain) == ks.chunk(2).n_tokens
+    ref = chunk_kv_plain(lm, ks.system_kv(), ks.chunk(2).token_ids)
+    torch.testing.assert_close(plain.keys, ref.keys)
+    assert ks.has_kv(2, "plain") and not ks.has_kv(2, "fused") and ks.load_scores(2) is None
+    assert ks.search(chunk_text("Berlin", PASSAGES[2]["text"]), 2)[0] == 2
+
+    # duplicates map to existing ids; new passages get plain KV
+    got = ks.add_passages([PASSAGES[3], {"title": "Dogs", "text": "Dogs bark."}])
+    assert got == [3, 5] and ks.has_kv(5, "plain")
+
+    # ingesting the same file again adds nothing
+    again = ks.ingest([tmp_path / "c.jsonl"], progress=False)
+    assert again.new_chunks == 0 and again.duplicates == 5 and again.plain_computed == 0
+
+    info = ks.info()
+    assert info["chunks"] == 6 and info["plain_kv"] == 6 and info["fused_kv"] == 0 and info["model"] == "tiny-llama"
+    assert info["bytes_on_disk"] > info["plain_kv_bytes"] > 0 and info["settings"]["kv_dtype"] == "float32"
+    ks.close()
+
+    # reopen: by loading the recorded model, and with the index file lost (rebuilt from SQLite)
+    (tmp_path / "kb" / "index.faiss").unlink()
+    ks2 = KnowledgeStore.open(tmp_path / "kb")
+    assert ks2.lm.fingerprint == lm.fingerprint and len(ks2.index) == 6
+    assert ks2.search("Dogs bark.", 1) == [5]
+    torch.testing.assert_close(ks2.system_kv().keys, ks.system_kv().keys)
+
+
+def test_store_refuses_another_model(tmp_path, lm):
+    ks = _store(tmp_path, lm)
+    ks.ingest([_write_corpus(tmp_path / "c.jsonl")], progress=False)
+    ks.close()
+    with pytest.raises(CacheIntegrityError, match="cannot reuse its caches"):
+        KnowledgeStore.open(tmp_path / "kb", lm=load_model("tiny-qwen2"))
+    with pytest.raises(FusionRAGError, match="embedded with hashing-64"):
+        KnowledgeStore.open(tmp_path / "kb", lm=lm, embedder=HashingEmbedder(32))
+    with pytest.raises(FusionRAGError, match="already exists"):
+        _store(tmp_path, lm)
+    with pytest.raises(FusionRAGError, match="no knowledge base"):
+        KnowledgeStore.open(tmp_path / "nothing-here")
+
+
+def test_corrupted_store_file_detected_on_load(tmp_path, lm):
+    ks = _store(tmp_path, lm)
+    ks.ingest([_write_corpus(tmp_path / "c.jsonl")], progress=False)
+    path = ks.kv.path(1, "plain")
+    path.write_bytes(path.read_bytes()[:-100])
+    with pytest.raises(CacheIntegrityError, match="chunk 1"):
+        ks.load_kv(1, "plain")
+
+
+def test_cli_ingest_preprocess_info(tmp_path, capsys):
+    from fusionrag.offline.cli import register
+
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers(dest="command", required=True))
+    corpus = _write_corpus(tmp_path / "c.jsonl")
+    (tmp_path / "bad.jsonl").write_text("{oops\n")
+    store = str(tmp_path / "kb")
+
+    def run(*argv):
+        args = parser.parse_args(list(argv))
+        return args.func(args)
+
+    assert run("ingest", str(corpus), str(tmp_path / "bad.jsonl"), "--store", store, "--model", "tiny-llama",
+               "--embedder", "hashing-64", "--chunk-tokens", "160", "--quiet") == 0
+    out = capsys.readouterr()
+    assert json.loads(out.out)["new_chunks"] == 5 and "bad.jsonl:1: bad JSON" in out.err
+    with pytest.raises(FusionRAGError, match="cannot change after creation"):
+        run("ingest", str(corpus), "--store", store, "--chunk-tokens", "64", "--quiet")
+    assert run("preprocess", "--store", store, "--top-n", "2", "--same-document", "--quiet") == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["computed"] == 5 and rep["same_document"] is True
+    assert run("store", "info", "--store", store) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["fused_kv"] == 5 and info["settings"]["top_n"] == 2 and info["settings"]["kv_dtype"] == "float16"
