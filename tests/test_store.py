@@ -223,3 +223,20 @@ def test_cli_ingest_preprocess_info(tmp_path, capsys):
     assert run("store", "info", "--store", store) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["fused_kv"] == 5 and info["settings"]["top_n"] == 2 and info["settings"]["kv_dtype"] == "float16"
+
+
+def test_delete_doc_removes_chunks_vectors_and_kv(tmp_path):
+    from fusionrag.models import load_model
+    from fusionrag.retrieval.embedder import HashingEmbedder
+    from fusionrag.retrieval.knowledge import KnowledgeStore
+
+    store = KnowledgeStore.create(tmp_path / "kb", load_model("tiny-llama"), kv_dtype="float32",
+                                  embedder=HashingEmbedder())
+    keep = store.add_passages([{"title": "A", "text": "alpha beta"}], doc="keep")
+    gone = store.add_passages([{"title": "B", "text": "gamma delta"}, {"title": "C", "text": "eps"}], doc="gone")
+    assert store.delete_doc("gone") == sorted(gone)
+    assert store.chunk_ids() == keep and store.delete_doc("gone") == []
+    assert all(not store.has_kv(c, "plain") for c in gone)
+    assert store.search("gamma delta", 3) == keep
+    reopened = KnowledgeStore.open(tmp_path / "kb", lm=store.lm, embedder=HashingEmbedder())
+    assert reopened.chunk_ids() == keep

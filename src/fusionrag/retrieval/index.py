@@ -35,6 +35,12 @@ class VectorIndex:
         if len(ids):
             self.index.add_with_ids(vectors, np.asarray(ids, dtype=np.int64))
 
+    def remove(self, ids: Sequence[int]) -> int:
+        """Drop these chunk ids from the index; returns how many were present."""
+        if not len(ids):
+            return 0
+        return int(self.index.remove_ids(np.asarray(list(ids), dtype=np.int64)))
+
     def ids(self) -> list[int]:
         return faiss.vector_to_array(self.index.id_map).astype(np.int64).tolist()
 

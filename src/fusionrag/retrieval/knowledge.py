@@ -306,6 +306,27 @@ class KnowledgeStore:
             self.index.save(self.path / INDEX_NAME)
         return ids, embed_s
 
+    def delete_doc(self, doc: str) -> list[int]:
+        """Remove every chunk of document ``doc``: metadata, vectors and KV files. Returns the removed ids.
+
+        Chunk ids are never reused. Fused KVs of other chunks that had a removed chunk
+        among their neighbours stay valid caches; the next ``preprocess`` sees their
+        neighbour lists change and re-fuses them (incremental update).
+        """
+        with self._lock:
+            ids = [r[0] for r in self.db.execute("SELECT id FROM chunks WHERE doc = ?", (doc,)).fetchall()]
+            if not ids:
+                return []
+            with self.db:
+                self.db.executemany("DELETE FROM chunks WHERE id = ?", [(i,) for i in ids])
+            self.index.remove(ids)
+            self.index.save(self.path / INDEX_NAME)
+            for cid in ids:
+                self._records.pop(cid, None)
+                for kind in ("plain", "fused"):
+                    self.kv.path(cid, kind).unlink(missing_ok=True)
+        return ids
+
     # ------------------------------------------------------------ index
 
     def _load_index(self) -> VectorIndex:

@@ -480,7 +480,6 @@ def _report_dict(report: Any) -> dict[str, Any] | None:
 
 
 #: Store methods that remove a document's chunks from retrieval, in order of preference.
-DELETE_METHODS = ("delete_doc", "remove_doc", "delete_document", "remove_document")
 
 
 # ---------------------------------------------------------------------------------- the app
@@ -739,14 +738,8 @@ def create_app(engine: Any, settings: ServerSettings | None = None,
                                code="conflict")
             if job.status == "deleted":
                 return JSONResponse(job.to_json())
-            store = getattr(sched.engine, "store", None)
-            remove = next((getattr(store, m) for m in DELETE_METHODS if callable(getattr(store, m, None))), None)
-            if remove is None:
-                raise APIError(501, "this knowledge store cannot remove documents yet (KnowledgeStore has no "
-                                    "delete method); the chunks stay retrievable", "not_implemented_error",
-                               "delete_unsupported")
             if job.status == "ready":
-                await asyncio.wrap_future(sched.run_task(remove, f"api:{job.id}"))
+                await asyncio.wrap_future(sched.run_task(sched.engine.store.delete_doc, f"api:{job.id}"))
             job.status = "deleted"
             return JSONResponse(job.to_json())
         except Exception as exc:
