@@ -54,6 +54,14 @@ def run_doctor(lm: LoadedModel, generate_tokens: int = 16) -> dict:
     key_diff = (shifted.keys - at_target.keys).abs().max().item()
     key_rel = key_diff / at_target.keys.abs().max().item()
 
+    # Storage dtype: the same reuse with chunk KVs stored in fp16 (rotation still in fp32).
+    kvs16 = [kv.to(torch.float16) for kv in kvs]
+    ctx16, ids16, spans16 = assemble_context(lm, system_kv, kvs16, pb.system_ids, chunks)
+    reuse32 = prefill_reused(lm, ctx, ids, spans, question)
+    reuse16 = prefill_reused(lm, ctx16, ids16, spans16, question)
+    fp16_diff = (reuse16.last_logits - reuse32.last_logits).abs().max().item()
+    reuse_gap = (reuse32.last_logits - full.last_logits).abs().max().item()
+
     ours = list(greedy_tokens(lm, full.kv, full.last_logits, generate_tokens, stop_ids=[]))
     prompt = torch.tensor([[*pb.system_ids, *(t for c in chunks for t in c), *question]])
     ref = lm.model.generate(
@@ -71,6 +79,8 @@ def run_doctor(lm: LoadedModel, generate_tokens: int = 16) -> dict:
         "rope_shift_max_abs_key_diff": key_diff,
         "rope_shift_rel_key_diff": key_rel,
         "rope_shift_delta": target,
+        "fp16_storage_max_abs_logit_diff": fp16_diff,
+        "full_reuse_max_abs_logit_diff": reuse_gap,
         "fa_matches_transformers_generate": ours == ref,
         "generated_tokens": len(ours),
         "tolerances": {"logits": LOGIT_TOL, "key_rel": KEY_REL_TOL},

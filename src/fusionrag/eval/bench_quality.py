@@ -51,6 +51,8 @@ class QualitySpec:
     progress: bool = True
     extra_meta: dict = field(default_factory=dict)
     embedder: object | None = None  # None: the store's default (MiniLM); tests inject a cheap one
+    neighbour_order: str = "nearest_last"  # offline: most similar neighbour right before the chunk
+    same_document: bool = False  # offline: neighbours only from the chunk's own document group
 
 
 @dataclass(frozen=True)
@@ -148,7 +150,9 @@ def _open_store(spec: QualitySpec, dataset: str, examples: list[QAExample], top_
     from fusionrag.retrieval.knowledge import KnowledgeStore
 
     # Stores hold gigabytes of KV: they live in the cache folder, never next to the report.
-    path = (spec.cache_dir or spec.out / "cache") / "stores" / f"{spec.model}-{dataset}-n{spec.limit}-top{top_n}"
+    variant = f"-{spec.neighbour_order}" + ("-samedoc" if spec.same_document else "")
+    name = f"{spec.model}-{dataset}-n{spec.limit}-top{top_n}" + ("" if variant == "-nearest_last" else variant)
+    path = (spec.cache_dir or spec.out / "cache") / "stores" / name
     store = (
         KnowledgeStore.open(path, lm=lm)
         if (path / "store.sqlite").exists()
@@ -157,7 +161,8 @@ def _open_store(spec: QualitySpec, dataset: str, examples: list[QAExample], top_
     passages = [{"title": p.title, "text": p.text} for p in knowledge_base(examples)]
     store.add_passages(passages, doc=dataset)
     if top_n > 0:
-        store.preprocess(top_n=top_n, progress=spec.progress)
+        store.preprocess(top_n=top_n, progress=spec.progress, neighbour_order=spec.neighbour_order,
+                         same_document=spec.same_document)
     return store
 
 

@@ -46,7 +46,10 @@ def _cmd_quality(args: argparse.Namespace) -> int:
         max_passage_words=args.max_passage_words,
         seed=args.seed,
         cache_dir=Path(args.cache_dir) if args.cache_dir else None,
+        neighbour_order=args.neighbour_order,
+        same_document=args.same_document,
         command=_command(),
+        extra_meta={"neighbour_order": args.neighbour_order, "same_document": args.same_document},
     )
     run_quality(spec)
     print(f"[bench quality] wrote {spec.out}/results.json, results.md and plots")
@@ -94,7 +97,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--max-new-tokens", type=int, default=24)
     q.add_argument("--max-passage-words", type=int, default=None, help="truncate passages (context length control)")
     q.add_argument("--seed", type=int, default=0)
-    q.add_argument("--cache-dir", default=None, help="Full Attention cache (default OUT/cache)")
+    q.add_argument("--cache-dir", default=None, help="Full Attention cache and stores (default OUT/cache)")
+    q.add_argument("--neighbour-order", choices=["nearest_last", "nearest_first"], default="nearest_last",
+                   help="offline: where the most similar neighbour goes (ablation)")
+    q.add_argument("--same-document", action="store_true",
+                   help="offline: neighbours only from the chunk's own question/document (ablation)")
     q.add_argument("--out", required=True)
     q.set_defaults(func=_cmd_quality)
 
