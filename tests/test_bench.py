@@ -61,3 +61,17 @@ def test_tiny_ttft_bench_writes_report_with_speedups_and_loader(tmp_path):
         assert r["speedup_vs_full"] > 0 and r["context_tokens"] >= 0.9 * r["target_tokens"]
         assert (r["recomputed_tokens"] == 0) == (r["ratio"] == 0.0)
     assert {"sync", "async"} <= set(doc["meta"]["loader"])
+
+
+def test_report_from_records_reaggregates_without_running(tmp_path):
+    from fusionrag.eval.bench_quality import report_from_records
+
+    data = _data(tmp_path)
+    out = tmp_path / "out"
+    spec = QualitySpec(data=[data], out=out, model="tiny-llama", limit=2, ratios=[0.15], methods=["full", "reuse"],
+                       top_n=[1], max_new_tokens=2, progress=False, embedder=HashingEmbedder())
+    rows = run_quality(spec)
+    (out / "results.json").unlink()
+    again = report_from_records(out, model="tiny-llama", data_files=[data])
+    assert [(r["method"], r["kv"], r["n"]) for r in again] == [(r["method"], r["kv"], r["n"]) for r in rows]
+    assert json.loads((out / "results.json").read_text())["meta"]["questions_per_dataset"] == {"hotpotqa": 2}

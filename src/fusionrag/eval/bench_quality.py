@@ -296,3 +296,24 @@ def aggregate(records: Iterable[dict]) -> list[dict]:
         row["norm_f1"] = metrics.normalised_score(row["f1"], reuse and reuse["f1"], full and full["f1"])
         row["norm_agree"] = metrics.normalised_agreement(row["agree_f1"], reuse and reuse["agree_f1"])
     return rows
+
+
+def report_from_records(out: Path, command: str | None = None, data_files: Sequence[Path] = (),
+                        model: str | None = None) -> list[dict]:
+    """Re-aggregate every record in ``out/records.jsonl`` (all datasets, all runs) into the report.
+
+    Lets several ``bench quality`` invocations (e.g. different ``--limit`` per dataset)
+    share one folder and one final report, without recomputing anything.
+    """
+    from fusionrag.eval.report import read_results, write_quality_report
+
+    records = list(_records(out / "records.jsonl").values())
+    if not records:
+        raise FusionRAGError(f"no records in {out / 'records.jsonl'}; run 'fusionrag bench quality' first")
+    rows = aggregate(records)
+    previous = read_results(out / "results.json")[0] if (out / "results.json").is_file() else {}
+    counts = {d: len({r["qid"] for r in records if r["dataset"] == d}) for d in {r["dataset"] for r in records}}
+    write_quality_report(rows, out, command=command, model=model or previous.get("model"),
+                         data_files=list(data_files) or [f["path"] for f in previous.get("data_files", [])],
+                         meta={"questions_per_dataset": counts, "aggregated_from": "records.jsonl"})
+    return rows

@@ -56,6 +56,15 @@ def _cmd_quality(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_report(args: argparse.Namespace) -> int:
+    from fusionrag.eval.bench_quality import report_from_records
+
+    rows = report_from_records(Path(args.out), command=_command(), data_files=[Path(p) for p in args.data],
+                               model=args.model)
+    print(f"[bench report] {len(rows)} rows -> {args.out}/results.json, results.md and plots")
+    return 0
+
+
 def _cmd_ttft(args: argparse.Namespace) -> int:
     from fusionrag.eval.bench_ttft import TTFTSpec, run_ttft
 
@@ -104,6 +113,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="offline: neighbours only from the chunk's own question/document (ablation)")
     q.add_argument("--out", required=True)
     q.set_defaults(func=_cmd_quality)
+
+    r = bsub.add_parser("report", help="re-aggregate OUT/records.jsonl of earlier quality runs into one report")
+    r.add_argument("--out", required=True)
+    r.add_argument("--data", nargs="*", default=[], help="the data files the records came from (provenance)")
+    r.add_argument("--model", default=None, help="model name for the report (default: from results.json)")
+    r.set_defaults(func=_cmd_report)
 
     t = bsub.add_parser("ttft", help="TTFT vs context length with breakdown, memory vs cold disk")
     t.add_argument("--data", required=True, help="a JSONL file whose passages build the contexts")
