@@ -8,6 +8,7 @@ computed on that same thread with ``run_task``.
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -233,3 +234,29 @@ def test_padding_is_compacted_when_a_long_row_dominates(sched):
     assert reqs[0].prompt_tokens > 2 * max(r.prompt_tokens for r in reqs[1:])
     if len(got[-1]) == 2 and all(len(t) > 2 for t in got[:-1]):  # the short row left while the others decoded
         assert sched.stats.compactions > before
+
+
+def test_queued_requests_are_prefetched_by_the_asynchronous_loader(tmp_path):
+    """With a memory tier, a queued request's chunk KVs are read before its prefill, with the same tokens."""
+    make_plain = store_factory(tmp_path / "kb")
+
+    def make_tiered() -> Engine:
+        engine = make_plain()
+        return Engine(engine.store, memory_budget_bytes=64 << 20)
+
+    s = BatchScheduler(make_tiered, max_batch=4, max_queue=16)
+    try:
+        s.wait_ready(120)
+        question = "Which moons does Mars have?"
+        gate = hold(s)
+        req = s.submit(question, max_new_tokens=4, method="fusionrag", top_k=2)
+        deadline = time.monotonic() + 30
+        while s.engine.tier_stats()["host"].prefetches == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        gate.set()
+        tokens = req.result(60).token_ids
+        stats = s.engine.tier_stats()["host"]
+        assert stats.prefetches >= 2 and stats.disk_hits == 0  # every KV came from the loader, none read on demand
+        assert tokens == serial(s, question, 4, method="fusionrag", top_k=2)
+    finally:
+        s.close()

@@ -103,7 +103,7 @@ class Engine:
                                        max_workers=loader_threads)
 
     @classmethod
-    def open(cls, store_dir: str | Path, model: str | None = None) -> Engine:
+    def open(cls, store_dir: str | Path, model: str | None = None, **engine_options) -> Engine:
         from fusionrag.models import load_model
         from fusionrag.retrieval.knowledge import KnowledgeStore
 
@@ -113,7 +113,7 @@ class Engine:
                 f"no knowledge store at '{path}'; create one with 'fusionrag ingest FILES --store {path}'"
             )
         lm = load_model(model) if model else None
-        return cls(KnowledgeStore.open(path, lm=lm))
+        return cls(KnowledgeStore.open(path, lm=lm), **engine_options)
 
     @property
     def system_kv(self) -> KV:
@@ -276,6 +276,22 @@ class Engine:
         """
         if self.tiers is not None:
             self.tiers.prefetch([k for k in (self._stored_key(c, kv) for c in chunk_ids) if k is not None])
+
+    def prefetch_request(self, question: str, method: str = "fusionrag", top_k: int | None = None,
+                         chunks: Sequence[dict] | None = None, kv: str | None = None, **_ignored) -> None:
+        """Asynchronous loader for a queued request: find its chunks now, start loading their KV.
+
+        Runs retrieval (embedding + index search) in the caller's thread, outside the model
+        lock, so the KV reads overlap with whatever the model is computing. Best effort:
+        a request that cannot be resolved here is simply not prefetched.
+        """
+        if self.tiers is None or method == "full" or not (question or "").strip():
+            return
+        try:
+            chunk_ids, _ = self._retrieve(question.strip(), top_k, chunks)
+        except FusionRAGError:
+            return
+        self.prefetch(chunk_ids, kv or DEFAULT_KV.get(method, "plain"))
 
     def _stored_key(self, chunk_id: int | None, kind: str) -> tuple[int, str] | None:
         if chunk_id is None:

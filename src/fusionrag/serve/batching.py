@@ -31,7 +31,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -238,6 +238,7 @@ class BatchScheduler:
         self._pending: collections.deque[DecodeRequest] = collections.deque()
         self._tasks: collections.deque[_Task] = collections.deque()
         self._closed = False
+        self._prefetcher: ThreadPoolExecutor | None = None  # the asynchronous loader's resolver
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, name="fusionrag-model", daemon=True)
         # batch state (model thread only)
@@ -273,6 +274,8 @@ class BatchScheduler:
             self._cond.notify_all()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout)
+        if self._prefetcher is not None:
+            self._prefetcher.shutdown(wait=False, cancel_futures=True)
 
     @property
     def queue_length(self) -> int:
@@ -305,6 +308,13 @@ class BatchScheduler:
                                      f"{self.max_queue}); retry later")
             self._pending.append(req)
             self._cond.notify_all()
+        # Asynchronous loader: resolve this request's chunks and start reading their KV while
+        # the model is busy, off the caller's thread (it may be the event loop).
+        prefetch = getattr(self.engine, "prefetch_request", None)
+        if prefetch is not None and getattr(self.engine, "tiers", None) is not None:
+            if self._prefetcher is None:
+                self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="fusionrag-prefetch")
+            self._prefetcher.submit(prefetch, question, **prepare_kwargs)
         return req
 
     def run_task(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Future:

@@ -32,7 +32,7 @@ def _settings(args: argparse.Namespace):
     )
 
 
-def _engine_factory(store: str, model: str | None):
+def _engine_factory(store: str, model: str | None, memory_budget_mb: int = 0):
     """Builds the engine on the model thread (the store's SQLite connection belongs to its creating thread)."""
     if not Path(store).exists():
         raise FusionRAGError(f"no knowledge store at '{store}'; create one with "
@@ -41,7 +41,7 @@ def _engine_factory(store: str, model: str | None):
     def factory():
         from fusionrag.online.engine import Engine
 
-        return Engine.open(store, model=model)
+        return Engine.open(store, model=model, memory_budget_bytes=memory_budget_mb << 20 or None)
 
     return factory
 
@@ -50,7 +50,7 @@ def _build_app(args: argparse.Namespace):
     from fusionrag.serve.app import create_app
 
     settings = _settings(args)
-    app = create_app(_engine_factory(args.store, args.model), settings)
+    app = create_app(_engine_factory(args.store, args.model, args.memory_budget_mb), settings)
     print(f"fusionrag: loading the model for {args.store} ...", file=sys.stderr)
     app.state.scheduler.wait_ready()  # a bad store or model fails here, as one line, before binding
     return app, settings
@@ -120,6 +120,8 @@ def _server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-prompt-tokens", type=int, default=8192, help="prompt token limit (default 8192)")
     p.add_argument("--method", default="fusionrag", help="default method of requests that name none")
     p.add_argument("--ratio", type=float, default=0.15, help="default recompute ratio")
+    p.add_argument("--memory-budget-mb", type=int, default=1024,
+                   help="in-memory KV tier (heat-based, with the asynchronous loader); 0 reads the store directly")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
