@@ -114,16 +114,26 @@ def test_shared_chunks_in_any_order_are_never_modified(sched):
              ([b], "Deimos?", "full")]
     # The serial references also fill the engine's cache of ad-hoc passage KV; snapshot it.
     want = [serial(sched, q, 10, chunks=docs, method=m, ratio=0.2) for docs, q, m in cases]
-    adhoc = {k: (v.keys.clone(), v.values.clone()) for k, v in sched.engine._adhoc.items()}
-    assert len(adhoc) >= 2
+    adhoc = {k: (v.keys.clone(), v.values.clone()) for k, v in cached_passage_kvs(sched.engine, [a, b]).items()}
+    assert len(adhoc) == 2
     gate = hold(sched)
     reqs = [sched.submit(q, max_new_tokens=10, chunks=docs, method=m, ratio=0.2) for docs, q, m in cases]
     gate.set()
     got = [r.result(60) for r in reqs]
     assert [g.token_ids for g in got] == want
     assert got[0].chunk_ids == [None, None]  # request-supplied passages, not in the store
+    after = cached_passage_kvs(sched.engine, [a, b])
     for key, (k, v) in adhoc.items():  # shared chunk KV untouched by batched decoding
-        assert torch.equal(sched.engine._adhoc[key].keys, k) and torch.equal(sched.engine._adhoc[key].values, v)
+        assert torch.equal(after[key].keys, k) and torch.equal(after[key].values, v)
+
+
+def cached_passage_kvs(engine: Engine, passages: list[dict]) -> dict:
+    """The KV objects the engine's alternative-path cache holds for these passages (fails if one is missing)."""
+    from fusionrag.online.engine import _content_hash
+
+    hashes = [_content_hash(p) for p in passages]
+    res = engine.prefix_cache.lookup(engine.prompt.system_hash, hashes, lambda *_: pytest.fail("not cached"))
+    return dict(zip(hashes, res.values, strict=True))
 
 
 def test_requests_join_and_leave_mid_decode(sched):

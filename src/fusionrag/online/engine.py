@@ -84,7 +84,7 @@ def _ms(t0: float) -> float:
 class Engine:
     """Answers questions over a knowledge store with a chosen KV-reuse method."""
 
-    def __init__(self, store, adhoc_cache_entries: int = 4096, memory_budget_bytes: int | None = None,
+    def __init__(self, store, adhoc_cache_bytes: int | None = 2 << 30, memory_budget_bytes: int | None = None,
                  loader_threads: int = 2) -> None:
         """``memory_budget_bytes`` enables the in-memory KV tier (heat-based) with an asynchronous
         loader of ``loader_threads`` threads over the on-disk store; ``None`` reads the store directly."""
@@ -92,8 +92,11 @@ class Engine:
         self.lm = store.lm
         self.prompt = store.prompt
         self._system_kv: KV | None = None
-        self._adhoc: dict[str, KV] = {}  # KV of request-supplied passages, one replica per content
-        self._adhoc_limit = adhoc_cache_entries
+        # KV of request-supplied passages (not in the store): a prefix cache with the alternative
+        # path, so each distinct passage has one ``S + chunk`` replica whatever its position.
+        from fusionrag.kvcache.prefix_cache import AlternativePathCache
+
+        self.prefix_cache = AlternativePathCache(max_bytes=adhoc_cache_bytes)
         self._lock = threading.RLock()  # the model runs one request at a time
         self.tiers = None
         if memory_budget_bytes:
@@ -222,7 +225,7 @@ class Engine:
     @property
     def adhoc_entries(self) -> int:
         """Number of cached KVs of request-supplied passages."""
-        return len(self._adhoc)
+        return len(self.prefix_cache)
 
     def result_of(self, prep: Prepared, ids: list[int]) -> Answer:
         """The :class:`Answer` for a prepared request and its generated token ids (used by batch decoding)."""
@@ -307,22 +310,24 @@ class Engine:
             loaded = dict(zip(stored, self.tiers.get_many(stored), strict=True))
         else:
             loaded = {k: self.store.load_kv(*k) for k in stored}
+        adhoc = self._adhoc_kvs([(p, ids) for key, p, ids in zip(keys, passages, token_ids, strict=True)
+                                 if key is None])
         kvs, fallbacks = [], 0
-        for key, passage, ids in zip(keys, passages, token_ids, strict=True):
-            kvs.append(loaded[key] if key is not None else self._adhoc_kv(passage, ids))
+        for key, passage in zip(keys, passages, strict=True):
+            kvs.append(loaded[key] if key is not None else adhoc[_content_hash(passage)])
             fallbacks += kind == "fused" and (key is None or key[1] != "fused")
         return kvs, fallbacks
 
-    def _adhoc_kv(self, passage: dict, ids: list[int]) -> KV:
-        """Plain KV of a passage the store does not hold, computed once (alternative path: ``S + chunk``)."""
-        key = _content_hash(passage)
-        kv = self._adhoc.get(key)
-        if kv is None:
-            kv = chunk_kv_plain(self.lm, self.system_kv, ids)
-            if len(self._adhoc) >= self._adhoc_limit:
-                self._adhoc.pop(next(iter(self._adhoc)))
-            self._adhoc[key] = kv
-        return kv
+    def _adhoc_kvs(self, items: list[tuple[dict, list[int]]]) -> dict[str, KV]:
+        """Plain KVs of passages the store does not hold, through the alternative-path prefix cache."""
+        if not items:
+            return {}
+        ids_of = {_content_hash(p): ids for p, ids in items}
+        order = [_content_hash(p) for p, _ in items]
+        result = self.prefix_cache.lookup(
+            self.prompt.system_hash, order,
+            lambda _system, _context, chunk: chunk_kv_plain(self.lm, self.system_kv, ids_of[chunk]))
+        return dict(zip(order, result.values, strict=True))
 
 
 def _content_hash(passage: dict) -> str:

@@ -252,6 +252,16 @@ class Metrics:
             if isinstance(adhoc, int):
                 metric("fusionrag_adhoc_kv_entries", "gauge", "Cached KVs of request-supplied passages.",
                        [("", adhoc)])
+            prefix = getattr(engine, "prefix_cache", None)
+            if prefix is not None:
+                st = prefix.stats()
+                metric("fusionrag_prefix_cache_lookups_total", "counter", "Request-supplied passage lookups.",
+                       [('{result="prefix_hit"}', st.prefix_hits), ('{result="alt_path_hit"}', st.alt_hits),
+                        ('{result="computed"}', st.recomputations)])
+                metric("fusionrag_prefix_cache_bytes", "gauge", "KV bytes held for request-supplied passages.",
+                       [("", st.bytes_stored)])
+                metric("fusionrag_prefix_cache_bytes_saved", "gauge",
+                       "Bytes a plain prefix cache would hold beyond the alternative path.", [("", st.bytes_saved)])
             tiers = tier_stats(engine)
             if tiers:
                 hits = []
