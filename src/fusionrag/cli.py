@@ -63,7 +63,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import torch
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # "Loading weights" bars for a ~2 s load are noise; ours stay
     if args.threads:
         torch.set_num_threads(args.threads)
     func: Callable[[argparse.Namespace], int] = args.func
