@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# The quality study in docs/results/quality (resumable: rerunning skips finished cells).
+# Sized for a 2-core CPU session: 15% recompute for every dataset; HotpotQA's first
+# questions also have 5% and 30%. Raise --limit / add ratios when more CPU time is available.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-docs/results/quality}
+D=${DATA:-../shared/data}
+HOT=$D/hotpotqa/hotpotqa_dev_distractor_first20.jsonl
+WIKI=$D/2wikimqa/2wikimqa_dev_bm25_hipporag.jsonl
+MUS=$D/musique/musique_dev_paragraphs_kag.jsonl
+TRI=$D/triviaqa/triviaqa_dev_searchr1_e5_wiki18.jsonl
+Q() { .venv/bin/fusionrag bench quality --max-new-tokens 16 --cache-dir runs/cache --out "$OUT" "$@"; }
+Q --data "$HOT" --limit 12 --ratios 0.15
+Q --data "$TRI" --limit 12 --ratios 0.15
+Q --data "$MUS" --limit 6 --ratios 0.15 --methods full,reuse,cacheblend,cachecraft,fusionrag
+Q --data "$WIKI" --limit 8 --ratios 0.15 --methods full,reuse,cacheblend,cachecraft,fusionrag
+# Softmax ablation (per-chunk vs global normalisation of the question's attention)
+Q --data "$HOT" --limit 12 --ratios 0.15 --methods full,reuse,fusionrag-global
+Q --data "$TRI" --limit 12 --ratios 0.15 --methods full,reuse,fusionrag-global
+.venv/bin/fusionrag bench report --out "$OUT" --model qwen2.5-0.5b --data "$HOT" "$TRI" "$MUS" "$WIKI"
+# Offline-stage ablations on TriviaQA (cheapest): neighbour order, then top-n (Figure 17)
+.venv/bin/fusionrag bench quality --max-new-tokens 16 --cache-dir runs/cache --out docs/results/ablation_neighbour_order \
+  --data "$TRI" --limit 12 --ratios 0.15 --methods full,reuse,fusionrag --neighbour-order nearest_first
+.venv/bin/fusionrag bench quality --max-new-tokens 16 --cache-dir runs/cache --out docs/results/ablation_top_n \
+  --data "$TRI" --limit 12 --ratios 0.15 --methods full,reuse,fusionrag --top-n 0,2,5,10,15
