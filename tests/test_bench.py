@@ -37,8 +37,9 @@ def test_tiny_bench_writes_well_formed_results_and_resumes(tmp_path):
     for r in rows:
         assert r["n"] == 3 and r["dataset"] == "hotpotqa"
         for key in ("f1", "em", "agree_f1", "kl_first", "top1_agree", "ctx_tokens", "recomputed_tokens",
-                    "ttft_ms_median", "f1_ci"):
+                    "ttft_ms_median", "f1_ci", "load_ms_median", "select_ms_median", "recompute_ms_median"):
             assert key in r
+        assert r["recompute_ms_median"] is not None
     assert (out / "results.md").is_file() and (out / "norm_f1_vs_ratio.png").is_file()
     n_records = len((out / "records.jsonl").read_text().splitlines())
     run_quality(spec)  # everything cached: nothing recomputed

@@ -267,6 +267,7 @@ def _run_cell(engines, full_cache: FullCache, spec: QualitySpec, dataset: str, e
         "ctx_tokens": res.context_tokens,
         "recomputed_tokens": res.recomputed_tokens,
         "ttft_ms": res.ttft_ms.get("total"),
+        "ttft_breakdown_ms": res.ttft_ms,
         "fused_fallbacks": res.fused_fallbacks,
     }
 
