@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 
 from fusionrag.errors import FusionRAGError
 from fusionrag.eval import metrics
-from fusionrag.eval.datasets import QAExample, knowledge_base, load_questions
+from fusionrag.eval.datasets import QAExample, load_questions
 
 POLICY_METHODS = ("cacheblend", "cachecraft", "epic", "random")
 DEFAULT_METHODS = ("full", "reuse", "cacheblend", "cachecraft", "epic", "query", "fusionrag")
@@ -153,13 +153,19 @@ def _open_store(spec: QualitySpec, dataset: str, examples: list[QAExample], top_
     variant = f"-{spec.neighbour_order}" + ("-samedoc" if spec.same_document else "")
     name = f"{spec.model}-{dataset}-n{spec.limit}-top{top_n}" + ("" if variant == "-nearest_last" else variant)
     path = (spec.cache_dir or spec.out / "cache") / "stores" / name
-    store = (
-        KnowledgeStore.open(path, lm=lm)
-        if (path / "store.sqlite").exists()
-        else KnowledgeStore.create(path, lm, chunk_tokens=100_000, kv_dtype="float16")
-    )
-    passages = [{"title": p.title, "text": p.text} for p in knowledge_base(examples)]
-    store.add_passages(passages, doc=dataset)
+    if (path / "store.sqlite").exists():
+        store = KnowledgeStore.open(path, lm=lm, embedder=spec.embedder)
+    else:
+        store = KnowledgeStore.create(path, lm, chunk_tokens=100_000, kv_dtype="float16", embedder=spec.embedder,
+                                      model_source=spec.model)
+    # The knowledge base is the union of all questions' passages; each passage's document is the
+    # first question that retrieves it, so --same-document means "neighbours among co-retrieved passages".
+    seen: set = set()
+    for ex in examples:
+        fresh = [p for p in ex.passages if p not in seen]
+        seen.update(fresh)
+        if fresh:
+            store.add_passages([{"title": p.title, "text": p.text} for p in fresh], doc=f"{dataset}:{ex.id}")
     if top_n > 0:
         store.preprocess(top_n=top_n, progress=spec.progress, neighbour_order=spec.neighbour_order,
                          same_document=spec.same_document)
