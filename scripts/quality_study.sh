@@ -15,12 +15,7 @@ Q --data "$HOT" --limit 12 --ratios 0.15
 Q --data "$TRI" --limit 12 --ratios 0.15
 Q --data "$MUS" --limit 6 --ratios 0.15 --methods full,reuse,cacheblend,cachecraft,fusionrag
 Q --data "$WIKI" --limit 8 --ratios 0.15 --methods full,reuse,cacheblend,cachecraft,fusionrag
-# Softmax ablation (per-chunk vs global normalisation of the question's attention)
-Q --data "$HOT" --limit 12 --ratios 0.15 --methods full,reuse,fusionrag-global
-Q --data "$TRI" --limit 12 --ratios 0.15 --methods full,reuse,fusionrag-global
+# Softmax ablation: the per-chunk normalisation (the default is global)
+Q --data "$HOT" --limit 12 --ratios 0.15 --methods full,reuse,fusionrag-perchunk
+Q --data "$TRI" --limit 12 --ratios 0.15 --methods full,reuse,fusionrag-perchunk
 .venv/bin/fusionrag bench report --out "$OUT" --model qwen2.5-0.5b --data "$HOT" "$TRI" "$MUS" "$WIKI"
-# Offline-stage ablations on TriviaQA (cheapest): neighbour order, then top-n (Figure 17)
-.venv/bin/fusionrag bench quality --max-new-tokens 16 --cache-dir runs/cache --out docs/results/ablation_neighbour_order \
-  --data "$TRI" --limit 12 --ratios 0.15 --methods full,reuse,fusionrag --neighbour-order nearest_first
-.venv/bin/fusionrag bench quality --max-new-tokens 16 --cache-dir runs/cache --out docs/results/ablation_top_n \
-  --data "$TRI" --limit 12 --ratios 0.15 --methods full,reuse,fusionrag --top-n 0,2,5,10,15

@@ -83,7 +83,7 @@ def plan_runs(spec: QualitySpec) -> list[Run]:
             runs.extend(Run("reuse", "fused", 0.0, n) for n in top_ns)
         elif m == "fusionrag":
             runs.extend(Run("fusionrag", "fused", r, n) for n in top_ns for r in ratios)
-        elif m == "fusionrag-global":  # the softmax ablation: global instead of per-chunk normalisation
+        elif m == "fusionrag-perchunk":  # the softmax ablation: per-chunk instead of global normalisation
             runs.extend(Run(m, "fused", r, main_n) for r in ratios)
         elif m == "query":
             runs.extend(Run("query", "plain", r, 0) for r in ratios)
@@ -251,8 +251,8 @@ def _run_cell(engines, full_cache: FullCache, spec: QualitySpec, dataset: str, e
     full_text, full_logits, _ = cached
     if run.method != "full":
         method, options = run.method, {}
-        if method == "fusionrag-global":
-            method, options = "fusionrag", {"softmax": "global"}
+        if method == "fusionrag-perchunk":
+            method, options = "fusionrag", {"softmax": "per_chunk"}
         res = engine.answer(ex.question, method=method, ratio=run.ratio, chunks=chunks, kv=run.kv,
                             max_new_tokens=spec.max_new_tokens, **options)
     scores = metrics.answer_scores(res.text, ex.answers)

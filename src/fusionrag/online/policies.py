@@ -84,7 +84,7 @@ def select(policy: Policy, inp: SelectionInput, ratio: float) -> torch.Tensor:
 # --- query-guided (FusionRAG) ---------------------------------------------------------
 
 
-def question_attention(inp: SelectionInput, softmax: str = "per_chunk") -> torch.Tensor:
+def question_attention(inp: SelectionInput, softmax: str = "global") -> torch.Tensor:
     """Critical score per candidate: the question's last-layer attention, summed over question tokens and heads.
 
     ``per_chunk`` normalises attention within each chunk (the public research code);
@@ -114,8 +114,12 @@ def question_attention(inp: SelectionInput, softmax: str = "per_chunk") -> torch
 
 @dataclass
 class QueryGuided:
+    """Query-guided selection. Default ``global`` softmax: measured better than ``per_chunk``
+    on HotpotQA and TriviaQA (agreement with Full Attention, first-token KL, top-1; see
+    docs/decisions.md), since it ranks tokens by the attention the model actually pays."""
+
     name: str = "fusionrag"
-    softmax: str = "per_chunk"
+    softmax: str = "global"
 
     def scores(self, inp: SelectionInput) -> torch.Tensor:
         return question_attention(inp, self.softmax)
