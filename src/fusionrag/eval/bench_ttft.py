@@ -136,7 +136,10 @@ def run_ttft(spec: TTFTSpec) -> list[dict]:
     lm = load_model(spec.model)
     examples = load_questions(spec.data)
     question = examples[0].question
-    path = spec.out / "store"
+    # The store holds hundreds of MB of KV: keep it in the cache folder, not next to the report.
+    from fusionrag.paths import fusionrag_home
+
+    path = fusionrag_home() / "bench" / f"ttft-{spec.model}-{Path(spec.data).stem}"
     if (path / "store.sqlite").exists():
         store = KnowledgeStore.open(path, lm=lm, embedder=spec.embedder)
     else:
