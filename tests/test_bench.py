@@ -46,7 +46,7 @@ def test_tiny_bench_writes_well_formed_results_and_resumes(tmp_path):
     assert len((out / "records.jsonl").read_text().splitlines()) == n_records
 
 
-def test_tiny_ttft_bench_writes_report_with_speedups_and_loader(tmp_path):
+def test_tiny_ttft_bench_writes_report_with_speedups_and_loader(tmp_path, fusionrag_home):
     from fusionrag.eval.bench_ttft import TTFTSpec, run_ttft
 
     data = tmp_path / "hotpotqa" / "mini.jsonl"
