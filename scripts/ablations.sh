@@ -9,5 +9,5 @@ TRI=$D/triviaqa/triviaqa_dev_searchr1_e5_wiki18.jsonl
 A() { .venv/bin/fusionrag bench quality --max-new-tokens 16 --cache-dir runs/cache --data "$TRI" --limit 12 \
         --ratios 0.15 --methods full,reuse,fusionrag "$@"; }
 A --out docs/results/ablation_neighbour_order --neighbour-order nearest_first
-A --out docs/results/ablation_same_document --same-document
-A --out docs/results/ablation_top_n --top-n 0,2,5,10,15
+A --out docs/results/ablation_same_document --same-document --neighbour-order nearest_last
+A --out docs/results/ablation_top_n --top-n 0,2,5,10,15 --neighbour-order nearest_last

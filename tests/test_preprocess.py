@@ -11,7 +11,13 @@ import fusionrag.offline.preprocess as pre
 from fusionrag.engine.forward import prefill
 from fusionrag.kvcache.kv import KV
 from fusionrag.models import load_model
-from fusionrag.offline.preprocess import compute_neighbours, fuse_batch, plain_batch, prefix_order
+from fusionrag.offline.preprocess import (
+    DEFAULT_NEIGHBOUR_ORDER,
+    compute_neighbours,
+    fuse_batch,
+    plain_batch,
+    prefix_order,
+)
 from fusionrag.retrieval.embedder import HashingEmbedder
 from fusionrag.retrieval.knowledge import KnowledgeStore
 
@@ -113,7 +119,7 @@ def test_fuse_batch_is_a_pure_function(ks, lm):
     neighbours = {0: [1, 2], 5: [4]}
     out = fuse_batch(lm, system_kv, [0, 5], tokens, neighbours, plain.__getitem__)
     for cid, f in out.items():
-        ref = _reference(lm, ks, cid, neighbours[cid], "nearest_last")
+        ref = _reference(lm, ks, cid, neighbours[cid], DEFAULT_NEIGHBOUR_ORDER)
         torch.testing.assert_close(f.kv.keys, ref.keys, atol=1e-4, rtol=1e-4)
         assert f.neighbours == neighbours[cid]
 
@@ -148,7 +154,7 @@ def test_resume_after_failure_mid_run(ks, lm, monkeypatch):
     report = ks.preprocess(top_n=2, progress=False)
     assert (report.skipped, report.computed, report.new, report.refused) == (4, 4, 4, 0)
     for cid in ks.chunk_ids():
-        ref = _reference(lm, ks, cid, ks.neighbours_of(cid), "nearest_last")
+        ref = _reference(lm, ks, cid, ks.neighbours_of(cid), DEFAULT_NEIGHBOUR_ORDER)
         torch.testing.assert_close(ks.load_kv(cid, "fused").keys, ref.keys, atol=1e-4, rtol=1e-4)
     assert ks.preprocess(top_n=2, progress=False).computed == 0  # nothing left to do
 
@@ -183,6 +189,6 @@ def test_fused_kv_fp16_storage_is_close(tmp_path, lm):
     store.preprocess(top_n=2, progress=False)
     kv = store.load_kv(0, "fused")
     assert kv.keys.dtype == torch.float16 and store.settings["kv_dtype"] == "float16"
-    ref = _reference(lm, store, 0, store.neighbours_of(0), "nearest_last")
+    ref = _reference(lm, store, 0, store.neighbours_of(0), DEFAULT_NEIGHBOUR_ORDER)
     torch.testing.assert_close(kv.keys.float(), ref.keys, atol=2e-2, rtol=1e-2)
     assert isinstance(store.load_kv(0, "fused", dtype=torch.float32), KV)

@@ -51,7 +51,7 @@ class QualitySpec:
     progress: bool = True
     extra_meta: dict = field(default_factory=dict)
     embedder: object | None = None  # None: the store's default (MiniLM); tests inject a cheap one
-    neighbour_order: str = "nearest_last"  # offline: most similar neighbour right before the chunk
+    neighbour_order: str = "nearest_first"  # offline: most similar neighbour right after S (measured default)
     same_document: bool = False  # offline: neighbours only from the chunk's own document group
 
 
@@ -151,7 +151,7 @@ def _open_store(spec: QualitySpec, dataset: str, examples: list[QAExample], top_
 
     # Stores hold gigabytes of KV: they live in the cache folder, never next to the report.
     variant = f"-{spec.neighbour_order}" + ("-samedoc" if spec.same_document else "")
-    name = f"{spec.model}-{dataset}-n{spec.limit}-top{top_n}" + ("" if variant == "-nearest_last" else variant)
+    name = f"{spec.model}-{dataset}-n{spec.limit}-top{top_n}" + variant
     path = (spec.cache_dir or spec.out / "cache") / "stores" / name
     if (path / "store.sqlite").exists():
         store = KnowledgeStore.open(path, lm=lm, embedder=spec.embedder)
@@ -191,11 +191,11 @@ def run_quality(spec: QualitySpec) -> list[dict]:
         if not examples:
             raise FusionRAGError(f"{data_file}: no questions")
         dataset = examples[0].dataset
-        # One store per offline top-n; plain KV is the same in all of them, so plain runs use the first.
-        engines = {n: Engine(_open_store(spec, dataset, examples, n, lm))
-                   for n in sorted({r.top_n for r in runs if r.kv == "fused" or r.method == "cachecraft"}
-                                   or {spec.top_n[0]})}
         todo = [(ex, run) for ex in examples for run in runs if (dataset, ex.id, run.key) not in done]
+        # One store per offline top-n; plain KV is the same in all of them, so plain runs use the first.
+        # Nothing left to compute: no store is opened (or built) at all.
+        needed = {r.top_n for _, r in todo if r.kv == "fused" or r.method == "cachecraft"} or {spec.top_n[0]}
+        engines = {n: Engine(_open_store(spec, dataset, examples, n, lm)) for n in sorted(needed)} if todo else {}
         print(
             f"[bench quality] {dataset}: {len(examples)} questions x {len(runs)} runs; "
             f"{len(todo)} cells to compute ({len(examples) * len(runs) - len(todo)} already done)"

@@ -107,7 +107,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--max-passage-words", type=int, default=None, help="truncate passages (context length control)")
     q.add_argument("--seed", type=int, default=0)
     q.add_argument("--cache-dir", default=None, help="Full Attention cache and stores (default OUT/cache)")
-    q.add_argument("--neighbour-order", choices=["nearest_last", "nearest_first"], default="nearest_last",
+    q.add_argument("--neighbour-order", choices=["nearest_last", "nearest_first"], default="nearest_first",
                    help="offline: where the most similar neighbour goes (ablation)")
     q.add_argument("--same-document", action="store_true",
                    help="offline: neighbours only from the chunk's own question/document (ablation)")

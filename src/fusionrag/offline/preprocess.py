@@ -42,6 +42,8 @@ if TYPE_CHECKING:
     from fusionrag.retrieval.knowledge import KnowledgeStore
 
 NEIGHBOUR_ORDERS = ("nearest_last", "nearest_first")
+#: Measured on TriviaQA (docs/decisions.md): the most similar neighbour first, right after S.
+DEFAULT_NEIGHBOUR_ORDER = "nearest_first"
 DEFAULT_TOP_N = 10
 
 
@@ -69,7 +71,7 @@ def plain_batch(lm: LoadedModel, system_kv: KV, token_ids: Mapping[int, Sequence
 
 
 def fuse_one(lm: LoadedModel, system_kv: KV, chunk_id: int, token_ids: Sequence[int], neighbours: Sequence[int],
-             load_plain: Callable[[int], KV], neighbour_order: str = "nearest_last") -> FusedKV:
+             load_plain: Callable[[int], KV], neighbour_order: str = DEFAULT_NEIGHBOUR_ORDER) -> FusedKV:
     """The fused KV of one chunk (see the module docstring)."""
     base = system_kv.base_position + len(system_kv)
     neighbours = [int(n) for n in neighbours]
@@ -90,7 +92,7 @@ def fuse_one(lm: LoadedModel, system_kv: KV, chunk_id: int, token_ids: Sequence[
 
 def fuse_batch(lm: LoadedModel, system_kv: KV, chunk_ids: Sequence[int], token_ids: Mapping[int, Sequence[int]],
                neighbours: Mapping[int, Sequence[int]], load_plain: Callable[[int], KV],
-               neighbour_order: str = "nearest_last") -> dict[int, FusedKV]:
+               neighbour_order: str = DEFAULT_NEIGHBOUR_ORDER) -> dict[int, FusedKV]:
     """Fused KV of each chunk in ``chunk_ids``; a pure function of its arguments."""
     return {cid: fuse_one(lm, system_kv, cid, token_ids[cid], neighbours[cid], load_plain, neighbour_order)
             for cid in chunk_ids}
@@ -201,7 +203,7 @@ def run_plain(store: KnowledgeStore, chunk_ids: Sequence[int] | None = None, pro
     return len(todo), time.perf_counter() - t0
 
 
-def run_preprocess(store: KnowledgeStore, top_n: int = DEFAULT_TOP_N, neighbour_order: str = "nearest_last",
+def run_preprocess(store: KnowledgeStore, top_n: int = DEFAULT_TOP_N, neighbour_order: str = DEFAULT_NEIGHBOUR_ORDER,
                    same_document: bool = False, chunk_ids: Sequence[int] | None = None, progress: bool = True,
                    batch_size: int = 4) -> PreprocessReport:
     """Fuse every chunk (of ``chunk_ids``) whose fused entry is missing or out of date.

@@ -48,6 +48,8 @@ from fusionrag.retrieval.chunking import (
 from fusionrag.retrieval.embedder import Embedder, get_embedder
 from fusionrag.retrieval.index import VectorIndex
 
+DEFAULT_NEIGHBOUR_ORDER = "nearest_first"  # kept equal to offline.preprocess.DEFAULT_NEIGHBOUR_ORDER
+
 STORE_FORMAT = "fusionrag-store/1"
 DB_NAME = "store.sqlite"
 INDEX_NAME = "index.faiss"
@@ -162,7 +164,7 @@ class KnowledgeStore:
             "embedder": embedder.name,
             "embedding_dim": int(embedder.dim),
             "top_n": None,  # set by the first preprocess; then ingest keeps the store fused
-            "neighbour_order": "nearest_last",
+            "neighbour_order": DEFAULT_NEIGHBOUR_ORDER,
             "same_document": False,
             "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
         }
@@ -453,7 +455,7 @@ class KnowledgeStore:
         """
         from fusionrag.offline.preprocess import prefix_order, run_preprocess
 
-        order = neighbour_order or self.settings.get("neighbour_order") or "nearest_last"
+        order = neighbour_order or self.settings.get("neighbour_order") or DEFAULT_NEIGHBOUR_ORDER
         prefix_order([], order)
         same = bool(self.settings.get("same_document")) if same_document is None else bool(same_document)
         if top_n < 0:

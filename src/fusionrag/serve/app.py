@@ -677,11 +677,11 @@ def create_app(engine: Any, settings: ServerSettings | None = None,
             elif s.preprocess_top_n is not None and hasattr(store, "settings"):
                 # Never preprocessed: fuse only the new chunks, without switching the whole store
                 # to fused mode (store.preprocess would record top_n and fuse everything).
-                from fusionrag.offline.preprocess import run_preprocess
+                from fusionrag.offline.preprocess import DEFAULT_NEIGHBOUR_ORDER, run_preprocess
 
                 job.preprocess = _report_dict(run_preprocess(
                     store, top_n=int(s.preprocess_top_n),
-                    neighbour_order=store.settings.get("neighbour_order") or "nearest_last",
+                    neighbour_order=store.settings.get("neighbour_order") or DEFAULT_NEIGHBOUR_ORDER,
                     same_document=bool(store.settings.get("same_document")), chunk_ids=job.chunk_ids,
                     progress=False))
             job.status = "ready"
