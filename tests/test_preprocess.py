@@ -159,7 +159,7 @@ def test_resume_after_failure_mid_run(ks, lm, monkeypatch):
     assert ks.preprocess(top_n=2, progress=False).computed == 0  # nothing left to do
 
     # settings that change the neighbour lists or their order make entries stale
-    assert ks.preprocess(top_n=2, neighbour_order="nearest_first", progress=False).refused == 8
+    assert ks.preprocess(top_n=2, neighbour_order="nearest_last", progress=False).refused == 8
 
 
 def test_incremental_ingest_refuses_only_changed_chunks(ks, tmp_path):
