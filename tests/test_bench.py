@@ -76,3 +76,19 @@ def test_report_from_records_reaggregates_without_running(tmp_path):
     again = report_from_records(out, model="tiny-llama", data_files=[data])
     assert [(r["method"], r["kv"], r["n"]) for r in again] == [(r["method"], r["kv"], r["n"]) for r in rows]
     assert json.loads((out / "results.json").read_text())["meta"]["questions_per_dataset"] == {"hotpotqa": 2}
+
+
+def test_cached_full_attention_serves_the_full_cell_without_a_ttft(tmp_path):
+    data = _data(tmp_path)
+    common = dict(data=[data], model="tiny-llama", limit=3, ratios=[0.15], methods=["full", "reuse"], top_n=[2],
+                  max_new_tokens=3, progress=False, embedder=HashingEmbedder(), cache_dir=tmp_path / "cache")
+    first = {r["method"]: r for r in run_quality(QualitySpec(out=tmp_path / "a", **common))}
+    second = {r["method"]: r for r in run_quality(QualitySpec(out=tmp_path / "b", reuse_full_cache=True, **common))}
+    recs = [json.loads(line) for line in (tmp_path / "b" / "records.jsonl").read_text().splitlines()]
+    full = [r for r in recs if r["method"] == "full"]
+    assert len(full) == 3 and all(r["full_from_cache"] and r["ttft_ms"] is None for r in full)
+    assert all(r["recomputed_tokens"] == r["ctx_tokens"] > 0 for r in full)
+    # same answers as the measured run; the TTFT of the cache-served cell is absent, not invented
+    assert second["full"]["agree_f1"] == 1.0 and second["full"]["f1"] == first["full"]["f1"]
+    assert second["full"]["ttft_ms_median"] is None and second["full"]["ttft_n"] == 0
+    assert first["full"]["ttft_n"] == 3 and second["reuse"]["ttft_n"] == 3

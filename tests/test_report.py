@@ -11,6 +11,7 @@ import pytest
 from fusionrag.eval.report import (
     build_meta,
     markdown_table,
+    plot_fidelity_at_ratio,
     plot_metric_vs_ratio,
     plot_ttft,
     quality_markdown,
@@ -116,15 +117,23 @@ def test_write_quality_report(tmp_path):
     table_lines = [line for line in md.splitlines() if line.startswith("|")]
     assert len({line.count("|") for line in table_lines}) == 1  # consistent columns
 
-    for metric in ("norm_f1", "agree_f1", "norm_agree"):
+    for metric in ("norm_f1", "agree_f1", "norm_agree", "fidelity"):
         _assert_png(written[metric])
     assert {p.name for p in out.iterdir()} == {
+        "fidelity_at_15pct.png",
         "results.json",
         "results.md",
         "norm_f1_vs_ratio.png",
         "agree_f1_vs_ratio.png",
         "norm_agree_vs_ratio.png",
     }  # no temp files left behind
+
+
+def test_fidelity_plot_needs_a_method_at_its_ratio(tmp_path):
+    rows = _quality_rows()
+    assert plot_fidelity_at_ratio(rows, 0.2, tmp_path / "none.png") is None  # only Full Reuse would be drawn
+    assert not (tmp_path / "none.png").exists()
+    _assert_png(plot_fidelity_at_ratio(rows, 0.05, tmp_path / "five.png"))
 
 
 def test_quality_report_overwrites_and_can_skip_plots(tmp_path):

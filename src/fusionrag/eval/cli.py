@@ -48,6 +48,7 @@ def _cmd_quality(args: argparse.Namespace) -> int:
         cache_dir=Path(args.cache_dir) if args.cache_dir else None,
         neighbour_order=args.neighbour_order,
         same_document=args.same_document,
+        reuse_full_cache=args.reuse_full_cache,
         command=_command(),
         extra_meta={"neighbour_order": args.neighbour_order, "same_document": args.same_document},
     )
@@ -111,6 +112,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="offline: where the most similar neighbour goes (ablation)")
     q.add_argument("--same-document", action="store_true",
                    help="offline: neighbours only from the chunk's own question/document (ablation)")
+    q.add_argument("--reuse-full-cache", action="store_true",
+                   help="let a cached Full Attention result serve the `full` cell too (its TTFT is then not reported)")
     q.add_argument("--out", required=True)
     q.set_defaults(func=_cmd_quality)
 

@@ -563,6 +563,75 @@ def plot_ttft(rows: Sequence[Mapping[str, Any]], path: str | Path, *, title: str
     return _save_png(fig, path)
 
 
+#: Panels of :func:`plot_fidelity_at_ratio`: (metric, axis label); lower is better only for KL.
+FIDELITY_PANELS: tuple[tuple[str, str], ...] = (
+    ("agree_f1", "agreement F1 with FA (higher = better)"),
+    ("kl_first", "first-token KL(FA || method) (lower = better)"),
+    ("top1_agree", "first-token top-1 agreement (higher = better)"),
+)
+
+
+def plot_fidelity_at_ratio(rows: Sequence[Mapping[str, Any]], ratio: float, path: str | Path,
+                           *, title: str | None = None) -> Path | None:
+    """Fidelity of every method at one recompute ratio, with 95% intervals, one column per dataset.
+
+    The study's headline picture: where the ratio curve has a single point (the usual
+    case on a CPU budget), bars with error bars say more than a line plot. Full Reuse
+    (ratio 0) is drawn as the floor every method should beat; Full Attention is left out
+    (it is the reference: agreement 1, KL 0). Returns None when no row has ``ratio``.
+    """
+    def wanted(r: Mapping[str, Any]) -> bool:
+        if r.get("method") == "full" or not _is_number(r.get("ratio")):
+            return False
+        return r.get("method") == "reuse" or abs(float(r["ratio"]) - ratio) < 1e-9
+
+    picked = [r for r in rows if wanted(r)]
+    if not any(r.get("method") != "reuse" for r in picked):
+        return None
+    datasets = _datasets(picked)
+    colours = _method_colours(str(r.get("method")) for r in picked)
+    vary_top_n = len({r.get("top_n") for r in picked if r.get("kv") == "fused"}) > 1
+
+    def key(r: Mapping[str, Any]) -> tuple[str, str, Any]:
+        return str(r["method"]), str(r.get("kv")), r.get("top_n") if vary_top_n and r.get("kv") == "fused" else None
+
+    # One shared y axis: the same bar means the same series in every column (missing = no bar).
+    order = {"reuse": 0, "fusionrag": 2}
+    keys = sorted(dict.fromkeys(key(r) for r in picked),
+                  key=lambda k: (order.get(k[0], 1), k[0], k[1] == "fused", -1 if k[2] is None else k[2]))
+    labels = [_series_label(m, kv) + (f" top-{n}" if n is not None else "") for m, kv, n in keys]
+    ys = np.arange(len(keys))
+    fig, axes = _figure(len(FIDELITY_PANELS), len(datasets), 3.6, 0.9 + 0.28 * len(keys))
+    for col, ds in enumerate(datasets):
+        by_key = {key(r): r for r in picked if str(r.get("dataset")) == ds}
+        n = max((int(r.get("n", 0)) for r in by_key.values()), default=0)
+        for row_i, (metric, label) in enumerate(FIDELITY_PANELS):
+            ax = axes[row_i][col]
+            cells = [by_key.get(k, {}) for k in keys]
+            vals = np.array([float(c[metric]) if _is_number(c.get(metric)) else np.nan for c in cells])
+            err = np.zeros((2, len(keys)))
+            for i, (v, c) in enumerate(zip(vals, cells, strict=True)):
+                ci = c.get(f"{metric}_ci")
+                if isinstance(ci, Sequence) and len(ci) == 2 and all(_is_number(x) for x in ci):
+                    err[:, i] = [max(0.0, v - float(ci[0])), max(0.0, float(ci[1]) - v)]
+            bars = ax.barh(ys, np.nan_to_num(vals), xerr=err, capsize=2, alpha=0.85,
+                           color=[colours[k[0]] for k in keys])
+            for bar, k, v in zip(bars, keys, vals, strict=True):
+                if k[1] == "fused":  # same colour as the method, hatched: the offline stage's KV
+                    bar.set_hatch("//")
+                if np.isnan(v):
+                    bar.set_visible(False)
+            ax.set_yticks(ys, labels if col == 0 else [""] * len(ys), fontsize=7)
+            ax.set_ylim(len(keys) - 0.5, -0.5)
+            ax.grid(True, axis="x", alpha=0.3)
+            ax.set_xlabel(label, fontsize=7)
+            if row_i == 0:
+                ax.set_title(f"{ds} (n={n}, {ratio * 100:g}%)", fontsize=9)
+    if title:
+        fig.suptitle(title)
+    return _save_png(fig, path)
+
+
 # --------------------------------------------------------------------------- whole reports
 
 #: Plots of a quality report: (file name, metric, y label, reference lines).
@@ -571,6 +640,11 @@ QUALITY_PLOTS: tuple[tuple[str, str, str, tuple[float, ...]], ...] = (
     ("agree_f1_vs_ratio.png", "agree_f1", "agreement F1 with Full Attention", (1.0,)),
     ("norm_agree_vs_ratio.png", "norm_agree", "normalised agreement F1", (0.0, 1.0)),
 )
+
+
+#: The ratio of the fidelity bar chart (the paper's headline setting) and its file name.
+FIDELITY_RATIO = 0.15
+FIDELITY_PLOT = "fidelity_at_15pct.png"
 
 
 def write_quality_report(
@@ -600,6 +674,10 @@ def write_quality_report(
             written[metric] = plot_metric_vs_ratio(
                 rows, metric, out / name, ylabel=ylabel, hlines=hlines, title=f"{ylabel} ({model})" if model else None
             )
+        fidelity = plot_fidelity_at_ratio(rows, FIDELITY_RATIO, out / FIDELITY_PLOT,
+                                          title=f"fidelity to Full Attention ({model})" if model else None)
+        if fidelity is not None:
+            written["fidelity"] = fidelity
     return written
 
 
