@@ -31,6 +31,7 @@ only drops this cache's reference.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Hashable, Iterable
@@ -143,18 +144,7 @@ class TieredKVCache(Generic[K, V]):
                 if staged is not None:
                     self._admit(key, staged, allow_evict=True)
             return value
-        try:
-            value = self._load(key)
-        except BaseException as e:
-            with self._lock:
-                self._inflight.pop(key, None)
-            fut.set_exception(e)
-            raise
-        with self._lock:
-            self._inflight.pop(key, None)
-            self._admit(key, value, allow_evict=True)
-        fut.set_result(value)
-        return value
+        return self._load_and_resolve(key, fut, prefetched=False)
 
     def get_many(self, keys: Iterable[K]) -> list[V]:
         """Values of ``keys`` in order; all missing ones are fetched concurrently first."""
@@ -240,18 +230,30 @@ class TieredKVCache(Generic[K, V]):
 
     # -- internals (call with the lock held) ----------------------------------------------
     def _prefetch_one(self, key: K, fut: Future[V]) -> None:
+        with contextlib.suppress(BaseException):  # the future carries the error to whoever waits for it
+            self._load_and_resolve(key, fut, prefetched=True)
+
+    def _load_and_resolve(self, key: K, fut: Future[V], *, prefetched: bool) -> V:
+        """Load ``key`` (lock not held), place it, and resolve the in-flight future others wait on.
+
+        A demand load may evict colder entries; a prefetch may not (it is only a guess), so
+        a prefetched value that does not fit is staged for its request instead.
+        """
         try:
             value = self._load(key)
         except BaseException as e:
             with self._lock:
                 self._inflight.pop(key, None)
             fut.set_exception(e)
-            return
+            raise
         with self._lock:
             self._inflight.pop(key, None)
-            if not self._admit(key, value, allow_evict=False, count_rejection=False):
+            if not prefetched:
+                self._admit(key, value, allow_evict=True)
+            elif not self._admit(key, value, allow_evict=False, count_rejection=False):
                 self._staged[key] = value
         fut.set_result(value)
+        return value
 
     def _heat_now(self, key: K, now: float) -> float:
         h, t = self._heat.get(key, (0.0, now))
