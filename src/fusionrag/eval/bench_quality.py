@@ -212,7 +212,7 @@ def run_quality(spec: QualitySpec) -> list[dict]:
                 done[(dataset, ex.id, run.key)] = rec
                 if not estimated and bar.n >= min(len(runs), len(todo)) - 1 and bar.n > 0:
                     per_cell = (time.perf_counter() - cells_start) / (bar.n + 1)
-                    print(f"[bench quality] estimated {per_cell * len(todo) / 60:.1f} min wall for the cells of {dataset}")
+                    print(f"[bench quality] estimated {per_cell * len(todo) / 60:.1f} min wall for {dataset}'s cells")
                     estimated = True
     rows = aggregate([r for r in done.values() if r["dataset"] in _datasets_of(spec)])
     cpu, wall = time.process_time() - t_start, time.perf_counter() - wall_start
