@@ -220,6 +220,7 @@ def run_quality(spec: QualitySpec) -> list[dict]:
     write_quality_report(
         rows,
         spec.out,
+        comparisons=paired_comparisons(r for r in done.values() if r["dataset"] in _datasets_of(spec)),
         command=spec.command,
         model=lm.name,
         data_files=spec.data,
@@ -332,6 +333,42 @@ def aggregate(records: Iterable[dict]) -> list[dict]:
     return rows
 
 
+#: Fidelity metrics compared question by question between FusionRAG and each baseline.
+COMPARE_METRICS = ("agree_f1", "kl_first", "top1_agree")
+
+
+def paired_comparisons(records: Iterable[dict], method: str = "fusionrag", kv: str = "fused") -> list[dict]:
+    """``method`` on ``kv`` minus each baseline, paired by question, with bootstrap CIs.
+
+    The per-method intervals of :func:`aggregate` are wide because questions differ a lot
+    in difficulty; every method answers the same questions, so resampling *questions* and
+    looking at the difference removes that shared variance (``metrics.bootstrap_diff_ci``).
+    Baselines: every other method at the same ratio and Full Reuse (ratio 0, plain and fused);
+    only questions both sides answered are paired. Full Attention is the reference, not a baseline.
+    """
+    cells: dict[tuple, dict[str, dict]] = defaultdict(dict)
+    for r in records:
+        cells[(r["dataset"], r["method"], r["kv"], r["ratio"], r.get("top_n", 0))][r["qid"]] = r
+    out = []
+    for (ds, m, k, ratio, top_n), mine in sorted(cells.items(), key=lambda kv_: str(kv_[0])):
+        if (m, k) != (method, kv):
+            continue
+        for (ds2, m2, k2, ratio2, top_n2), theirs in sorted(cells.items(), key=lambda kv_: str(kv_[0])):
+            if ds2 != ds or m2 == "full" or (m2, k2) == (method, kv) or (m2 != "reuse" and ratio2 != ratio):
+                continue
+            qids = sorted(set(mine) & set(theirs))
+            if not qids:
+                continue
+            row = {"dataset": ds, "method": m, "kv": k, "ratio": ratio, "top_n": top_n, "baseline": m2,
+                   "baseline_kv": k2, "baseline_ratio": ratio2, "baseline_top_n": top_n2, "n": len(qids)}
+            for metric in COMPARE_METRICS:
+                diff, lo, hi = metrics.bootstrap_diff_ci([mine[q].get(metric) for q in qids],
+                                                         [theirs[q].get(metric) for q in qids])
+                row[f"{metric}_diff"], row[f"{metric}_diff_ci"] = diff, [lo, hi]
+            out.append(row)
+    return out
+
+
 def report_from_records(out: Path, command: str | None = None, data_files: Sequence[Path] = (),
                         model: str | None = None) -> list[dict]:
     """Re-aggregate every record in ``out/records.jsonl`` (all datasets, all runs) into the report.
@@ -347,7 +384,8 @@ def report_from_records(out: Path, command: str | None = None, data_files: Seque
     rows = aggregate(records)
     previous = read_results(out / "results.json")[0] if (out / "results.json").is_file() else {}
     counts = {d: len({r["qid"] for r in records if r["dataset"] == d}) for d in {r["dataset"] for r in records}}
-    write_quality_report(rows, out, command=command, model=model or previous.get("model"),
+    write_quality_report(rows, out, comparisons=paired_comparisons(records), command=command,
+                         model=model or previous.get("model"),
                          data_files=list(data_files) or [f["path"] for f in previous.get("data_files", [])],
                          meta={"questions_per_dataset": counts, "aggregated_from": "records.jsonl"})
     return rows

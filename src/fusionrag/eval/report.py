@@ -300,6 +300,53 @@ def quality_markdown(rows: Sequence[Mapping[str, Any]], meta: Mapping[str, Any] 
     return "\n".join(lines)
 
 
+#: Columns of the paired-comparison table: (metric, header); KL is better when lower.
+COMPARISON_COLUMNS: tuple[tuple[str, str], ...] = (
+    ("agree_f1", "agree F1 diff"),
+    ("kl_first", "KL diff (< 0: closer to FA)"),
+    ("top1_agree", "top-1 diff"),
+)
+
+
+def _diff_cell(row: Mapping[str, Any], metric: str) -> str:
+    value, ci = row.get(f"{metric}_diff"), row.get(f"{metric}_diff_ci")
+    if not _is_number(value):
+        return _MISSING
+    text = f"{float(value):+.3f}"
+    if isinstance(ci, Sequence) and len(ci) == 2 and all(_is_number(x) for x in ci):
+        lo, hi = float(ci[0]), float(ci[1])
+        text += f" [{lo:+.3f}, {hi:+.3f}]"
+        if lo > 0 or hi < 0:  # the interval excludes 0: a difference these questions support
+            text = f"**{text}**"
+    return text
+
+
+def comparisons_markdown(comparisons: Sequence[Mapping[str, Any]]) -> str:
+    """The paired table: method minus baseline per dataset, bold where the 95% interval excludes 0."""
+    if not comparisons:
+        return ""
+    first = comparisons[0]
+    name = f"{first.get('method')} ({first.get('kv')} KV)"
+    lines = [
+        "",
+        f"## {name} minus each baseline, paired by question",
+        "",
+        "Each cell is the mean over the questions both methods answered of (this method - baseline), with a "
+        "95% bootstrap interval that resamples questions; **bold** where the interval excludes 0. Higher is "
+        "better for agreement and top-1, lower for KL.",
+        "",
+        "| dataset | ratio | baseline | n | " + " | ".join(h for _, h in COMPARISON_COLUMNS) + " |",
+        "|---" * (4 + len(COMPARISON_COLUMNS)) + "|",
+    ]
+    for c in comparisons:
+        base = _series_label(str(c.get("baseline")), c.get("baseline_kv"), c.get("baseline_ratio"))
+        lines.append(
+            f"| {c.get('dataset')} | {_fmt(c.get('ratio'), 'pct')} | {base} | {c.get('n')} | "
+            + " | ".join(_diff_cell(c, m) for m, _ in COMPARISON_COLUMNS) + " |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def ttft_markdown(rows: Sequence[Mapping[str, Any]], meta: Mapping[str, Any] | None = None) -> str:
     """The TTFT table with its breakdown, sorted by context length, tier and method."""
     lines = ["# Time to first token", ""]
@@ -651,6 +698,7 @@ def write_quality_report(
     rows: Sequence[Mapping[str, Any]],
     out_dir: str | Path,
     *,
+    comparisons: Sequence[Mapping[str, Any]] = (),
     command: str | Sequence[str] | None = None,
     model: str | None = None,
     data_files: str | Path | Iterable[str | Path] = (),
@@ -666,8 +714,10 @@ def write_quality_report(
     full_meta = build_meta(command, model, data_files, extra=meta)
     rows = [dict(r) for r in rows]
     written = {
-        "json": write_json_atomic(out / "results.json", {"meta": full_meta, "rows": rows}),
-        "md": write_text_atomic(out / "results.md", quality_markdown(rows, full_meta)),
+        "json": write_json_atomic(out / "results.json",
+                                  {"meta": full_meta, "rows": rows, "comparisons": [dict(c) for c in comparisons]}),
+        "md": write_text_atomic(out / "results.md",
+                                quality_markdown(rows, full_meta) + comparisons_markdown(comparisons)),
     }
     if plots:
         for name, metric, ylabel, hlines in QUALITY_PLOTS:
