@@ -123,3 +123,16 @@ def test_paired_comparisons_pair_by_question_and_skip_unmatched_cells():
     assert "| hotpotqa | 15% | cacheblend 15% | 4 | **+0.200 [+0.200, +0.200]** |" in md
     assert "+0.000 [+0.000, +0.000] |" in md  # a zero interval is not bold
     assert comparisons_markdown([]) == ""
+
+
+def test_all_comparisons_add_the_offline_stage_alone():
+    from fusionrag.eval.bench_quality import all_comparisons
+    from fusionrag.eval.report import comparisons_markdown
+
+    records = [_rec(q, m, kv, r, 0.5, 0.2, 1.0) for q in "ab" for m, kv, r in
+               (("fusionrag", "fused", 0.15), ("reuse", "plain", 0.0), ("reuse", "fused", 0.0))]  # fmt: skip
+    pairs = {(c["method"], c["kv"], c["baseline"], c["baseline_kv"]) for c in all_comparisons(records)}
+    assert pairs == {("fusionrag", "fused", "reuse", "plain"), ("fusionrag", "fused", "reuse", "fused"),
+                     ("reuse", "fused", "reuse", "plain")}  # fmt: skip
+    md = comparisons_markdown(all_comparisons(records))
+    assert "## fusionrag (fused KV) minus each baseline" in md and "## reuse (fused KV) minus each baseline" in md

@@ -220,7 +220,7 @@ def run_quality(spec: QualitySpec) -> list[dict]:
     write_quality_report(
         rows,
         spec.out,
-        comparisons=paired_comparisons(r for r in done.values() if r["dataset"] in _datasets_of(spec)),
+        comparisons=all_comparisons([r for r in done.values() if r["dataset"] in _datasets_of(spec)]),
         command=spec.command,
         model=lm.name,
         data_files=spec.data,
@@ -369,6 +369,11 @@ def paired_comparisons(records: Iterable[dict], method: str = "fusionrag", kv: s
     return out
 
 
+def all_comparisons(records: Sequence[dict]) -> list[dict]:
+    """FusionRAG against every baseline, then the offline stage alone (Full Reuse on fused vs plain KV)."""
+    return paired_comparisons(records) + paired_comparisons(records, method="reuse", kv="fused")
+
+
 def report_from_records(out: Path, command: str | None = None, data_files: Sequence[Path] = (),
                         model: str | None = None) -> list[dict]:
     """Re-aggregate every record in ``out/records.jsonl`` (all datasets, all runs) into the report.
@@ -384,7 +389,7 @@ def report_from_records(out: Path, command: str | None = None, data_files: Seque
     rows = aggregate(records)
     previous = read_results(out / "results.json")[0] if (out / "results.json").is_file() else {}
     counts = {d: len({r["qid"] for r in records if r["dataset"] == d}) for d in {r["dataset"] for r in records}}
-    write_quality_report(rows, out, comparisons=paired_comparisons(records), command=command,
+    write_quality_report(rows, out, comparisons=all_comparisons(records), command=command,
                          model=model or previous.get("model"),
                          data_files=list(data_files) or [f["path"] for f in previous.get("data_files", [])],
                          meta={"questions_per_dataset": counts, "aggregated_from": "records.jsonl"})

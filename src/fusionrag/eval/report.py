@@ -322,29 +322,30 @@ def _diff_cell(row: Mapping[str, Any], metric: str) -> str:
 
 
 def comparisons_markdown(comparisons: Sequence[Mapping[str, Any]]) -> str:
-    """The paired table: method minus baseline per dataset, bold where the 95% interval excludes 0."""
-    if not comparisons:
-        return ""
-    first = comparisons[0]
-    name = f"{first.get('method')} ({first.get('kv')} KV)"
-    lines = [
-        "",
-        f"## {name} minus each baseline, paired by question",
-        "",
-        "Each cell is the mean over the questions both methods answered of (this method - baseline), with a "
-        "95% bootstrap interval that resamples questions; **bold** where the interval excludes 0. Higher is "
-        "better for agreement and top-1, lower for KL.",
-        "",
-        "| dataset | ratio | baseline | n | " + " | ".join(h for _, h in COMPARISON_COLUMNS) + " |",
-        "|---" * (4 + len(COMPARISON_COLUMNS)) + "|",
-    ]
+    """Paired tables, one per compared method: method minus baseline, bold where the 95% CI excludes 0."""
+    groups: dict[tuple[Any, Any], list[Mapping[str, Any]]] = {}
     for c in comparisons:
-        base = _series_label(str(c.get("baseline")), c.get("baseline_kv"), c.get("baseline_ratio"))
-        lines.append(
-            f"| {c.get('dataset')} | {_fmt(c.get('ratio'), 'pct')} | {base} | {c.get('n')} | "
-            + " | ".join(_diff_cell(c, m) for m, _ in COMPARISON_COLUMNS) + " |"
-        )
-    return "\n".join(lines) + "\n"
+        groups.setdefault((c.get("method"), c.get("kv")), []).append(c)
+    lines: list[str] = []
+    for (method, kv), rows in groups.items():
+        lines += [
+            "",
+            f"## {method} ({kv} KV) minus each baseline, paired by question",
+            "",
+            "Each cell is the mean over the questions both methods answered of (this method - baseline), with a "
+            "95% bootstrap interval that resamples questions; **bold** where the interval excludes 0. Higher is "
+            "better for agreement and top-1, lower for KL.",
+            "",
+            "| dataset | ratio | baseline | n | " + " | ".join(h for _, h in COMPARISON_COLUMNS) + " |",
+            "|---" * (4 + len(COMPARISON_COLUMNS)) + "|",
+        ]
+        for c in rows:
+            base = _series_label(str(c.get("baseline")), c.get("baseline_kv"), c.get("baseline_ratio"))
+            lines.append(
+                f"| {c.get('dataset')} | {_fmt(c.get('ratio'), 'pct')} | {base} | {c.get('n')} | "
+                + " | ".join(_diff_cell(c, m) for m, _ in COMPARISON_COLUMNS) + " |"
+            )
+    return "\n".join(lines) + "\n" if lines else ""
 
 
 def ttft_markdown(rows: Sequence[Mapping[str, Any]], meta: Mapping[str, Any] | None = None) -> str:
