@@ -136,3 +136,19 @@ def test_all_comparisons_add_the_offline_stage_alone():
                      ("reuse", "fused", "reuse", "plain")}  # fmt: skip
     md = comparisons_markdown(all_comparisons(records))
     assert "## fusionrag (fused KV) minus each baseline" in md and "## reuse (fused KV) minus each baseline" in md
+
+
+def test_top_n_sweep_compares_within_one_offline_setting():
+    from fusionrag.eval.bench_quality import paired_comparisons
+    from fusionrag.eval.report import comparisons_markdown
+
+    records = []
+    for n in (2, 10):
+        for q in "ab":
+            records.append({**_rec(q, "fusionrag", "fused", 0.15, 0.5, 0.2, 1.0), "top_n": n})
+            records.append({**_rec(q, "reuse", "fused", 0.0, 0.4, 0.3, 1.0), "top_n": n})
+    records += [_rec(q, "reuse", "plain", 0.0, 0.3, 0.5, 1.0) for q in "ab"]
+    comps = paired_comparisons(records)
+    assert sorted((c["top_n"], c["baseline_kv"], c["baseline_top_n"]) for c in comps) == [
+        (2, "fused", 2), (2, "plain", 0), (10, "fused", 10), (10, "plain", 0)]  # fmt: skip
+    assert "| dataset | top-n | ratio |" in comparisons_markdown(comps)

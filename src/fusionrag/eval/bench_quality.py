@@ -356,6 +356,8 @@ def paired_comparisons(records: Iterable[dict], method: str = "fusionrag", kv: s
         for (ds2, m2, k2, ratio2, top_n2), theirs in sorted(cells.items(), key=lambda kv_: str(kv_[0])):
             if ds2 != ds or m2 == "full" or (m2, k2) == (method, kv) or (m2 != "reuse" and ratio2 != ratio):
                 continue
+            if k2 == kv == "fused" and top_n2 != top_n:  # top-n sweep: compare within one offline setting
+                continue
             qids = sorted(set(mine) & set(theirs))
             if not qids:
                 continue

@@ -327,6 +327,7 @@ def comparisons_markdown(comparisons: Sequence[Mapping[str, Any]]) -> str:
     for c in comparisons:
         groups.setdefault((c.get("method"), c.get("kv")), []).append(c)
     lines: list[str] = []
+    sweep = len({c.get("top_n") for c in comparisons}) > 1  # the top-n ablation: say which offline setting
     for (method, kv), rows in groups.items():
         lines += [
             "",
@@ -336,13 +337,15 @@ def comparisons_markdown(comparisons: Sequence[Mapping[str, Any]]) -> str:
             "95% bootstrap interval that resamples questions; **bold** where the interval excludes 0. Higher is "
             "better for agreement and top-1, lower for KL.",
             "",
-            "| dataset | ratio | baseline | n | " + " | ".join(h for _, h in COMPARISON_COLUMNS) + " |",
-            "|---" * (4 + len(COMPARISON_COLUMNS)) + "|",
+            "| dataset | " + ("top-n | " if sweep else "") + "ratio | baseline | n | "
+            + " | ".join(h for _, h in COMPARISON_COLUMNS) + " |",
+            "|---" * (4 + sweep + len(COMPARISON_COLUMNS)) + "|",
         ]
-        for c in rows:
+        for c in sorted(rows, key=lambda c: (str(c.get("dataset")), c.get("top_n") or 0)) if sweep else rows:
             base = _series_label(str(c.get("baseline")), c.get("baseline_kv"), c.get("baseline_ratio"))
+            top_n = f"{c.get('top_n')} | " if sweep else ""
             lines.append(
-                f"| {c.get('dataset')} | {_fmt(c.get('ratio'), 'pct')} | {base} | {c.get('n')} | "
+                f"| {c.get('dataset')} | {top_n}{_fmt(c.get('ratio'), 'pct')} | {base} | {c.get('n')} | "
                 + " | ".join(_diff_cell(c, m) for m, _ in COMPARISON_COLUMNS) + " |"
             )
     return "\n".join(lines) + "\n" if lines else ""
