@@ -32,6 +32,10 @@ lane_b() {
   Q --data "$WIKI" --limit 20 --ratios 0.05,0.3 --methods full,reuse,cacheblend,fusionrag
   Q --data "$HOT" --limit 24 --ratios 0.05,0.3 --methods cacheblend,fusionrag
   Q --data "$MUS" --limit 12 --ratios 0.05,0.3 --methods cacheblend,fusionrag
+  # CacheBlend's selection on fused KV on the multi-hop datasets too (Figure 16)
+  Q --data "$WIKI" --limit 20 --ratios 0.15 --methods cacheblend --kv both
+  Q --data "$HOT" --limit 24 --ratios 0.15 --methods cacheblend --kv both
+  Q --data "$MUS" --limit 12 --ratios 0.15 --methods cacheblend --kv both
 }
 mkdir -p runs
 lane_a > runs/lane_a.log 2>&1 &
