@@ -27,6 +27,7 @@ from tqdm.auto import tqdm
 from fusionrag.errors import FusionRAGError
 from fusionrag.eval import metrics
 from fusionrag.eval.datasets import QAExample, load_questions
+from fusionrag.offline.preprocess import DEFAULT_NEIGHBOUR_ORDER
 
 POLICY_METHODS = ("cacheblend", "cachecraft", "epic", "random")
 DEFAULT_METHODS = ("full", "reuse", "cacheblend", "cachecraft", "epic", "query", "fusionrag")
@@ -52,7 +53,7 @@ class QualitySpec:
     extra_meta: dict = field(default_factory=dict)
     embedder: object | None = None  # None: the store's default (MiniLM); tests inject a cheap one
     reuse_full_cache: bool = False  # True: a cached Full Attention result also serves the `full` cell (no TTFT)
-    neighbour_order: str = "nearest_first"  # offline: most similar neighbour right after S (measured default)
+    neighbour_order: str = DEFAULT_NEIGHBOUR_ORDER  # offline: most similar neighbour right after S (measured)
     same_document: bool = False  # offline: neighbours only from the chunk's own document group
 
 
@@ -248,12 +249,12 @@ class _CachedFull:
     text: str
     first_logits: torch.Tensor
     context_tokens: int
-    recomputed_tokens: int = 0
     fused_fallbacks: int = 0
     ttft_ms: dict = field(default_factory=dict)
 
-    def __post_init__(self) -> None:
-        self.recomputed_tokens = self.context_tokens
+    @property
+    def recomputed_tokens(self) -> int:
+        return self.context_tokens  # Full Attention computes every context token
 
 
 def _run_cell(engines, full_cache: FullCache, spec: QualitySpec, dataset: str, ex: QAExample, run: Run) -> dict:
@@ -350,10 +351,11 @@ def paired_comparisons(records: Iterable[dict], method: str = "fusionrag", kv: s
     for r in records:
         cells[(r["dataset"], r["method"], r["kv"], r["ratio"], r.get("top_n", 0))][r["qid"]] = r
     out = []
-    for (ds, m, k, ratio, top_n), mine in sorted(cells.items(), key=lambda kv_: str(kv_[0])):
+    ordered = sorted(cells.items(), key=lambda kv_: str(kv_[0]))
+    for (ds, m, k, ratio, top_n), mine in ordered:
         if (m, k) != (method, kv):
             continue
-        for (ds2, m2, k2, ratio2, top_n2), theirs in sorted(cells.items(), key=lambda kv_: str(kv_[0])):
+        for (ds2, m2, k2, ratio2, top_n2), theirs in ordered:
             if ds2 != ds or m2 == "full" or (m2, k2) == (method, kv) or (m2 != "reuse" and ratio2 != ratio):
                 continue
             if k2 == kv == "fused" and top_n2 != top_n:  # top-n sweep: compare within one offline setting

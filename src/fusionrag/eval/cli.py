@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from fusionrag.models.registry import DEFAULT_MODEL
+from fusionrag.offline.preprocess import DEFAULT_NEIGHBOUR_ORDER, NEIGHBOUR_ORDERS
 
 
 def _floats(text: str) -> list[float]:
@@ -108,7 +109,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--max-passage-words", type=int, default=None, help="truncate passages (context length control)")
     q.add_argument("--seed", type=int, default=0)
     q.add_argument("--cache-dir", default=None, help="Full Attention cache and stores (default OUT/cache)")
-    q.add_argument("--neighbour-order", choices=["nearest_last", "nearest_first"], default="nearest_first",
+    q.add_argument("--neighbour-order", choices=NEIGHBOUR_ORDERS, default=DEFAULT_NEIGHBOUR_ORDER,
                    help="offline: where the most similar neighbour goes (ablation)")
     q.add_argument("--same-document", action="store_true",
                    help="offline: neighbours only from the chunk's own question/document (ablation)")

@@ -310,24 +310,24 @@ class Engine:
             loaded = dict(zip(stored, self.tiers.get_many(stored), strict=True))
         else:
             loaded = {k: self.store.load_kv(*k) for k in stored}
-        adhoc = self._adhoc_kvs([(p, ids) for key, p, ids in zip(keys, passages, token_ids, strict=True)
-                                 if key is None])
+        adhoc = iter(self._adhoc_kvs([(_content_hash(p), ids) for key, p, ids in zip(keys, passages, token_ids,
+                                                                                      strict=True) if key is None]))
         kvs, fallbacks = [], 0
-        for key, passage in zip(keys, passages, strict=True):
-            kvs.append(loaded[key] if key is not None else adhoc[_content_hash(passage)])
+        for key in keys:
+            kvs.append(loaded[key] if key is not None else next(adhoc))
             fallbacks += kind == "fused" and (key is None or key[1] != "fused")
         return kvs, fallbacks
 
-    def _adhoc_kvs(self, items: list[tuple[dict, list[int]]]) -> dict[str, KV]:
-        """Plain KVs of passages the store does not hold, through the alternative-path prefix cache."""
+    def _adhoc_kvs(self, items: list[tuple[str, list[int]]]) -> list[KV]:
+        """Plain KVs of passages the store does not hold (by content hash, in order), through the
+        alternative-path prefix cache."""
         if not items:
-            return {}
-        ids_of = {_content_hash(p): ids for p, ids in items}
-        order = [_content_hash(p) for p, _ in items]
+            return []
+        ids_of = dict(items)
         result = self.prefix_cache.lookup(
-            self.prompt.system_hash, order,
+            self.prompt.system_hash, [h for h, _ in items],
             lambda _system, _context, chunk: chunk_kv_plain(self.lm, self.system_kv, ids_of[chunk]))
-        return dict(zip(order, result.values, strict=True))
+        return list(result.values)
 
 
 def _content_hash(passage: dict) -> str:

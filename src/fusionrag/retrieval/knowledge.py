@@ -34,6 +34,7 @@ from fusionrag.errors import CacheIntegrityError, FusionRAGError
 from fusionrag.kvcache.kv import KV
 from fusionrag.kvcache.store import KVEntry, KVStore, canonical_dtype
 from fusionrag.models.registry import LoadedModel
+from fusionrag.offline.preprocess import DEFAULT_NEIGHBOUR_ORDER
 from fusionrag.prompt import PromptBuilder, chunk_text
 from fusionrag.retrieval.chunking import (
     DEFAULT_CHUNK_TOKENS,
@@ -47,8 +48,6 @@ from fusionrag.retrieval.chunking import (
 )
 from fusionrag.retrieval.embedder import Embedder, get_embedder
 from fusionrag.retrieval.index import VectorIndex
-
-DEFAULT_NEIGHBOUR_ORDER = "nearest_first"  # kept equal to offline.preprocess.DEFAULT_NEIGHBOUR_ORDER
 
 STORE_FORMAT = "fusionrag-store/1"
 DB_NAME = "store.sqlite"
