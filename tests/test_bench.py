@@ -94,6 +94,61 @@ def test_cached_full_attention_serves_the_full_cell_without_a_ttft(tmp_path):
     assert first["full"]["ttft_n"] == 3 and second["reuse"]["ttft_n"] == 3
 
 
+def _lines(path):
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+
+
+def _kb_spec(tmp_path, limit, kb_limit=None):
+    return QualitySpec(data=[tmp_path / "hotpotqa" / "mini.jsonl"], out=tmp_path / "out", model="tiny-llama",
+                       limit=limit, kb_limit=kb_limit, ratios=[0.15], methods=["reuse", "cachecraft", "fusionrag"],
+                       top_n=[1], max_new_tokens=2, progress=False, embedder=HashingEmbedder(),
+                       cache_dir=tmp_path / "cache")
+
+
+def test_a_larger_fixed_knowledge_base_lets_later_runs_add_questions_without_recomputing(tmp_path):
+    _data(tmp_path)
+    run_quality(_kb_spec(tmp_path, limit=2, kb_limit=3))
+    first = _lines(tmp_path / "out" / "records.jsonl")
+    assert len({r["qid"] for r in first}) == 2 and len(first) == 2 * 4  # reuse plain + fused, cachecraft, fusionrag
+    stores = {r["kb"] for r in first if r["kb"]}
+    assert len(stores) == 1 and "-n3-top1-" in stores.pop()  # the store holds all three questions' passages
+    assert all((r["kb"] is None) == (r["kv"] == "plain" and r["method"] != "cachecraft") for r in first)
+    run_quality(_kb_spec(tmp_path, limit=3, kb_limit=3))
+    second = _lines(tmp_path / "out" / "records.jsonl")
+    assert second[: len(first)] == first  # nothing recomputed, nothing superseded
+    assert len(second) == len(first) * 3 // 2  # only the third question's cells were added
+    assert not (tmp_path / "out" / "records.superseded.jsonl").exists()
+
+
+def test_a_changed_knowledge_base_supersedes_only_the_cells_that_read_the_store(tmp_path, capsys):
+    _data(tmp_path)
+    run_quality(_kb_spec(tmp_path, limit=2))
+    before = _lines(tmp_path / "out" / "records.jsonl")
+    run_quality(_kb_spec(tmp_path, limit=3))  # knowledge base grows from 2 to 3 questions' passages
+    out = capsys.readouterr().out
+    assert "seeded from tiny-llama-hotpotqa-n2-top1" in out and "moved to records.superseded.jsonl" in out
+    moved = _lines(tmp_path / "out" / "records.superseded.jsonl")
+    assert moved and all(r["kb"].endswith("-n2-top1-nearest_first") for r in moved)
+    assert len(moved) == sum(r["kb"] is not None for r in before)
+    after = _lines(tmp_path / "out" / "records.jsonl")
+    keys = [(r["qid"], r["run"]) for r in after]
+    assert len(keys) == len(set(keys)) == 3 * 4  # every cell once, none from the old knowledge base
+    for r in after:
+        assert r["kb"] is None or r["kb"].endswith("-n3-top1-nearest_first")
+    plain = [r for r in before if r["kb"] is None]
+    assert all(r in after for r in plain)  # plain-KV cells do not depend on the knowledge base: kept
+
+
+def test_kb_limit_below_limit_is_a_clear_error(tmp_path):
+    import pytest
+
+    from fusionrag.errors import FusionRAGError
+
+    _data(tmp_path)
+    with pytest.raises(FusionRAGError, match="--kb-limit"):
+        run_quality(_kb_spec(tmp_path, limit=3, kb_limit=2))
+
+
 def _rec(qid, method, kv, ratio, agree, kl, top1, dataset="hotpotqa"):
     return {"dataset": dataset, "qid": qid, "method": method, "kv": kv, "ratio": ratio, "top_n": 10 if kv == "fused"
             else 0, "agree_f1": agree, "kl_first": kl, "top1_agree": top1}  # fmt: skip

@@ -7,12 +7,22 @@ retrieval). Every method sees the same token ids. Per-question records are appen
 ``records.jsonl`` as they finish, so an interrupted run resumes where it stopped; Full
 Attention outputs (answer + first-token logits) are cached under ``cache/full`` and
 reused across runs, ablations and methods.
+
+The knowledge base can be larger than the evaluated set (``kb_limit``): building it is the
+expensive offline part, so fixing it at the study's target size lets later runs evaluate
+more questions without invalidating earlier records. Every record of a cell that reads the
+store (fused KV, Cache-Craft's stored scores) names the store it used (``kb``); records made
+with another knowledge base are moved aside to ``records.superseded.jsonl`` and recomputed,
+never mixed in.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
+import shutil
 import statistics
 import time
 from collections import defaultdict
@@ -40,6 +50,7 @@ class QualitySpec:
     out: Path
     model: str = "qwen2.5-0.5b"
     limit: int | None = 50
+    kb_limit: int | None = None  # knowledge base = passages of the first N questions (default: limit)
     methods: Sequence[str] = DEFAULT_METHODS
     ratios: Sequence[float] = DEFAULT_RATIOS
     kv: str = "default"  # default | both: run the baseline policies on fused KV as well (Figure 16)
@@ -69,6 +80,16 @@ class Run:
     @property
     def key(self) -> str:
         return f"{self.method}|{self.kv}|{self.ratio:g}|{self.top_n}"
+
+    @property
+    def reads_store(self) -> bool:
+        """Whether the result depends on the knowledge base (fused KV or stored fusion scores)."""
+        return reads_store(self.method, self.kv)
+
+
+def reads_store(method: str, kv: str) -> bool:
+    """Plain KV is a function of the chunk alone; fused KV and Cache-Craft's scores depend on its neighbours."""
+    return kv == "fused" or method == "cachecraft"
 
 
 def plan_runs(spec: QualitySpec) -> list[Run]:
@@ -135,6 +156,56 @@ class FullCache:
         os.replace(tmp, p)
 
 
+@contextlib.contextmanager
+def _records_lock(path: Path):
+    """Serialise appends and rewrites of ``records.jsonl`` between concurrent runs (study lanes)."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: one run per folder
+        yield
+        return
+    with open(path.with_name(path.name + ".lock"), "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _append_record(path: Path, rec: dict) -> None:
+    # Opened per record (not held): another lane may have replaced the file meanwhile.
+    with _records_lock(path), open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(rec) + "\n")
+
+
+def supersede_other_kb_records(path: Path, spec: QualitySpec, dataset: str) -> int:
+    """Move ``dataset``'s store-reading records made with another knowledge base aside; returns how many.
+
+    They go to ``records.superseded.jsonl`` (kept, not deleted) and ``records.jsonl`` is
+    rewritten atomically, so the cells are recomputed and the report never mixes knowledge bases.
+    """
+    with _records_lock(path):
+        if not path.is_file():
+            return 0
+        keep, stale = [], []
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                r = json.loads(line)
+            except ValueError:
+                continue
+            mismatch = (r.get("dataset") == dataset and reads_store(r["method"], r["kv"])
+                        and r.get("kb") != store_name(spec, dataset, int(r.get("top_n", 0))))
+            (stale if mismatch else keep).append(line)
+        if not stale:
+            return 0
+        with open(path.with_name("records.superseded.jsonl"), "a", encoding="utf-8") as f:
+            f.write("".join(line + "\n" for line in stale))
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text("".join(line + "\n" for line in keep), encoding="utf-8")
+        os.replace(tmp, path)
+    return len(stale)
+
+
 def _records(path: Path) -> dict[tuple[str, str, str], dict]:
     done: dict[tuple[str, str, str], dict] = {}
     if path.is_file():
@@ -148,13 +219,58 @@ def _records(path: Path) -> dict[tuple[str, str, str], dict]:
     return done
 
 
+def kb_size(spec: QualitySpec) -> int | None:
+    """How many questions' passages form the knowledge base (never fewer than are evaluated)."""
+    if spec.kb_limit is None:
+        return spec.limit
+    if spec.limit is None or spec.kb_limit < spec.limit:
+        raise FusionRAGError(
+            f"--kb-limit ({spec.kb_limit}) must be >= --limit ({spec.limit}): every evaluated question's "
+            "passages must be in the knowledge base"
+        )
+    return spec.kb_limit
+
+
+def store_name(spec: QualitySpec, dataset: str, top_n: int) -> str:
+    """The store (= knowledge base and offline settings) a cell of ``dataset`` at ``top_n`` reads."""
+    variant = f"-{spec.neighbour_order}" + ("-samedoc" if spec.same_document else "")
+    return f"{spec.model}-{dataset}-n{kb_size(spec)}-top{top_n}" + variant
+
+
+def _seed_from_smaller_store(path: Path) -> Path | None:
+    """Copy the largest store of the same model/dataset/offline settings built on fewer questions.
+
+    The first N questions of a file are a prefix of the first M > N, chunk ids are assigned
+    by content in insertion order, and every fused entry records the neighbour ids and the
+    tokens it was made with, so the copy keeps all plain KV and the fused KV of chunks whose
+    neighbour lists do not change; ``preprocess`` re-fuses only the rest.
+    """
+    m = re.fullmatch(r"(.+)-n(\d+)(-top.+)", path.name)
+    if m is None:
+        return None
+    prefix, n, suffix = m.group(1), int(m.group(2)), m.group(3)
+    smaller = []
+    for p in path.parent.glob(f"{prefix}-n*{suffix}"):
+        mm = re.fullmatch(re.escape(prefix) + r"-n(\d+)" + re.escape(suffix), p.name)
+        if mm and int(mm.group(1)) < n and (p / "store.sqlite").is_file():
+            smaller.append((int(mm.group(1)), p))
+    if not smaller:
+        return None
+    source = max(smaller)[1]
+    tmp = path.with_name(path.name + ".seeding")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(source, tmp)
+    os.replace(tmp, path)
+    return source
+
+
 def _open_store(spec: QualitySpec, dataset: str, examples: list[QAExample], top_n: int, lm):
     from fusionrag.retrieval.knowledge import KnowledgeStore
 
     # Stores hold gigabytes of KV: they live in the cache folder, never next to the report.
-    variant = f"-{spec.neighbour_order}" + ("-samedoc" if spec.same_document else "")
-    name = f"{spec.model}-{dataset}-n{spec.limit}-top{top_n}" + variant
-    path = (spec.cache_dir or spec.out / "cache") / "stores" / name
+    path = (spec.cache_dir or spec.out / "cache") / "stores" / store_name(spec, dataset, top_n)
+    if not path.exists() and (source := _seed_from_smaller_store(path)) is not None:
+        print(f"[bench quality] {path.name}: seeded from {source.name} (its plain KV and still-current fused KV)")
     if (path / "store.sqlite").exists():
         store = KnowledgeStore.open(path, lm=lm, embedder=spec.embedder)
     else:
@@ -182,39 +298,46 @@ def run_quality(spec: QualitySpec) -> list[dict]:
 
     spec.out.mkdir(parents=True, exist_ok=True)
     rec_path = spec.out / "records.jsonl"
-    done = _records(rec_path)
+    kb_n = kb_size(spec)  # validates --kb-limit before anything is loaded
     runs = plan_runs(spec)
     lm = load_model(spec.model)
     full_cache = FullCache(spec.cache_dir or spec.out / "cache", lm.name)
     t_start = time.process_time()
     wall_start = time.perf_counter()
+    done: dict[tuple[str, str, str], dict] = {}
     for data_file in spec.data:
-        examples = load_questions(data_file, spec.limit, seed=spec.seed, max_passage_words=spec.max_passage_words)
+        kb_examples = load_questions(data_file, kb_n, seed=spec.seed, max_passage_words=spec.max_passage_words)
+        examples = kb_examples[:spec.limit] if spec.limit is not None else kb_examples
         if not examples:
             raise FusionRAGError(f"{data_file}: no questions")
         dataset = examples[0].dataset
+        moved = supersede_other_kb_records(rec_path, spec, dataset)
+        if moved:
+            print(f"[bench quality] {dataset}: {moved} records were made with another knowledge base; "
+                  "moved to records.superseded.jsonl, recomputing them")
+        done = _records(rec_path)  # re-read: another lane may have added records since
         todo = [(ex, run) for ex in examples for run in runs if (dataset, ex.id, run.key) not in done]
         # One store per offline top-n; plain KV is the same in all of them, so plain runs use the first.
         # Nothing left to compute: no store is opened (or built) at all.
-        needed = {r.top_n for _, r in todo if r.kv == "fused" or r.method == "cachecraft"} or {spec.top_n[0]}
-        engines = {n: Engine(_open_store(spec, dataset, examples, n, lm)) for n in sorted(needed)} if todo else {}
+        needed = {r.top_n for _, r in todo if r.reads_store} or {spec.top_n[0]}
+        engines = {n: Engine(_open_store(spec, dataset, kb_examples, n, lm)) for n in sorted(needed)} if todo else {}
         print(
-            f"[bench quality] {dataset}: {len(examples)} questions x {len(runs)} runs; "
+            f"[bench quality] {dataset}: {len(examples)} questions (knowledge base: {len(kb_examples)}'s passages)"
+            f" x {len(runs)} runs; "
             f"{len(todo)} cells to compute ({len(examples) * len(runs) - len(todo)} already done)"
         )
         bar = tqdm(todo, desc=f"bench {dataset}", unit="cell", disable=not spec.progress)
         estimated = False
         cells_start = time.perf_counter()  # after the store is built: the estimate is for the cells only
-        with open(rec_path, "a", encoding="utf-8") as out:
-            for ex, run in bar:
-                rec = _run_cell(engines, full_cache, spec, dataset, ex, run)
-                out.write(json.dumps(rec) + "\n")
-                out.flush()
-                done[(dataset, ex.id, run.key)] = rec
-                if not estimated and bar.n >= min(len(runs), len(todo)) - 1 and bar.n > 0:
-                    per_cell = (time.perf_counter() - cells_start) / (bar.n + 1)
-                    print(f"[bench quality] estimated {per_cell * len(todo) / 60:.1f} min wall for {dataset}'s cells")
-                    estimated = True
+        for ex, run in bar:
+            rec = _run_cell(engines, full_cache, spec, dataset, ex, run)
+            _append_record(rec_path, rec)
+            done[(dataset, ex.id, run.key)] = rec
+            if not estimated and bar.n >= min(len(runs), len(todo)) - 1 and bar.n > 0:
+                per_cell = (time.perf_counter() - cells_start) / (bar.n + 1)
+                print(f"[bench quality] estimated {per_cell * len(todo) / 60:.1f} min wall for {dataset}'s cells")
+                estimated = True
+    done = _records(rec_path)
     rows = aggregate([r for r in done.values() if r["dataset"] in _datasets_of(spec)])
     cpu, wall = time.process_time() - t_start, time.perf_counter() - wall_start
     print(f"[bench quality] actual: CPU time {cpu:.0f} s, wall {wall:.0f} s")
@@ -228,6 +351,7 @@ def run_quality(spec: QualitySpec) -> list[dict]:
         meta={
             "runs": [r.key for r in runs],
             "limit": spec.limit,
+            "kb_limit": kb_n,
             "max_new_tokens": spec.max_new_tokens,
             "torch_threads": torch.get_num_threads(),
             **spec.extra_meta,
@@ -302,6 +426,7 @@ def _run_cell(engines, full_cache: FullCache, spec: QualitySpec, dataset: str, e
         "ttft_breakdown_ms": {} if ttft_from_cache else res.ttft_ms,
         "full_from_cache": ttft_from_cache,
         "fused_fallbacks": res.fused_fallbacks,
+        "kb": store_name(spec, dataset, run.top_n) if run.reads_store else None,
     }
 
 
@@ -392,9 +517,12 @@ def report_from_records(out: Path, command: str | None = None, data_files: Seque
         raise FusionRAGError(f"no records in {out / 'records.jsonl'}; run 'fusionrag bench quality' first")
     rows = aggregate(records)
     previous = read_results(out / "results.json")[0] if (out / "results.json").is_file() else {}
-    counts = {d: len({r["qid"] for r in records if r["dataset"] == d}) for d in {r["dataset"] for r in records}}
+    datasets = sorted({r["dataset"] for r in records})
+    counts = {d: len({r["qid"] for r in records if r["dataset"] == d}) for d in datasets}
+    stores = {d: sorted({r["kb"] for r in records if r["dataset"] == d and r.get("kb")}) for d in datasets}
     write_quality_report(rows, out, comparisons=all_comparisons(records), command=command,
                          model=model or previous.get("model"),
                          data_files=list(data_files) or [f["path"] for f in previous.get("data_files", [])],
-                         meta={"questions_per_dataset": counts, "aggregated_from": "records.jsonl"})
+                         meta={"questions_per_dataset": counts, "knowledge_base_stores": stores,
+                               "aggregated_from": "records.jsonl"})
     return rows

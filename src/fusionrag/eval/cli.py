@@ -39,6 +39,7 @@ def _cmd_quality(args: argparse.Namespace) -> int:
         out=Path(args.out),
         model=args.model,
         limit=args.limit,
+        kb_limit=args.kb_limit,
         methods=args.methods,
         ratios=args.ratios,
         kv=args.kv,
@@ -95,6 +96,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     q = bsub.add_parser("quality", help="methods x ratios on QA data: F1/EM, fidelity to Full Attention")
     q.add_argument("--data", nargs="+", required=True, help="JSONL files in the ../shared/data schema")
     q.add_argument("--limit", type=int, default=50, help="first N questions of each file")
+    q.add_argument("--kb-limit", type=int, default=None,
+                   help="knowledge base = passages of the first N questions (>= --limit; default --limit): "
+                        "fix it at the study's target size so adding questions later keeps earlier records valid")
     q.add_argument("--methods", type=_names, default="full,reuse,cacheblend,cachecraft,epic,query,fusionrag")
     q.add_argument("--ratios", type=_floats, default="0,0.05,0.1,0.15,0.3")
     q.add_argument(
