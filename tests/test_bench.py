@@ -113,6 +113,8 @@ def test_a_larger_fixed_knowledge_base_lets_later_runs_add_questions_without_rec
     stores = {r["kb"] for r in first if r["kb"]}
     assert len(stores) == 1 and "-n3-top1-" in stores.pop()  # the store holds all three questions' passages
     assert all((r["kb"] is None) == (r["kv"] == "plain" and r["method"] != "cachecraft") for r in first)
+    meta = json.loads((tmp_path / "out" / "results.json").read_text())["meta"]
+    assert meta["kb_limit"] == 3 and meta["knowledge_base_stores"] == {"hotpotqa": [first[1]["kb"] or first[2]["kb"]]}
     run_quality(_kb_spec(tmp_path, limit=3, kb_limit=3))
     second = _lines(tmp_path / "out" / "records.jsonl")
     assert second[: len(first)] == first  # nothing recomputed, nothing superseded

@@ -195,6 +195,9 @@ def test_markdown_helpers():
     table = markdown_table([{"a": "x|y", "b": 0.12345, "b_ci": [0.1, 0.2]}], [("a", "A", "s"), ("b", "B", ".2f")])
     assert table.splitlines() == ["| A | B |", "|---|---|", "| x\\|y | 0.12 [0.10, 0.20] |"]
     md = quality_markdown(_quality_rows(), build_meta(command="cmd", model="m"))
+    ds = _quality_rows()[0]["dataset"]
+    with_kb = quality_markdown(_quality_rows(), {"knowledge_base_stores": {ds: ["m-ds-n50-top10-nearest_first"]}})
+    assert f"## {ds}\n\nKnowledge base: `m-ds-n50-top10-nearest_first`" in with_kb
     assert "Command: `cmd`" in md
 
 

@@ -265,6 +265,7 @@ def _seed_from_smaller_store(path: Path) -> Path | None:
 
 
 def _open_store(spec: QualitySpec, dataset: str, examples: list[QAExample], top_n: int, lm):
+    from fusionrag.offline.preprocess import run_plain
     from fusionrag.retrieval.knowledge import KnowledgeStore
 
     # Stores hold gigabytes of KV: they live in the cache folder, never next to the report.
@@ -283,7 +284,9 @@ def _open_store(spec: QualitySpec, dataset: str, examples: list[QAExample], top_
         fresh = [p for p in ex.passages if p not in seen]
         seen.update(fresh)
         if fresh:
-            store.add_passages([{"title": p.title, "text": p.text} for p in fresh], doc=f"{dataset}:{ex.id}")
+            store.add_passages([{"title": p.title, "text": p.text} for p in fresh], doc=f"{dataset}:{ex.id}",
+                               plain_kv=False)
+    run_plain(store, progress=spec.progress)  # once for the whole knowledge base, with a progress bar
     if top_n > 0:
         store.preprocess(top_n=top_n, progress=spec.progress, neighbour_order=spec.neighbour_order,
                          same_document=spec.same_document)
@@ -322,8 +325,8 @@ def run_quality(spec: QualitySpec) -> list[dict]:
         needed = {r.top_n for _, r in todo if r.reads_store} or {spec.top_n[0]}
         engines = {n: Engine(_open_store(spec, dataset, kb_examples, n, lm)) for n in sorted(needed)} if todo else {}
         print(
-            f"[bench quality] {dataset}: {len(examples)} questions (knowledge base: {len(kb_examples)}'s passages)"
-            f" x {len(runs)} runs; "
+            f"[bench quality] {dataset}: {len(examples)} questions x {len(runs)} runs (knowledge base: the "
+            f"passages of the first {len(kb_examples)}); "
             f"{len(todo)} cells to compute ({len(examples) * len(runs) - len(todo)} already done)"
         )
         bar = tqdm(todo, desc=f"bench {dataset}", unit="cell", disable=not spec.progress)
@@ -338,13 +341,14 @@ def run_quality(spec: QualitySpec) -> list[dict]:
                 print(f"[bench quality] estimated {per_cell * len(todo) / 60:.1f} min wall for {dataset}'s cells")
                 estimated = True
     done = _records(rec_path)
-    rows = aggregate([r for r in done.values() if r["dataset"] in _datasets_of(spec)])
+    mine = [r for r in done.values() if r["dataset"] in _datasets_of(spec)]
+    rows = aggregate(mine)
     cpu, wall = time.process_time() - t_start, time.perf_counter() - wall_start
     print(f"[bench quality] actual: CPU time {cpu:.0f} s, wall {wall:.0f} s")
     write_quality_report(
         rows,
         spec.out,
-        comparisons=all_comparisons([r for r in done.values() if r["dataset"] in _datasets_of(spec)]),
+        comparisons=all_comparisons(mine),
         command=spec.command,
         model=lm.name,
         data_files=spec.data,
@@ -352,6 +356,7 @@ def run_quality(spec: QualitySpec) -> list[dict]:
             "runs": [r.key for r in runs],
             "limit": spec.limit,
             "kb_limit": kb_n,
+            "knowledge_base_stores": knowledge_base_stores(mine),
             "max_new_tokens": spec.max_new_tokens,
             "torch_threads": torch.get_num_threads(),
             **spec.extra_meta,
@@ -503,6 +508,15 @@ def all_comparisons(records: Sequence[dict]) -> list[dict]:
     return paired_comparisons(records) + paired_comparisons(records, method="reuse", kv="fused")
 
 
+def knowledge_base_stores(records: Sequence[dict]) -> dict[str, list[str]]:
+    """Per dataset, the stores (knowledge base + offline settings) its store-reading records used."""
+    stores: dict[str, set[str]] = defaultdict(set)
+    for r in records:
+        if r.get("kb"):
+            stores[r["dataset"]].add(r["kb"])
+    return {d: sorted(v) for d, v in sorted(stores.items())}
+
+
 def report_from_records(out: Path, command: str | None = None, data_files: Sequence[Path] = (),
                         model: str | None = None) -> list[dict]:
     """Re-aggregate every record in ``out/records.jsonl`` (all datasets, all runs) into the report.
@@ -519,7 +533,7 @@ def report_from_records(out: Path, command: str | None = None, data_files: Seque
     previous = read_results(out / "results.json")[0] if (out / "results.json").is_file() else {}
     datasets = sorted({r["dataset"] for r in records})
     counts = {d: len({r["qid"] for r in records if r["dataset"] == d}) for d in datasets}
-    stores = {d: sorted({r["kb"] for r in records if r["dataset"] == d and r.get("kb")}) for d in datasets}
+    stores = knowledge_base_stores(records)
     write_quality_report(rows, out, comparisons=all_comparisons(records), command=command,
                          model=model or previous.get("model"),
                          data_files=list(data_files) or [f["path"] for f in previous.get("data_files", [])],

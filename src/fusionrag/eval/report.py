@@ -294,9 +294,13 @@ def quality_markdown(rows: Sequence[Mapping[str, Any]], meta: Mapping[str, Any] 
         "",
     ]
     columns = [c for c in QUALITY_COLUMNS if any(c[0] in r for r in rows)]
+    stores = (meta or {}).get("knowledge_base_stores") or {}
     for ds in _datasets(rows):
         ds_rows = [r for r in rows if str(r.get("dataset", "all")) == ds]
-        lines += [f"## {ds}", "", markdown_table(ds_rows, columns)]
+        lines += [f"## {ds}", ""]
+        if stores.get(ds):  # which knowledge base (offline store) the fused-KV rows read
+            lines += ["Knowledge base: " + ", ".join(f"`{s}`" for s in stores[ds]), ""]
+        lines.append(markdown_table(ds_rows, columns))
     return "\n".join(lines)
 
 

@@ -424,11 +424,12 @@ class KnowledgeStore:
         report.seconds = time.perf_counter() - t0
         return report
 
-    def add_passages(self, passages: list[dict], doc: str = "api") -> list[int]:
+    def add_passages(self, passages: list[dict], doc: str = "api", plain_kv: bool = True) -> list[int]:
         """Add ``{title, text}`` passages (split if longer than a chunk); returns their chunk ids in order.
 
-        Duplicates map to the existing ids. New chunks get plain KV, not fused KV (they
-        are fused by the next ``preprocess``).
+        Duplicates map to the existing ids. New chunks get plain KV (unless ``plain_kv`` is
+        False: callers adding many small batches compute it once, with a progress bar, via
+        ``run_plain`` or ``preprocess``), not fused KV (the next ``preprocess`` fuses them).
         """
         from fusionrag.offline.preprocess import run_plain
 
@@ -442,7 +443,8 @@ class KnowledgeStore:
         new = [c for c in unique if self.find_by_hash(c.content_hash) is None]
         self._insert(new)
         ids = [self.find_by_hash(c.content_hash) for c in chunks]
-        run_plain(self, chunk_ids=[i for i in dict.fromkeys(ids) if i is not None], progress=False)
+        if plain_kv:
+            run_plain(self, chunk_ids=[i for i in dict.fromkeys(ids) if i is not None], progress=False)
         return [int(i) for i in ids if i is not None]
 
     def preprocess(self, top_n: int = 10, progress: bool = True, chunk_ids: Sequence[int] | None = None, *,
