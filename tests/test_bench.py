@@ -141,6 +141,63 @@ def test_a_changed_knowledge_base_supersedes_only_the_cells_that_read_the_store(
     assert all(r in after for r in plain)  # plain-KV cells do not depend on the knowledge base: kept
 
 
+def _other_file(tmp_path):
+    """Another HotpotQA file (same dataset name): the sample's last two questions, renamed."""
+    path = tmp_path / "other" / "hotpotqa_other.jsonl"
+    path.parent.mkdir()
+    rows = [{**ex, "id": f"other-{ex['id']}"} for ex in load_sample()[3:5]]
+    path.write_text("".join(json.dumps(ex) + "\n" for ex in rows))
+    return path
+
+
+def test_another_file_of_the_same_dataset_never_mixes_into_records_or_stores(tmp_path, capsys):
+    import pytest
+
+    from fusionrag.errors import FusionRAGError
+
+    _data(tmp_path)
+    run_quality(_kb_spec(tmp_path, limit=1))
+    other = _other_file(tmp_path)
+    spec = _kb_spec(tmp_path, limit=2)
+    spec.data = [other]
+    with pytest.raises(FusionRAGError, match="another --out"):  # same records file: refused, nothing written
+        run_quality(spec)
+    spec.out = tmp_path / "out_other"
+    run_quality(spec)  # own folder; the n1 store of the first file must not seed its n2 store
+    assert "building from scratch" in capsys.readouterr().out
+    recs = _lines(tmp_path / "out_other" / "records.jsonl")
+    assert {r["qid"] for r in recs} == {"other-" + ex["id"] for ex in load_sample()[3:5]}
+
+
+def test_a_store_of_another_file_is_refused_not_extended(tmp_path):
+    import pytest
+
+    from fusionrag.errors import FusionRAGError
+
+    _data(tmp_path)
+    run_quality(_kb_spec(tmp_path, limit=2))
+    spec = _kb_spec(tmp_path, limit=2)
+    spec.data, spec.out = [_other_file(tmp_path)], tmp_path / "out_other"
+    with pytest.raises(FusionRAGError, match="not passages of this run"):  # same store name, other passages
+        run_quality(spec)
+
+
+def test_full_attention_cache_is_verified_against_the_question_and_passages(tmp_path):
+    import dataclasses
+
+    import torch
+
+    from fusionrag.eval.bench_quality import FullCache, example_sha
+    from fusionrag.eval.datasets import load_questions
+
+    ex = load_questions(_data(tmp_path))[0]
+    cache = FullCache(tmp_path / "cache", "m")
+    cache.put("hotpotqa", ex.id, 4, "answer", torch.zeros(3), {"input_sha": example_sha(ex)})
+    assert cache.get("hotpotqa", ex.id, 4, example_sha(ex))[0] == "answer"
+    other = dataclasses.replace(ex, passages=ex.passages[:-1])  # same id, other input: a miss, not a wrong reference
+    assert cache.get("hotpotqa", ex.id, 4, example_sha(other)) is None
+
+
 def test_kb_limit_below_limit_is_a_clear_error(tmp_path):
     import pytest
 

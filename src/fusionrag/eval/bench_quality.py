@@ -19,6 +19,7 @@ never mixed in.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import re
@@ -134,7 +135,9 @@ class FullCache:
         safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in qid)
         return self.root / dataset / f"{safe}.t{max_new_tokens}.safetensors"
 
-    def get(self, dataset: str, qid: str, max_new_tokens: int) -> tuple[str, torch.Tensor, dict] | None:
+    def get(self, dataset: str, qid: str, max_new_tokens: int,
+            input_sha: str | None = None) -> tuple[str, torch.Tensor, dict] | None:
+        """The cached result, or None; also None when it was made for other input (same id, other file)."""
         p = self._path(dataset, qid, max_new_tokens)
         if not p.is_file():
             return None
@@ -142,7 +145,10 @@ class FullCache:
 
         with safe_open(str(p), "pt") as f:
             meta = f.metadata() or {}
-        return meta.get("answer", ""), load_file(str(p))["first_logits"], json.loads(meta.get("info", "{}"))
+        info = json.loads(meta.get("info", "{}"))
+        if input_sha is not None and info.get("input_sha") not in (None, input_sha):  # older entries: no hash
+            return None
+        return meta.get("answer", ""), load_file(str(p))["first_logits"], info
 
     def put(self, dataset: str, qid: str, max_new_tokens: int, answer: str, logits: torch.Tensor, info: dict) -> None:
         p = self._path(dataset, qid, max_new_tokens)
@@ -206,6 +212,17 @@ def supersede_other_kb_records(path: Path, spec: QualitySpec, dataset: str) -> i
     return len(stale)
 
 
+def _refuse_other_files(rec_path: Path, done: dict, dataset: str, data_file: Path) -> None:
+    """Results are grouped by dataset name: two files of one dataset must not share a records file."""
+    in_file = {ex.id for ex in load_questions(data_file)}
+    foreign = {qid for ds, qid, _ in done if ds == dataset} - in_file
+    if foreign:
+        raise FusionRAGError(
+            f"{rec_path} already has {len(foreign)} '{dataset}' questions that are not in {data_file}: two files "
+            "would be reported as one dataset; use another --out for this file"
+        )
+
+
 def _records(path: Path) -> dict[tuple[str, str, str], dict]:
     done: dict[tuple[str, str, str], dict] = {}
     if path.is_file():
@@ -264,14 +281,10 @@ def _seed_from_smaller_store(path: Path) -> Path | None:
     return source
 
 
-def _open_store(spec: QualitySpec, dataset: str, examples: list[QAExample], top_n: int, lm):
-    from fusionrag.offline.preprocess import run_plain
+def _fill_store(spec: QualitySpec, path: Path, dataset: str, examples: list[QAExample], lm):
+    """Open or create the store at ``path`` and add the run's passages; None if it holds any other chunk."""
     from fusionrag.retrieval.knowledge import KnowledgeStore
 
-    # Stores hold gigabytes of KV: they live in the cache folder, never next to the report.
-    path = (spec.cache_dir or spec.out / "cache") / "stores" / store_name(spec, dataset, top_n)
-    if not path.exists() and (source := _seed_from_smaller_store(path)) is not None:
-        print(f"[bench quality] {path.name}: seeded from {source.name} (its plain KV and still-current fused KV)")
     if (path / "store.sqlite").exists():
         store = KnowledgeStore.open(path, lm=lm, embedder=spec.embedder)
     else:
@@ -280,12 +293,37 @@ def _open_store(spec: QualitySpec, dataset: str, examples: list[QAExample], top_
     # The knowledge base is the union of all questions' passages; each passage's document is the
     # first question that retrieves it, so --same-document means "neighbours among co-retrieved passages".
     seen: set = set()
+    ids: set[int] = set()
     for ex in examples:
         fresh = [p for p in ex.passages if p not in seen]
         seen.update(fresh)
         if fresh:
-            store.add_passages([{"title": p.title, "text": p.text} for p in fresh], doc=f"{dataset}:{ex.id}",
-                               plain_kv=False)
+            ids.update(store.add_passages([{"title": p.title, "text": p.text} for p in fresh],
+                                          doc=f"{dataset}:{ex.id}", plain_kv=False))
+    if set(store.chunk_ids()) - ids:
+        store.close()
+        return None
+    return store
+
+
+def _open_store(spec: QualitySpec, dataset: str, examples: list[QAExample], top_n: int, lm):
+    from fusionrag.offline.preprocess import run_plain
+
+    # Stores hold gigabytes of KV: they live in the cache folder, never next to the report.
+    path = (spec.cache_dir or spec.out / "cache") / "stores" / store_name(spec, dataset, top_n)
+    seeded = not path.exists() and (source := _seed_from_smaller_store(path)) is not None
+    if seeded:
+        print(f"[bench quality] {path.name}: seeded from {source.name} (its plain KV and still-current fused KV)")
+    store = _fill_store(spec, path, dataset, examples, lm)
+    if store is None and seeded:  # the smaller store came from another file of the same dataset name
+        print(f"[bench quality] {path.name}: the seed holds passages of other questions; building from scratch")
+        shutil.rmtree(path)
+        store = _fill_store(spec, path, dataset, examples, lm)
+    if store is None:
+        raise FusionRAGError(
+            f"{path} holds chunks that are not passages of this run's questions (another data file with the "
+            f"dataset name '{dataset}'?): the knowledge base would be wrong; remove it or use another --cache-dir"
+        )
     run_plain(store, progress=spec.progress)  # once for the whole knowledge base, with a progress bar
     if top_n > 0:
         store.preprocess(top_n=top_n, progress=spec.progress, neighbour_order=spec.neighbour_order,
@@ -319,6 +357,7 @@ def run_quality(spec: QualitySpec) -> list[dict]:
             print(f"[bench quality] {dataset}: {moved} records were made with another knowledge base; "
                   "moved to records.superseded.jsonl, recomputing them")
         done = _records(rec_path)  # re-read: another lane may have added records since
+        _refuse_other_files(rec_path, done, dataset, data_file)
         todo = [(ex, run) for ex in examples for run in runs if (dataset, ex.id, run.key) not in done]
         # One store per offline top-n; plain KV is the same in all of them, so plain runs use the first.
         # Nothing left to compute: no store is opened (or built) at all.
@@ -386,14 +425,23 @@ class _CachedFull:
         return self.context_tokens  # Full Attention computes every context token
 
 
+def example_sha(ex: QAExample) -> str:
+    """What a Full Attention result depends on besides the model: the question and its passages."""
+    h = hashlib.sha256(ex.question.encode())
+    for p in ex.passages:
+        h.update(b"\0" + p.title.encode() + b"\0" + p.text.encode())
+    return h.hexdigest()
+
+
 def _run_cell(engines, full_cache: FullCache, spec: QualitySpec, dataset: str, ex: QAExample, run: Run) -> dict:
     chunks = [{"title": p.title, "text": p.text} for p in ex.passages]
     engine = engines.get(run.top_n) or next(iter(engines.values()))
-    cached = full_cache.get(dataset, ex.id, spec.max_new_tokens)
+    input_sha = example_sha(ex)
+    cached = full_cache.get(dataset, ex.id, spec.max_new_tokens, input_sha)
     res = None
     if cached is None or (run.method == "full" and not spec.reuse_full_cache):
         full = engine.answer(ex.question, method="full", chunks=chunks, max_new_tokens=spec.max_new_tokens)
-        info = {"ttft_ms": full.ttft_ms, "context_tokens": full.context_tokens}
+        info = {"ttft_ms": full.ttft_ms, "context_tokens": full.context_tokens, "input_sha": input_sha}
         full_cache.put(dataset, ex.id, spec.max_new_tokens, full.text, full.first_logits, info)
         cached = (full.text, full.first_logits, info)
         if run.method == "full":
