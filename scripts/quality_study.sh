@@ -38,6 +38,9 @@ lane_a() {
   Q "${WIKI_N[@]}" --ratios 0.05,0.1,0.3 --methods cacheblend,fusionrag
   # the rest of the method x ratio matrix on TriviaQA: Cache-Craft, query-only and EPIC at every ratio
   Q "${TRI_N[@]}" --ratios 0.05,0.1,0.15,0.3 --methods cachecraft,query,epic
+  # the selection policies on fused KV (Figure 16): CacheBlend at every ratio, Cache-Craft and EPIC at 15%
+  Q "${TRI_N[@]}" --ratios 0.05,0.3 --methods cacheblend --kv both
+  Q "${TRI_N[@]}" --ratios 0.15 --methods cachecraft,epic --kv both
 }
 lane_b() {
   Q "${WIKI_N[@]}" --ratios 0.15 --methods $CORE
