@@ -18,6 +18,7 @@ from pathlib import Path
 
 from fusionrag.eval.bench_quality import COMPARE_METRICS
 from fusionrag.eval.metrics import bootstrap_diff_ci
+from fusionrag.eval.report import diff_cell
 
 
 def _load(path: Path) -> list[dict]:
@@ -48,11 +49,11 @@ def main(folder: Path) -> int:
         qids = sorted(set(new) & set(prev))
         if not qids:
             continue
-        cols = []
+        diffs: dict[str, object] = {}
         for m in COMPARE_METRICS:
             d, lo, hi = bootstrap_diff_ci([new[q].get(m) for q in qids], [prev[q].get(m) for q in qids])
-            cell = f"{d:+.2f} [{lo:+.2f}, {hi:+.2f}]"
-            cols.append(f"**{cell}**" if lo > 0 or hi < 0 else cell)
+            diffs[f"{m}_diff"], diffs[f"{m}_diff_ci"] = d, [lo, hi]
+        cols = [diff_cell(diffs, m, digits=2) for m in COMPARE_METRICS]
         ds, method, kv, ratio = key
         lines.append(f"| {ds} | {method} | {kv} | {ratio:.0%} | `{kbs[key]['old']}` | `{kbs[key]['new']}` | "
                      f"{len(qids)} | " + " | ".join(cols) + " |")

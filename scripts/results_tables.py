@@ -13,6 +13,8 @@ import json
 import sys
 from pathlib import Path
 
+from fusionrag.eval.report import diff_cell
+
 NAMES = {"triviaqa": "TriviaQA", "hotpotqa": "HotpotQA", "2wikimqa": "2WikiMQA", "musique": "MuSiQue"}
 ORDER = ["triviaqa", "hotpotqa", "2wikimqa", "musique"]
 AT_15 = [  # (label, method, kv, ratio)
@@ -49,9 +51,7 @@ def _ci(row: dict, key: str) -> str:
 
 
 def _diff(c: dict, key: str) -> str:
-    d, (lo, hi) = c[f"{key}_diff"], c[f"{key}_diff_ci"]
-    cell = f"{d:+.2f} [{lo:+.2f}, {hi:+.2f}]"
-    return f"**{cell}**" if lo > 0 or hi < 0 else cell
+    return diff_cell(c, key, digits=2)
 
 
 def main(folder: Path) -> None:

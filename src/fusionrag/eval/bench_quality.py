@@ -212,9 +212,8 @@ def supersede_other_kb_records(path: Path, spec: QualitySpec, dataset: str) -> i
     return len(stale)
 
 
-def _refuse_other_files(rec_path: Path, done: dict, dataset: str, data_file: Path) -> None:
+def _refuse_other_files(rec_path: Path, done: dict, dataset: str, data_file: Path, in_file: set[str]) -> None:
     """Results are grouped by dataset name: two files of one dataset must not share a records file."""
-    in_file = {ex.id for ex in load_questions(data_file)}
     foreign = {qid for ds, qid, _ in done if ds == dataset} - in_file
     if foreign:
         raise FusionRAGError(
@@ -347,7 +346,9 @@ def run_quality(spec: QualitySpec) -> list[dict]:
     wall_start = time.perf_counter()
     done: dict[tuple[str, str, str], dict] = {}
     for data_file in spec.data:
-        kb_examples = load_questions(data_file, kb_n, seed=spec.seed, max_passage_words=spec.max_passage_words)
+        # The whole file is parsed (and validated) anyway; its ids also guard the records against other files.
+        in_file = load_questions(data_file, None, seed=spec.seed, max_passage_words=spec.max_passage_words)
+        kb_examples = in_file[:kb_n] if kb_n is not None else in_file
         examples = kb_examples[:spec.limit] if spec.limit is not None else kb_examples
         if not examples:
             raise FusionRAGError(f"{data_file}: no questions")
@@ -357,7 +358,7 @@ def run_quality(spec: QualitySpec) -> list[dict]:
             print(f"[bench quality] {dataset}: {moved} records were made with another knowledge base; "
                   "moved to records.superseded.jsonl, recomputing them")
         done = _records(rec_path)  # re-read: another lane may have added records since
-        _refuse_other_files(rec_path, done, dataset, data_file)
+        _refuse_other_files(rec_path, done, dataset, data_file, {ex.id for ex in in_file})
         todo = [(ex, run) for ex in examples for run in runs if (dataset, ex.id, run.key) not in done]
         # One store per offline top-n; plain KV is the same in all of them, so plain runs use the first.
         # Nothing left to compute: no store is opened (or built) at all.

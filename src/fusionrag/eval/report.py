@@ -312,14 +312,15 @@ COMPARISON_COLUMNS: tuple[tuple[str, str], ...] = (
 )
 
 
-def _diff_cell(row: Mapping[str, Any], metric: str) -> str:
+def diff_cell(row: Mapping[str, Any], metric: str, digits: int = 3) -> str:
+    """``row[metric_diff]`` with its interval, bold where the interval excludes 0."""
     value, ci = row.get(f"{metric}_diff"), row.get(f"{metric}_diff_ci")
     if not _is_number(value):
         return _MISSING
-    text = f"{float(value):+.3f}"
+    text = f"{float(value):+.{digits}f}"
     if isinstance(ci, Sequence) and len(ci) == 2 and all(_is_number(x) for x in ci):
         lo, hi = float(ci[0]), float(ci[1])
-        text += f" [{lo:+.3f}, {hi:+.3f}]"
+        text += f" [{lo:+.{digits}f}, {hi:+.{digits}f}]"
         if lo > 0 or hi < 0:  # the interval excludes 0: a difference these questions support
             text = f"**{text}**"
     return text
@@ -350,7 +351,7 @@ def comparisons_markdown(comparisons: Sequence[Mapping[str, Any]]) -> str:
             top_n = f"{c.get('top_n')} | " if sweep else ""
             lines.append(
                 f"| {c.get('dataset')} | {top_n}{_fmt(c.get('ratio'), 'pct')} | {base} | {c.get('n')} | "
-                + " | ".join(_diff_cell(c, m) for m, _ in COMPARISON_COLUMNS) + " |"
+                + " | ".join(diff_cell(c, m) for m, _ in COMPARISON_COLUMNS) + " |"
             )
     return "\n".join(lines) + "\n" if lines else ""
 
