@@ -266,3 +266,19 @@ def test_top_n_sweep_compares_within_one_offline_setting():
     assert sorted((c["top_n"], c["baseline_kv"], c["baseline_top_n"]) for c in comps) == [
         (2, "fused", 2), (2, "plain", 0), (10, "fused", 10), (10, "plain", 0)]  # fmt: skip
     assert "| dataset | top-n | ratio |" in comparisons_markdown(comps)
+
+
+def test_plain_only_cells_build_no_fused_kv_and_a_later_fused_run_adds_it(tmp_path):
+    from fusionrag.retrieval.knowledge import store_info
+
+    _data(tmp_path)
+    spec = _kb_spec(tmp_path, limit=2)
+    spec.methods = ["query", "epic"]  # plain KV only: the offline stage is not needed
+    spec.kv = "default"
+    run_quality(spec)
+    (store,) = (tmp_path / "cache" / "stores").iterdir()
+    info = store_info(store)
+    assert info["plain_kv"] == info["chunks"] > 0 and info["fused_kv"] == 0
+    run_quality(_kb_spec(tmp_path, limit=2))  # fused cells: the same store is fused now
+    info = store_info(store)
+    assert info["fused_kv"] == info["chunks"]
