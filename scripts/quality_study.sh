@@ -9,7 +9,8 @@
 # (--kb-limit), so raising --limit later keeps every earlier record valid; a changed knowledge
 # base moves the cells that read the store (fused KV, Cache-Craft) to records.superseded.jsonl
 # and recomputes them. Building a 50-question store takes one lane 9 min (TriviaQA, 172 chunks)
-# to ~100 min (MuSiQue, ~940 chunks); see docs/results/README.md for the counts reached.
+# to 56 min (MuSiQue, 942 chunks: plain KV 27 min, fusion 29 min); a run whose cells all read
+# plain KV (query-only, EPIC/CacheBlend on plain KV) builds only the plain KV.
 # A Full Attention result cached by an earlier run (runs/cache/full) serves the `full` cell
 # without a TTFT (--reuse-full-cache), so every reported TTFT was measured under the same
 # conditions (1 thread, the other lane busy).
