@@ -3,7 +3,8 @@
 #
 # Sized for 2 CPU cores: two single-threaded lanes in parallel (two 1-thread processes decode
 # ~1.7x faster in total than one 2-thread process; prefill ~1.1x), appending to the same
-# records.jsonl (appends are locked). `bash scripts/quality_study.sh a` or `... b` runs one lane.
+# records.jsonl (appends are locked). `bash scripts/quality_study.sh a` or `... b` runs one lane;
+# `... n100` runs the 100-question core comparison (docs/results/quality_n100).
 #
 # Every dataset: 50 questions (--limit) on a knowledge base fixed at the passages of the first 50
 # (--kb-limit), so raising --limit later keeps every earlier record valid; a changed knowledge
@@ -44,6 +45,16 @@ hotpot_dev20() {
   Q --data "$HOT_DEV20" --limit 24 --ratios 0.05,0.1,0.3 --methods cacheblend,fusionrag
   .venv/bin/fusionrag bench report --out "$OUT" --model qwen2.5-0.5b --data "$HOT_DEV20"
 }
+# 100 questions (TriviaQA, 2WikiMQA), the core methods at 15%, in their own folder with a
+# 100-question knowledge base (here it would supersede the 50-question study's store cells).
+n100() {
+  local OUT=docs/results/quality_n100
+  local CORE15=(--ratios 0.15 --methods full,reuse,cacheblend,cachecraft,fusionrag)
+  case "$1" in
+    tri) Q --data "$TRI" --limit 100 --kb-limit 100 "${CORE15[@]}" ;;
+    wiki) Q --data "$WIKI" --limit 100 --kb-limit 100 "${CORE15[@]}" ;;
+  esac
+}
 lane_a() {
   matrix "${TRI_N[@]}"
   # TriviaQA only: the other selection policies on fused KV (Figure 16)
@@ -62,6 +73,12 @@ mkdir -p runs
 case "${1:-both}" in
   a) lane_a > runs/lane_a.log 2>&1 ;;
   b) lane_b > runs/lane_b.log 2>&1 ;;
+  n100) n100 tri > runs/n100_tri.log 2>&1 &
+        n100 wiki > runs/n100_wiki.log 2>&1 &
+        wait
+        .venv/bin/fusionrag bench report --out docs/results/quality_n100 --model qwen2.5-0.5b \
+          --data "$TRI" "$WIKI"
+        exit 0 ;;
   *) lane_a > runs/lane_a.log 2>&1 &
      lane_b > runs/lane_b.log 2>&1 &
      wait ;;

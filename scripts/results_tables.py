@@ -13,6 +13,7 @@ import json
 import sys
 from pathlib import Path
 
+from fusionrag.eval.metrics import bootstrap_diff_ci
 from fusionrag.eval.report import diff_cell
 
 NAMES = {"triviaqa": "TriviaQA", "hotpotqa": "HotpotQA", "2wikimqa": "2WikiMQA", "musique": "MuSiQue"}
@@ -54,6 +55,27 @@ def _diff(c: dict, key: str) -> str:
     return diff_cell(c, key, digits=2)
 
 
+def _gold_gaps(folder: Path) -> dict[str, str]:
+    """Paired Full Attention minus plain Full Reuse gold F1 per dataset, from records.jsonl.
+
+    The per-method intervals overlap everywhere; pairing by question is the test of whether
+    this model's gold answers can rank methods at all (normalised F1's denominator).
+    """
+    f1: dict[tuple[str, str], dict[str, float]] = {}
+    for line in (folder / "records.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        side = {("full", "none"): "full", ("reuse", "plain"): "reuse"}.get((r["method"], r["kv"]))
+        if side:
+            f1.setdefault((r["dataset"], r["qid"]), {})[side] = r["f1"]
+    gaps = {}
+    for d in {d for d, _ in f1}:
+        pairs = [v for (ds, _), v in f1.items() if ds == d and len(v) == 2]
+        mean, lo, hi = bootstrap_diff_ci([v["full"] for v in pairs], [v["reuse"] for v in pairs])
+        cell = f"{mean:+.2f} [{lo:+.2f}, {hi:+.2f}]"
+        gaps[d] = f"**{cell}**" if lo > 0 or hi < 0 else cell
+    return gaps
+
+
 def main(folder: Path) -> None:
     doc = json.loads((folder / "results.json").read_text())
     rows, comps = doc["rows"], doc.get("comparisons", [])
@@ -61,15 +83,17 @@ def main(folder: Path) -> None:
     by = {(r["dataset"], r["method"], r["kv"], round(r["ratio"], 3)): r for r in main_rows}
     datasets = [d for d in ORDER if any(r["dataset"] == d for r in rows)]
 
+    gaps = _gold_gaps(folder)
     print("### Gold F1\n")
-    print("| dataset (n) | FA F1 [95% CI] | Full Reuse F1 [95% CI] | FA EM | FR EM | FusionRAG 15% F1 "
-          "| CacheBlend 15% F1 | Cache-Craft 15% F1 |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| dataset (n) | FA F1 [95% CI] | Full Reuse F1 [95% CI] | FA - FR, paired | FA EM | FR EM "
+          "| FusionRAG 15% F1 | CacheBlend 15% F1 | Cache-Craft 15% F1 |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for d in datasets:
         fa, fr = by[(d, "full", "none", 1.0)], by[(d, "reuse", "plain", 0.0)]
         cells = [by.get((d, m, k, 0.15)) for m, k in (("fusionrag", "fused"), ("cacheblend", "plain"),
                                                          ("cachecraft", "plain"))]
-        print(f"| {NAMES[d]} ({fa['n']}) | {_ci(fa, 'f1')} | {_ci(fr, 'f1')} | {fa['em']:.2f} | {fr['em']:.2f} | "
+        print(f"| {NAMES[d]} ({fa['n']}) | {_ci(fa, 'f1')} | {_ci(fr, 'f1')} | {gaps.get(d, '-')} "
+              f"| {fa['em']:.2f} | {fr['em']:.2f} | "
               + " | ".join(f"{c['f1']:.2f}" if c else "-" for c in cells) + " |")
 
     print("\n### Fidelity at 15%\n")
