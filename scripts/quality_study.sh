@@ -49,7 +49,7 @@ hotpot_dev20() {
 # 100-question knowledge base (here it would supersede the 50-question study's store cells).
 n100() {
   local OUT=docs/results/quality_n100
-  local CORE15=(--ratios 0.15 --methods full,reuse,cacheblend,cachecraft,fusionrag)
+  local CORE15=(--ratios 0.15 --methods full,reuse,cacheblend,cachecraft,epic,query,fusionrag)
   case "$1" in
     tri) Q --data "$TRI" --limit 100 --kb-limit 100 "${CORE15[@]}" ;;
     wiki) Q --data "$WIKI" --limit 100 --kb-limit 100 "${CORE15[@]}" ;;

@@ -142,23 +142,29 @@ def main(folder: Path) -> None:
             print(f"| {NAMES[d]} ({c['n']}) | {_diff(c, 'agree_f1')} | {_diff(c, 'kl_first')} "
                   f"| {_diff(c, 'top1_agree')} |")
 
-    print("\n### Method x ratio: agreement F1 / first-token KL at 5% / 10% / 15% / 30%\n")
+    matrices = []
     for d in datasets:
+        lines = []
+        for label, m, k in MATRIX:
+            cells = [by.get((d, m, k, x)) for x in RATIOS]
+            if sum(c is not None for c in cells) < 2:  # a single ratio is no curve
+                continue
+            n = min(c["n"] for c in cells if c)
+            lines.append(f"| {label} | {n} | " + " | ".join(
+                f"{c['agree_f1']:.2f} / {c['kl_first']:.2f}" if c else "-" for c in cells) + " |")
+        if lines:
+            matrices.append((d, lines))
+    if matrices:
+        print("\n### Method x ratio: agreement F1 / first-token KL at 5% / 10% / 15% / 30%\n")
+    for d, lines in matrices:
         fr = by[(d, "reuse", "plain", 0.0)]
         frf = by.get((d, "reuse", "fused", 0.0))
         print(f"**{NAMES[d]}** (0%: Full Reuse {fr['agree_f1']:.2f} / {fr['kl_first']:.2f} plain"
               + (f", {frf['agree_f1']:.2f} / {frf['kl_first']:.2f} fused" if frf else "") + ")\n")
         print("| method | n | " + " | ".join(f"{x:.0%}" for x in RATIOS) + " |")
         print("|---|---|" + "---|" * len(RATIOS))
-        for label, m, k in MATRIX:
-            cells = [by.get((d, m, k, x)) for x in RATIOS]
-            if sum(c is not None for c in cells) < 2:
-                continue
-            n = min(c["n"] for c in cells if c)
-            print(f"| {label} | {n} | " + " | ".join(
-                f"{c['agree_f1']:.2f} / {c['kl_first']:.2f}" if c else "-" for c in cells) + " |")
+        print("\n".join(lines))
         print()
-
 
 if __name__ == "__main__":
     main(Path(sys.argv[1] if len(sys.argv) > 1 else "docs/results/quality"))
