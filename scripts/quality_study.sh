@@ -47,13 +47,10 @@ hotpot_dev20() {
 }
 # 100 questions (TriviaQA, 2WikiMQA), the core methods at 15%, in their own folder with a
 # 100-question knowledge base (here it would supersede the 50-question study's store cells).
-n100() {
+n100() {  # $1: the data file
   local OUT=docs/results/quality_n100
-  local CORE15=(--ratios 0.15 --methods full,reuse,cacheblend,cachecraft,epic,query,fusionrag)
-  case "$1" in
-    tri) Q --data "$TRI" --limit 100 --kb-limit 100 "${CORE15[@]}" ;;
-    wiki) Q --data "$WIKI" --limit 100 --kb-limit 100 "${CORE15[@]}" ;;
-  esac
+  Q --data "$1" --limit 100 --kb-limit 100 --ratios 0.15 \
+    --methods full,reuse,cacheblend,cachecraft,epic,query,fusionrag
 }
 lane_a() {
   matrix "${TRI_N[@]}"
@@ -73,8 +70,8 @@ mkdir -p runs
 case "${1:-both}" in
   a) lane_a > runs/lane_a.log 2>&1 ;;
   b) lane_b > runs/lane_b.log 2>&1 ;;
-  n100) n100 tri > runs/n100_tri.log 2>&1 &
-        n100 wiki > runs/n100_wiki.log 2>&1 &
+  n100) n100 "$TRI" > runs/n100_tri.log 2>&1 &
+        n100 "$WIKI" > runs/n100_wiki.log 2>&1 &
         wait
         .venv/bin/fusionrag bench report --out docs/results/quality_n100 --model qwen2.5-0.5b \
           --data "$TRI" "$WIKI"

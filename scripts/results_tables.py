@@ -61,18 +61,17 @@ def _gold_gaps(folder: Path) -> dict[str, str]:
     The per-method intervals overlap everywhere; pairing by question is the test of whether
     this model's gold answers can rank methods at all (normalised F1's denominator).
     """
-    f1: dict[tuple[str, str], dict[str, float]] = {}
+    f1: dict[str, dict[str, dict[str, float]]] = {}  # dataset -> qid -> side -> F1
     for line in (folder / "records.jsonl").read_text().splitlines():
         r = json.loads(line)
         side = {("full", "none"): "full", ("reuse", "plain"): "reuse"}.get((r["method"], r["kv"]))
         if side:
-            f1.setdefault((r["dataset"], r["qid"]), {})[side] = r["f1"]
+            f1.setdefault(r["dataset"], {}).setdefault(r["qid"], {})[side] = r["f1"]
     gaps = {}
-    for d in {d for d, _ in f1}:
-        pairs = [v for (ds, _), v in f1.items() if ds == d and len(v) == 2]
+    for d, by_qid in f1.items():
+        pairs = [v for v in by_qid.values() if len(v) == 2]
         mean, lo, hi = bootstrap_diff_ci([v["full"] for v in pairs], [v["reuse"] for v in pairs])
-        cell = f"{mean:+.2f} [{lo:+.2f}, {hi:+.2f}]"
-        gaps[d] = f"**{cell}**" if lo > 0 or hi < 0 else cell
+        gaps[d] = diff_cell({"f1_diff": mean, "f1_diff_ci": [lo, hi]}, "f1", digits=2)
     return gaps
 
 
@@ -165,6 +164,7 @@ def main(folder: Path) -> None:
         print("|---|---|" + "---|" * len(RATIOS))
         print("\n".join(lines))
         print()
+
 
 if __name__ == "__main__":
     main(Path(sys.argv[1] if len(sys.argv) > 1 else "docs/results/quality"))
