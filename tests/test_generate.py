@@ -2,7 +2,7 @@
 
 import torch
 
-from fusionrag.engine.generate import TextStreamer, greedy_tokens
+from fusionrag.execution.generate import TextStreamer, greedy_tokens
 from fusionrag.online.prefill import prefill_full
 from fusionrag.prompt import PromptBuilder
 

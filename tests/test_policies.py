@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from fusionrag.engine.attention import prefill_with_context_attention
-from fusionrag.engine.forward import prefill
+from fusionrag.execution.attention import prefill_with_context_attention
+from fusionrag.execution.forward import prefill
 from fusionrag.errors import FusionRAGError
 from fusionrag.online.policies import (
     EPIC_MAX_PER_CHUNK,
@@ -77,7 +77,7 @@ def test_query_scores_equal_explicit_last_layer_attention(tiny_lm):
     _, _, question, inp = _setup(tiny_lm)
     model = tiny_lm.model
     # Reference: the model's own eager attention weights for the question over the assembled cache.
-    from fusionrag.engine.forward import to_dynamic_cache
+    from fusionrag.execution.forward import to_dynamic_cache
 
     T = len(inp.context)
     model.set_attn_implementation("eager")

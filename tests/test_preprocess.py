@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import fusionrag.offline.preprocess as pre
-from fusionrag.engine.forward import prefill
+from fusionrag.execution.forward import prefill
 from fusionrag.kvcache.kv import KV
 from fusionrag.models import load_model
 from fusionrag.offline.preprocess import (

@@ -4,8 +4,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fusionrag.engine.forward import prefill, visibility
-from fusionrag.engine.recompute import sparse_recompute
+from fusionrag.execution.forward import prefill, visibility
+from fusionrag.execution.recompute import sparse_recompute
 from fusionrag.online.prefill import (
     all_chunk_indices,
     assemble_context,

@@ -2,7 +2,7 @@
 
 import torch
 
-from fusionrag.engine.forward import prefill
+from fusionrag.execution.forward import prefill
 from fusionrag.kvcache.kv import KV, assemble
 from fusionrag.models.rope import rotate_keys
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from fusionrag.engine.forward import prefill
-from fusionrag.engine.generate import greedy_tokens
+from fusionrag.execution.forward import prefill
+from fusionrag.execution.generate import greedy_tokens
 from fusionrag.models.registry import LoadedModel
 from fusionrag.online.prefill import (
     all_chunk_indices,

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from fusionrag.engine.generate import TextStreamer, greedy_tokens
+from fusionrag.execution.generate import TextStreamer, greedy_tokens
 from fusionrag.errors import FusionRAGError
 from fusionrag.kvcache.kv import KV
 from fusionrag.online.policies import METHODS, SelectionInput, make_policy, select

@@ -22,8 +22,8 @@ from typing import Protocol
 
 import torch
 
-from fusionrag.engine.attention import attention_probs, attention_scale, capture_last_layer_queries, finish_queries
-from fusionrag.engine.forward import forward, forward_first_layers, visibility
+from fusionrag.execution.attention import attention_probs, attention_scale, capture_last_layer_queries, finish_queries
+from fusionrag.execution.forward import forward, forward_first_layers, visibility
 from fusionrag.errors import FusionRAGError
 from fusionrag.kvcache.kv import KV
 from fusionrag.models.registry import LoadedModel

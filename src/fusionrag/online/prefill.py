@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fusionrag.engine.forward import prefill
-from fusionrag.engine.recompute import sparse_recompute
+from fusionrag.execution.forward import prefill
+from fusionrag.execution.recompute import sparse_recompute
 from fusionrag.kvcache.kv import KV, assemble
 from fusionrag.models.registry import LoadedModel
 

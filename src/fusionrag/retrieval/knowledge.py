@@ -365,7 +365,7 @@ class KnowledgeStore:
             if self.kv.exists(None, "system"):
                 kv = self.kv.load(None, "system", token_ids=ids).kv
             else:
-                from fusionrag.engine.forward import prefill
+                from fusionrag.execution.forward import prefill
 
                 kv, _ = prefill(self.lm, torch.tensor(ids))
                 self.kv.save(None, "system", kv, ids, dtype="float32")

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from fusionrag.engine.generate import TextStreamer
+from fusionrag.execution.generate import TextStreamer
 from fusionrag.errors import FusionRAGError
 from fusionrag.kvcache.kv import KV
 

@@ -74,7 +74,7 @@ def prefill_with_context_attention(
     ``S``). This is the simplified Cache-Craft signal: tokens that drew much from the
     preceding chunks are the ones whose reused KV goes most stale in another context.
     """
-    from fusionrag.engine.forward import prefill, visibility
+    from fusionrag.execution.forward import prefill, visibility
     from fusionrag.kvcache.kv import KV
 
     with capture_last_layer_queries(lm) as captured:

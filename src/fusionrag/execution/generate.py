@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import torch
 
-from fusionrag.engine.forward import forward, to_dynamic_cache
+from fusionrag.execution.forward import forward, to_dynamic_cache
 from fusionrag.kvcache.kv import KV
 from fusionrag.models.registry import LoadedModel
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fusionrag.engine.forward import forward
+from fusionrag.execution.forward import forward
 from fusionrag.kvcache.kv import KV
 from fusionrag.models.registry import LoadedModel
 
