@@ -3,9 +3,9 @@
 import pytest
 import torch
 
+from fusionrag.errors import FusionRAGError
 from fusionrag.execution.attention import prefill_with_context_attention
 from fusionrag.execution.forward import prefill
-from fusionrag.errors import FusionRAGError
 from fusionrag.online.policies import (
     EPIC_MAX_PER_CHUNK,
     METHODS,

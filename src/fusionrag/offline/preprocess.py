@@ -31,8 +31,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from tqdm.auto import tqdm
 
-from fusionrag.execution.attention import prefill_with_context_attention
 from fusionrag.errors import FusionRAGError
+from fusionrag.execution.attention import prefill_with_context_attention
 from fusionrag.kvcache.kv import KV, assemble
 from fusionrag.kvcache.store import tokens_hash
 from fusionrag.models.registry import LoadedModel

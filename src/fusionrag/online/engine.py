@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from fusionrag.execution.generate import TextStreamer, greedy_tokens
 from fusionrag.errors import FusionRAGError
+from fusionrag.execution.generate import TextStreamer, greedy_tokens
 from fusionrag.kvcache.kv import KV
 from fusionrag.online.policies import METHODS, SelectionInput, make_policy, select
 from fusionrag.online.prefill import Prefilled, assemble_context, chunk_kv_plain, prefill_full, prefill_reused

@@ -22,9 +22,9 @@ from typing import Protocol
 
 import torch
 
+from fusionrag.errors import FusionRAGError
 from fusionrag.execution.attention import attention_probs, attention_scale, capture_last_layer_queries, finish_queries
 from fusionrag.execution.forward import forward, forward_first_layers, visibility
-from fusionrag.errors import FusionRAGError
 from fusionrag.kvcache.kv import KV
 from fusionrag.models.registry import LoadedModel
 from fusionrag.online.prefill import all_chunk_indices

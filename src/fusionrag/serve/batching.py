@@ -38,8 +38,8 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from fusionrag.execution.generate import TextStreamer
 from fusionrag.errors import FusionRAGError
+from fusionrag.execution.generate import TextStreamer
 from fusionrag.kvcache.kv import KV
 
 log = logging.getLogger(__name__)
