@@ -129,9 +129,9 @@ def test_shared_chunks_in_any_order_are_never_modified(sched):
 
 def cached_passage_kvs(engine: Engine, passages: list[dict]) -> dict:
     """The KV objects the engine's alternative-path cache holds for these passages (fails if one is missing)."""
-    from fusionrag.online.engine import _content_hash
+    from fusionrag.prompt import passage_hash
 
-    hashes = [_content_hash(p) for p in passages]
+    hashes = [passage_hash(p.get("title", ""), p["text"]) for p in passages]
     res = engine.prefix_cache.lookup(engine.prompt.system_hash, hashes, lambda *_: pytest.fail("not cached"))
     return dict(zip(hashes, res.values, strict=True))
 

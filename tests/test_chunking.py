@@ -9,9 +9,8 @@ import numpy as np
 import pytest
 
 from fusionrag.models import load_model
-from fusionrag.prompt import PromptBuilder, chunk_text
+from fusionrag.prompt import PromptBuilder, chunk_text, passage_hash
 from fusionrag.retrieval.chunking import (
-    content_hash,
     dedup,
     expand_paths,
     make_chunks,
@@ -60,7 +59,7 @@ def test_dedup_by_content_hash(prompt):
                                   _passage("B", "same text")], 256)
     unique, dropped = dedup(chunks)
     assert dropped == 1 and [c.title for c in unique] == ["A", "B"] and unique[0].doc == "d"
-    assert content_hash("A", "same text") != content_hash("B", "same text")
+    assert passage_hash("A", "same text") != passage_hash("B", "same text")
 
 
 def test_jsonl_both_schemas(tmp_path):

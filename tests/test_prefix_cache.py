@@ -8,7 +8,8 @@ from dataclasses import dataclass
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fusionrag.kvcache.prefix_cache import AlternativePathCache, RadixPrefixCache, content_hash, path_key
+from fusionrag.files import content_hash
+from fusionrag.kvcache.prefix_cache import AlternativePathCache, RadixPrefixCache, path_key
 
 S = "sys"
 

@@ -14,8 +14,7 @@ from fusionrag.kvcache.kv import KV
 from fusionrag.kvcache.store import KVStore
 from fusionrag.models import load_model
 from fusionrag.online.prefill import chunk_kv_plain
-from fusionrag.prompt import chunk_text
-from fusionrag.retrieval.chunking import content_hash
+from fusionrag.prompt import chunk_text, passage_hash
 from fusionrag.retrieval.embedder import HashingEmbedder
 from fusionrag.retrieval.knowledge import KnowledgeStore, UnknownChunkError
 
@@ -141,7 +140,7 @@ def test_store_lifecycle(tmp_path, lm):
     rec = ks.chunk(0)
     assert (rec.title, rec.doc, rec.n_tokens) == ("Paris", "c.jsonl#q1", len(rec.token_ids))
     assert rec.token_ids == ks.prompt.chunk_ids("Paris", PASSAGES[0]["text"])
-    assert ks.find_by_hash(content_hash("Lyon", PASSAGES[1]["text"])) == 1 and ks.find_by_hash("nope") is None
+    assert ks.find_by_hash(passage_hash("Lyon", PASSAGES[1]["text"])) == 1 and ks.find_by_hash("nope") is None
     with pytest.raises(UnknownChunkError):
         ks.chunk(99)
 

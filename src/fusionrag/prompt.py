@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
+from fusionrag.files import content_hash
+
 SYSTEM_PROMPT = (
     "You are a helpful assistant. Answer the question using the passages below. "
     "Reply with a short answer of a few words, without explanation."
@@ -27,6 +29,11 @@ def chunk_text(title: str, text: str) -> str:
     title = (title or "").strip()
     body = (text or "").strip()
     return f"[{title}] {body}\n\n" if title else f"{body}\n\n"
+
+
+def passage_hash(title: str, text: str) -> str:
+    """Identity of a passage (and of a stored chunk): sha256 of exactly the text the prompt will contain."""
+    return content_hash(chunk_text(title, text))
 
 
 def question_text(question: str) -> str:

@@ -38,6 +38,7 @@ from tqdm.auto import tqdm
 from fusionrag.errors import FusionRAGError
 from fusionrag.eval import metrics
 from fusionrag.eval.datasets import QAExample, load_questions
+from fusionrag.files import atomic_write, atomic_write_with
 from fusionrag.offline.preprocess import DEFAULT_NEIGHBOUR_ORDER
 
 POLICY_METHODS = ("cacheblend", "cachecraft", "epic", "random")
@@ -152,14 +153,8 @@ class FullCache:
 
     def put(self, dataset: str, qid: str, max_new_tokens: int, answer: str, logits: torch.Tensor, info: dict) -> None:
         p = self._path(dataset, qid, max_new_tokens)
-        p.parent.mkdir(parents=True, exist_ok=True)
-        tmp = p.with_suffix(".tmp")
-        save_file(
-            {"first_logits": logits.float().contiguous()},
-            str(tmp),
-            metadata={"answer": answer, "info": json.dumps(info)},
-        )
-        os.replace(tmp, p)
+        atomic_write_with(p, lambda tmp: save_file({"first_logits": logits.float().contiguous()}, str(tmp),
+                                                   metadata={"answer": answer, "info": json.dumps(info)}))
 
 
 @contextlib.contextmanager
@@ -206,9 +201,7 @@ def supersede_other_kb_records(path: Path, spec: QualitySpec, dataset: str) -> i
             return 0
         with open(path.with_name("records.superseded.jsonl"), "a", encoding="utf-8") as f:
             f.write("".join(line + "\n" for line in stale))
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text("".join(line + "\n" for line in keep), encoding="utf-8")
-        os.replace(tmp, path)
+        atomic_write(path, "".join(line + "\n" for line in keep))
     return len(stale)
 
 

@@ -22,7 +22,6 @@ TTFT rows (one per method x ratio x context length x tier) have the keys::
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import math
 import os
@@ -30,13 +29,15 @@ import platform
 import shlex
 import statistics
 import sys
-import tempfile
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from fusionrag.files import atomic_write, atomic_write_with, file_sha256
+from fusionrag.files import write_json_atomic as _write_json
 
 #: Methods drawn as horizontal reference lines in ratio plots: their quality does
 #: not depend on the recompute ratio.
@@ -121,35 +122,15 @@ def to_jsonable(obj: Any) -> Any:
     raise TypeError(f"cannot write {type(obj).__name__} to JSON")
 
 
-def _atomic_write(path: Path, write: Callable[[Any], None], mode: str = "w") -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        kwargs = {"encoding": "utf-8"} if "b" not in mode else {}
-        with os.fdopen(fd, mode, **kwargs) as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
-
-
 def write_json_atomic(path: str | Path, obj: Any) -> Path:
     """Write ``obj`` as indented JSON via a temp file and ``os.replace`` (never half-written)."""
 
-    def write(f: Any) -> None:
-        json.dump(to_jsonable(obj), f, indent=2, ensure_ascii=False, allow_nan=False)
-        f.write("\n")
-
-    return _atomic_write(Path(path), write)
+    return _write_json(path, to_jsonable(obj))
 
 
 def write_text_atomic(path: str | Path, text: str) -> Path:
     """Write ``text`` via a temp file and ``os.replace``."""
-    return _atomic_write(Path(path), lambda f: f.write(text))
+    return atomic_write(path, text)
 
 
 def read_results(path: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
@@ -160,14 +141,6 @@ def read_results(path: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]]
 
 
 # --------------------------------------------------------------------------- provenance
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _version(package: str) -> str | None:
@@ -220,7 +193,7 @@ def build_meta(
     files = []
     for f in data_files:
         p = Path(f)
-        files.append({"path": str(p), "sha256": _sha256(p) if p.is_file() else None})
+        files.append({"path": str(p), "sha256": file_sha256(p) if p.is_file() else None})
     meta: dict[str, Any] = {
         "command": command,
         "model": model,
@@ -397,7 +370,7 @@ def _figure(nrows: int, ncols: int, width: float, height: float) -> tuple[Any, n
 
 
 def _save_png(fig: Any, path: str | Path) -> Path:
-    return _atomic_write(Path(path), lambda f: fig.savefig(f, format="png", dpi=120, bbox_inches="tight"), mode="wb")
+    return atomic_write_with(path, lambda tmp: fig.savefig(tmp, format="png", dpi=120, bbox_inches="tight"))
 
 
 def _series_label(method: str, kv: Any, ratio: Any = None) -> str:

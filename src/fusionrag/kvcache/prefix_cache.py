@@ -44,12 +44,6 @@ Compute = Callable[[str, tuple[str, ...], str], Any]
 """``compute(system, context, chunk) -> value`` with ``value.nbytes``."""
 
 
-def content_hash(content: str | bytes) -> str:
-    """A short, stable hash of a chunk's (or system prompt's) content: the cache's key material."""
-    data = content.encode("utf-8") if isinstance(content, str) else content
-    return hashlib.blake2b(data, digest_size=16).hexdigest()
-
-
 def path_key(system: str, path: Sequence[str]) -> bytes:
     """Key of the last chunk of ``path`` computed after ``system + path[:-1]``.
 

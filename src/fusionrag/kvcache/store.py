@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +27,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from fusionrag.errors import CacheIntegrityError, FusionRAGError
+from fusionrag.files import atomic_write, remove_temp_files
 from fusionrag.kvcache.kv import KV
 
 FORMAT = "fusionrag-kv/1"
@@ -85,12 +85,7 @@ class KVStore:
 
     def remove_temp_files(self) -> int:
         """Delete temp files left by an interrupted writer (never valid entries)."""
-        n = 0
-        if self.root.is_dir():
-            for p in self.root.rglob(".*.tmp"):
-                p.unlink(missing_ok=True)
-                n += 1
-        return n
+        return remove_temp_files(self.root)
 
     # ------------------------------------------------------------ write
 
@@ -131,7 +126,7 @@ class KVStore:
         data = st_save(tensors, metadata=meta)
         path = self.path(chunk_id, kind)
         path.parent.mkdir(parents=True, exist_ok=True)
-        _atomic_write(path, data)
+        atomic_write(path, data)
         return path
 
     # ------------------------------------------------------------ read
@@ -213,22 +208,3 @@ def _checksum(tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> str:
     h.update(json.dumps({k: v for k, v in meta.items() if k != "checksum"}, sort_keys=True).encode())
     return h.hexdigest()
 
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    try:  # make the rename itself durable
-        fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except OSError:
-        pass

@@ -9,7 +9,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -23,7 +22,7 @@ from fusionrag.execution.generate import TextStreamer, greedy_tokens
 from fusionrag.kvcache.kv import KV
 from fusionrag.online.policies import METHODS, SelectionInput, make_policy, select
 from fusionrag.online.prefill import Prefilled, assemble_context, chunk_kv_plain, prefill_full, prefill_reused
-from fusionrag.prompt import chunk_text
+from fusionrag.prompt import passage_hash
 
 DEFAULT_TOP_K = 5
 #: Which stored KV a method reuses unless ``kv=`` says otherwise. FusionRAG is query-guided
@@ -251,7 +250,7 @@ class Engine:
             if not chunks:
                 raise FusionRAGError("chunks= was given but is empty")
             passages = [{"title": c.get("title", ""), "text": c["text"]} for c in chunks]
-            ids = [self.store.find_by_hash(_content_hash(p)) for p in passages]
+            ids = [self.store.find_by_hash(passage_hash(p.get("title", ""), p["text"])) for p in passages]
             return ids, passages
         if not self.store.chunk_ids():
             raise FusionRAGError("the knowledge store is empty; add documents with 'fusionrag ingest'")
@@ -310,8 +309,9 @@ class Engine:
             loaded = dict(zip(stored, self.tiers.get_many(stored), strict=True))
         else:
             loaded = {k: self.store.load_kv(*k) for k in stored}
-        adhoc = iter(self._adhoc_kvs([(_content_hash(p), ids) for key, p, ids in zip(keys, passages, token_ids,
-                                                                                      strict=True) if key is None]))
+        missing = [(passage_hash(p.get("title", ""), p["text"]), ids)
+                   for key, p, ids in zip(keys, passages, token_ids, strict=True) if key is None]
+        adhoc = iter(self._adhoc_kvs(missing))
         kvs, fallbacks = [], 0
         for key in keys:
             kvs.append(loaded[key] if key is not None else next(adhoc))
@@ -329,6 +329,3 @@ class Engine:
             lambda _system, _context, chunk: chunk_kv_plain(self.lm, self.system_kv, ids_of[chunk]))
         return list(result.values)
 
-
-def _content_hash(passage: dict) -> str:
-    return hashlib.sha256(chunk_text(passage.get("title", ""), passage["text"]).encode("utf-8")).hexdigest()

@@ -8,12 +8,11 @@ network, safe to attach to a bug report.
 from __future__ import annotations
 
 import html
-import os
-import tempfile
 from pathlib import Path
 
 import torch
 
+from fusionrag.files import atomic_write
 from fusionrag.online.engine import Answer
 
 _CSS = """
@@ -61,10 +60,4 @@ def render_explain_html(answer: Answer, question: str, tokenizer, token_ids: lis
 
 def write_explain(path: str | Path, content: str) -> Path:
     """Write atomically (temp file + rename) so a crash never leaves half a page."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write(content)
-    os.replace(tmp, path)
-    return path
+    return atomic_write(path, content)

@@ -12,14 +12,13 @@ Readers never abort an ingest: a malformed line or file is reported as a
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from fusionrag.prompt import PromptBuilder, chunk_text
+from fusionrag.prompt import PromptBuilder, passage_hash
 
 SUPPORTED_SUFFIXES = (".txt", ".md", ".jsonl")
 DEFAULT_CHUNK_TOKENS = 256
@@ -66,11 +65,6 @@ class Problem:
     def __str__(self) -> str:
         where = self.path if self.line is None else f"{self.path}:{self.line}"
         return f"{where}: {self.message}"
-
-
-def content_hash(title: str, text: str) -> str:
-    """Identity of a chunk: sha256 of exactly the text the prompt will contain."""
-    return hashlib.sha256(chunk_text(title, text).encode("utf-8")).hexdigest()
 
 
 # ---------------------------------------------------------------- readers
@@ -265,7 +259,7 @@ def make_chunks(prompt: PromptBuilder, passages: Iterable[Passage], max_tokens: 
             continue
         for piece in pieces:
             ids = tuple(prompt.chunk_ids(p.title, piece))
-            out.append(Chunk(p.doc, p.title.strip(), piece, ids, content_hash(p.title, piece)))
+            out.append(Chunk(p.doc, p.title.strip(), piece, ids, passage_hash(p.title, piece)))
     return out
 
 

@@ -8,7 +8,6 @@ chunk ids and a chunk's own vector can be read back for neighbour search. Saved 
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -16,6 +15,7 @@ import faiss
 import numpy as np
 
 from fusionrag.errors import FusionRAGError
+from fusionrag.files import atomic_write_with
 
 
 class VectorIndex:
@@ -106,15 +106,7 @@ class VectorIndex:
     # ------------------------------------------------------------ persistence
 
     def save(self, path: Path) -> None:
-        path = Path(path)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        try:
-            faiss.write_index(self.index, str(tmp))
-            with open(tmp, "rb+") as f:
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
+        atomic_write_with(path, lambda tmp: faiss.write_index(self.index, str(tmp)))
 
     @classmethod
     def load(cls, path: Path, dim: int) -> VectorIndex:

@@ -46,7 +46,8 @@ from typing import Any
 
 import numpy as np
 
-from fusionrag.kvcache.prefix_cache import AlternativePathCache, RadixPrefixCache, content_hash
+from fusionrag.files import content_hash
+from fusionrag.kvcache.prefix_cache import AlternativePathCache, RadixPrefixCache
 
 PAPER = {"storage_reduction_pct": 71.0, "redundant_recompute_reduction_pct": 82.0, "hit_rate_pct": 77.9}
 # Qwen2.5-0.5B: 24 layers, 2 KV heads, head_dim 64, K and V, fp16.
