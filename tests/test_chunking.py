@@ -154,4 +154,4 @@ def test_real_minilm_embedder():
 def _passage(title, text, doc="d"):
     from fusionrag.retrieval.chunking import Passage
 
-    return Passage(doc, title, text)
+    return Passage(title, text, doc=doc)

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from fusionrag.errors import FusionRAGError
+from fusionrag.retrieval.chunking import Passage
 
 #: Dataset names recognised in file paths, checked in this order.
 KNOWN_DATASETS: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -30,14 +31,6 @@ KNOWN_DATASETS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("hotpotqa", ("hotpotqa", "hotpot")),
     ("musique", ("musique",)),
 )
-
-
-@dataclass(frozen=True)
-class Passage:
-    """One retrieved chunk. Hashable so it can be de-duplicated across questions."""
-
-    title: str
-    text: str
 
 
 @dataclass(frozen=True)

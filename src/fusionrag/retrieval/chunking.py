@@ -32,11 +32,15 @@ _MD_HEADING = re.compile(r"^(#{1,6})\s+(.+?)\s*#*\s*$")
 
 @dataclass(frozen=True)
 class Passage:
-    """A titled piece of text from one document (before splitting)."""
+    """A titled piece of text (before splitting), from document ``doc`` when it came from a file.
 
-    doc: str
+    The one passage type: readers, the evaluation sets and request-supplied documents all
+    use it. Frozen and hashable, so passages shared by several questions de-duplicate.
+    """
+
     title: str
     text: str
+    doc: str = ""
 
 
 @dataclass(frozen=True)
@@ -111,7 +115,7 @@ def read_passages(path: Path, problems: list[Problem]) -> list[Passage]:
         return []
     if path.suffix.lower() == ".md":
         return _markdown_sections(path, text)
-    return [Passage(path.name, path.stem, text)] if text.strip() else []
+    return [Passage(path.stem, text, doc=path.name)] if text.strip() else []
 
 
 def _read_jsonl(path: Path, data: bytes, problems: list[Problem]) -> list[Passage]:
@@ -138,10 +142,10 @@ def _read_jsonl(path: Path, data: bytes, problems: list[Problem]) -> list[Passag
                 if not _valid_passage(item):
                     problems.append(Problem(str(path), lineno, f"passage {j} is not a {{title, text}} object; skipped"))
                     continue
-                out.append(Passage(doc, str(item.get("title") or ""), item["text"]))
+                out.append(Passage(str(item.get("title") or ""), item["text"], doc=doc))
         elif _valid_passage(obj):
             doc = str(obj.get("doc") or obj.get("doc_id") or path.name)
-            out.append(Passage(doc, str(obj.get("title") or ""), obj["text"]))
+            out.append(Passage(str(obj.get("title") or ""), obj["text"], doc=doc))
         else:
             problems.append(Problem(str(path), lineno, "no 'passages' list and no 'text' string; line skipped"))
     return out
@@ -164,7 +168,7 @@ def _markdown_sections(path: Path, text: str) -> list[Passage]:
             sections.append((m.group(2).strip(), []))
         else:
             sections[-1][1].append(line)
-    return [Passage(path.name, title, "\n".join(lines)) for title, lines in sections if "\n".join(lines).strip()]
+    return [Passage(title, "\n".join(lines), doc=path.name) for title, lines in sections if "\n".join(lines).strip()]
 
 
 # ---------------------------------------------------------------- splitting

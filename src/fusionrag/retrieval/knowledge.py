@@ -437,7 +437,7 @@ class KnowledgeStore:
         for i, p in enumerate(passages):
             if not isinstance(p, dict) or not isinstance(p.get("text"), str):
                 raise FusionRAGError(f"passage {i} must be a dict with a 'text' string (and optionally 'title')")
-            items.append(Passage(str(p.get("doc") or doc), str(p.get("title") or ""), p["text"]))
+            items.append(Passage(str(p.get("title") or ""), p["text"], doc=str(p.get("doc") or doc)))
         chunks = make_chunks(self.prompt, items, int(self.settings["chunk_tokens"]))
         unique, _ = dedup(chunks)
         new = [c for c in unique if self.find_by_hash(c.content_hash) is None]
