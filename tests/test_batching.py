@@ -38,14 +38,14 @@ def store_factory(path):
     """An ``Engine`` over a small fused store, built wherever the returned factory is called."""
 
     def make() -> Engine:
+        from fusionrag.offline import build
         from fusionrag.retrieval.embedder import HashingEmbedder
-        from fusionrag.retrieval.knowledge import KnowledgeStore
 
         lm = load_model("tiny-llama")
-        store = KnowledgeStore.create(path, lm, chunk_tokens=64, embedder=HashingEmbedder())
-        store.add_passages(PASSAGES)
-        store.preprocess(top_n=2, progress=False)
-        return Engine(store)
+        store = build.create_store(path, lm, chunk_tokens=64, embedder=HashingEmbedder())
+        build.add_passages(store, lm, PASSAGES)
+        build.fuse(store, lm, top_n=2, progress=False)
+        return Engine(store, lm)
 
     return make
 
@@ -252,7 +252,7 @@ def test_queued_requests_are_prefetched_by_the_asynchronous_loader(tmp_path):
 
     def make_tiered() -> Engine:
         engine = make_plain()
-        return Engine(engine.store, memory_budget_bytes=64 << 20)
+        return Engine(engine.store, engine.lm, memory_budget_bytes=64 << 20)
 
     s = BatchScheduler(make_tiered, max_batch=4, max_queue=16)
     try:
@@ -261,11 +261,11 @@ def test_queued_requests_are_prefetched_by_the_asynchronous_loader(tmp_path):
         gate = hold(s)
         req = s.submit(question, max_new_tokens=4, method="fusionrag", top_k=2)
         deadline = time.monotonic() + 30
-        while s.engine.tier_stats()["host"].prefetches == 0 and time.monotonic() < deadline:
+        while s.engine.stats()["host"].prefetches == 0 and time.monotonic() < deadline:
             time.sleep(0.01)
         gate.set()
         tokens = req.result(60).token_ids
-        stats = s.engine.tier_stats()["host"]
+        stats = s.engine.stats()["host"]
         assert stats.prefetches >= 2 and stats.disk_hits == 0  # every KV came from the loader, none read on demand
         assert tokens == serial(s, question, 4, method="fusionrag", top_k=2)
     finally:

@@ -33,7 +33,7 @@ def test_split_respects_token_bound_and_keeps_title(prompt):
     pieces = split_passage(prompt, "Topics", LONG, max_tokens=120)
     assert len(pieces) > 1
     for piece in pieces:
-        assert len(prompt.chunk_ids("Topics", piece)) <= 120
+        assert len(prompt.chunk_token_ids("Topics", piece)) <= 120
         assert piece.endswith(".")  # cut on sentence boundaries
     assert " ".join(pieces).split() == LONG.split()  # nothing lost, nothing duplicated
 
@@ -44,13 +44,13 @@ def test_fitting_passage_is_kept_verbatim(prompt):
     [chunk] = make_chunks(prompt, [_passage("T", text)], 256)
     # the hash a chunk seen online would have: sha256 of its prompt text
     assert chunk.content_hash == hashlib.sha256(chunk_text("T", text).encode()).hexdigest()
-    assert list(chunk.token_ids) == prompt.chunk_ids("T", text)
+    assert list(chunk.token_ids) == prompt.chunk_token_ids("T", text)
 
 
 def test_overlong_sentence_and_word_are_cut(prompt):
     text = "word " * 80 + "x" * 300
     pieces = split_passage(prompt, "", text, max_tokens=64)
-    assert all(len(prompt.chunk_ids("", p)) <= 64 for p in pieces)
+    assert all(len(prompt.chunk_token_ids("", p)) <= 64 for p in pieces)
     assert "".join(pieces).replace(" ", "") == text.replace(" ", "")
 
 

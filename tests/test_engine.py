@@ -8,6 +8,7 @@ import torch
 from fusionrag.cli import main
 from fusionrag.errors import FusionRAGError
 from fusionrag.models import load_model
+from fusionrag.offline import build
 from fusionrag.online.engine import Engine
 from fusionrag.retrieval.embedder import HashingEmbedder
 from fusionrag.retrieval.knowledge import KnowledgeStore
@@ -18,17 +19,18 @@ from fusionrag.sample import load_sample
 def store_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("kb") / "store"
     lm = load_model("tiny-llama")
-    store = KnowledgeStore.create(path, lm, chunk_tokens=4096, kv_dtype="float32", embedder=HashingEmbedder(),
-                                  model_source="tiny-llama")
+    store = build.create_store(path, lm, chunk_tokens=4096, kv_dtype="float32", embedder=HashingEmbedder(),
+                               model_source="tiny-llama")
     passages = {p["title"]: p for ex in load_sample() for p in ex["passages"]}
-    store.add_passages(list(passages.values()), doc="sample")
-    store.preprocess(top_n=2, progress=False)
+    build.add_passages(store, lm, list(passages.values()), doc="sample")
+    build.fuse(store, lm, top_n=2, progress=False)
     return path
 
 
 @pytest.fixture(scope="module")
 def engine(store_dir):
-    return Engine(KnowledgeStore.open(store_dir, embedder=HashingEmbedder()))
+    lm = load_model("tiny-llama")
+    return Engine(KnowledgeStore.open(store_dir, lm, embedder=HashingEmbedder()), lm)
 
 
 QUESTION = "In which city was the discoverer of polonium born?"
@@ -124,15 +126,41 @@ class _noop:
 
 
 def test_memory_tier_and_prefetch_give_identical_answers(store_dir):
-    store = KnowledgeStore.open(store_dir, embedder=HashingEmbedder())
-    plain_engine = Engine(store)
-    tiered = Engine(store, memory_budget_bytes=64 << 20)
+    lm = load_model("tiny-llama")
+    store = KnowledgeStore.open(store_dir, lm, embedder=HashingEmbedder())
+    plain_engine = Engine(store, lm)
+    tiered = Engine(store, lm, memory_budget_bytes=64 << 20)
     ref = plain_engine.answer(QUESTION, method="fusionrag", top_k=3, max_new_tokens=3)
-    tiered.prefetch(ref.chunk_ids, kv="fused")
+    tiered.prefetch_chunks(ref.chunk_ids, kv="fused")
     first = tiered.answer(QUESTION, method="fusionrag", top_k=3, max_new_tokens=3)
     again = tiered.answer(QUESTION, method="fusionrag", top_k=3, max_new_tokens=3)
     assert first.token_ids == again.token_ids == ref.token_ids
     assert torch.equal(first.first_logits, ref.first_logits)
-    stats = tiered.tier_stats()["host"]
+    stats = tiered.stats()["host"]
     assert stats.loads == 3  # each chunk read from disk once (by the prefetch), then served from memory
     assert stats.memory_hits + stats.inflight_hits >= 3
+
+
+def test_memory_tier_never_serves_kv_that_a_re_fuse_replaced(tmp_path):
+    """Regression: the memory tier kept returning a chunk's old fused KV after add + re-fuse changed it."""
+    lm = load_model("tiny-llama")
+    store = build.create_store(tmp_path / "kb", lm, chunk_tokens=4096, kv_dtype="float32",
+                               embedder=HashingEmbedder())
+    passages = [p for ex in load_sample() for p in ex["passages"]][:6]
+    ids = build.add_passages(store, lm, passages, doc="first")
+    build.fuse(store, lm, top_n=2, progress=False)
+    engine = Engine(store, lm, memory_budget_bytes=64 << 20)
+    keys = [(c, "fused") for c in dict.fromkeys(ids)]
+    before = engine.kv_source.get_many(keys)  # now resident in the memory tier
+    assert engine.stats()["host"].memory_items == len(keys)
+
+    build.add_passages(store, lm, [{"title": p["title"], "text": p["text"] + " Again."} for p in passages], doc="more")
+    report = build.fuse(store, lm, progress=False)
+    changed = [k for k in report.changed_keys if k in keys]
+    assert changed, "the added near-duplicates must change some neighbour lists"
+    engine.invalidate(report.changed_keys)
+    after = dict(zip(keys, engine.kv_source.get_many(keys), strict=True))
+    for key, old in zip(keys, before, strict=True):
+        on_disk = store.load_entry(*key).kv
+        assert torch.equal(after[key].kv.keys, on_disk.keys)  # what the engine reuses is what the store holds
+        assert torch.equal(old.kv.keys, on_disk.keys) == (key not in changed)

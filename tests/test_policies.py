@@ -18,7 +18,8 @@ from fusionrag.online.policies import (
     question_attention,
     select,
 )
-from fusionrag.online.prefill import assemble_context, chunk_kv_plain, prefill_full, prefill_reused
+from fusionrag.execution.segments import chunk_kv_plain
+from fusionrag.online.prefill import assemble_context, prefill_full, prefill_reused
 
 GEN = torch.Generator().manual_seed(7)
 
@@ -82,7 +83,7 @@ def test_query_scores_equal_explicit_last_layer_attention(tiny_lm):
     T = len(inp.context)
     model.set_attn_implementation("eager")
     try:
-        out = model(input_ids=inp.question_ids[None], position_ids=torch.arange(T, T + len(question))[None],
+        out = model(input_ids=inp.question_token_ids[None], position_ids=torch.arange(T, T + len(question))[None],
                     cache=to_dynamic_cache(inp.context), use_cache=True, output_attentions=True)
     finally:
         model.set_attn_implementation("sdpa")

@@ -19,6 +19,7 @@ from fusionrag.offline.preprocess import (
     prefix_order,
 )
 from fusionrag.retrieval.embedder import HashingEmbedder
+from fusionrag.offline import build
 from fusionrag.retrieval.knowledge import KnowledgeStore
 
 DOC_A = [
@@ -53,14 +54,14 @@ def _corpus(path, docs):
 def ks(tmp_path, lm):
     store = KnowledgeStore.create(tmp_path / "kb", lm, chunk_tokens=200, kv_dtype="float32",
                                   embedder=HashingEmbedder(256))
-    store.ingest([_corpus(tmp_path / "kb.jsonl", [("a", DOC_A), ("b", DOC_B)])], progress=False)
+    build.ingest(store, lm, [_corpus(tmp_path / "kb.jsonl", [("a", DOC_A), ("b", DOC_B)])], progress=False)
     yield store
     store.close()
 
 
 def _reference(lm, ks, chunk_id, neighbours, order):
     """Full Attention prefill of S + neighbours + chunk, sliced to the chunk, moved to base len(S)."""
-    s = ks.prompt.system_ids
+    s = ks.prompt.system_token_ids
     prefix = [t for n in prefix_order(neighbours, order) for t in ks.chunk(n).token_ids]
     ids = ks.chunk(chunk_id).token_ids
     kv, _ = prefill(lm, torch.tensor([*s, *prefix, *ids]))
@@ -68,8 +69,8 @@ def _reference(lm, ks, chunk_id, neighbours, order):
     return kv.slice(start, start + len(ids)).moved_to(len(s), lm.inv_freq)
 
 
-def test_top_n_never_includes_itself(ks):
-    report = ks.preprocess(top_n=3, progress=False)
+def test_top_n_never_includes_itself(ks, lm):
+    report = build.fuse(ks, lm, top_n=3, progress=False)
     assert report.computed == 8 and report.new == 8 and report.skipped == 0
     for cid in ks.chunk_ids():
         nb = ks.neighbours_of(cid)
@@ -79,13 +80,13 @@ def test_top_n_never_includes_itself(ks):
     assert all(len(v) == 7 and k not in v for k, v in everything.items())
 
 
-def test_top_n_zero_is_exactly_the_plain_kv(ks):
-    ks.preprocess(top_n=0, progress=False)
+def test_top_n_zero_is_exactly_the_plain_kv(ks, lm):
+    build.fuse(ks, lm, top_n=0, progress=False)
     for cid in ks.chunk_ids():
         fused, plain = ks.load_kv(cid, "fused"), ks.load_kv(cid, "plain")
         assert torch.equal(fused.keys, plain.keys) and torch.equal(fused.values, plain.values)
-        assert fused.base_position == plain.base_position == len(ks.prompt.system_ids)
-        assert torch.count_nonzero(ks.load_scores(cid)) == 0
+        assert fused.base_position == plain.base_position == len(ks.prompt.system_token_ids)
+        assert torch.count_nonzero(ks.load_entry(cid, "fused").scores) == 0
 
 
 # Why top-n 3 can match Full Attention exactly: neighbours come from their *plain* caches
@@ -97,15 +98,15 @@ def test_top_n_zero_is_exactly_the_plain_kv(ks):
 @pytest.mark.parametrize("top_n", [1, 3])
 def test_fused_kv_equals_full_attention_prefill(ks, lm, top_n, order):
     assert lm.num_layers == 2
-    ks.preprocess(top_n=top_n, neighbour_order=order, progress=False)
-    s_len = len(ks.prompt.system_ids)
+    build.fuse(ks, lm, top_n=top_n, neighbour_order=order, progress=False)
+    s_len = len(ks.prompt.system_token_ids)
     for cid in ks.chunk_ids():
         fused = ks.load_kv(cid, "fused")
         ref = _reference(lm, ks, cid, ks.neighbours_of(cid), order)
         assert fused.base_position == s_len
         torch.testing.assert_close(fused.keys, ref.keys, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(fused.values, ref.values, atol=1e-4, rtol=1e-4)
-        scores = ks.load_scores(cid)
+        scores = ks.load_entry(cid, "fused").scores
         heads = lm.config.num_attention_heads
         assert scores.shape == (len(fused),) and bool(((scores >= 0) & (scores <= heads + 1e-4)).all())
         assert scores.sum() > 0
@@ -113,7 +114,7 @@ def test_fused_kv_equals_full_attention_prefill(ks, lm, top_n, order):
 
 def test_fuse_batch_is_a_pure_function(ks, lm):
     """No store needed: token ids, neighbour lists and a plain-KV loader in, KVs out."""
-    system_kv, _ = prefill(lm, torch.tensor(ks.prompt.system_ids))
+    system_kv, _ = prefill(lm, torch.tensor(ks.prompt.system_token_ids))
     tokens = {c: ks.chunk(c).token_ids for c in ks.chunk_ids()}
     plain = plain_batch(lm, system_kv, tokens)
     neighbours = {0: [1, 2], 5: [4]}
@@ -124,12 +125,12 @@ def test_fuse_batch_is_a_pure_function(ks, lm):
         assert f.neighbours == neighbours[cid]
 
 
-def test_same_document_limits_neighbours(ks):
-    ks.preprocess(top_n=5, same_document=True, progress=False)
+def test_same_document_limits_neighbours(ks, lm):
+    build.fuse(ks, lm, top_n=5, same_document=True, progress=False)
     for cid in ks.chunk_ids():
         nb = ks.neighbours_of(cid)
         assert len(nb) == 3 and {ks.chunk(n).doc for n in nb} == {ks.chunk(cid).doc}
-    assert ks.settings["same_document"] is True
+    assert ks.settings["fuse"]["same_document"] is True
 
 
 def test_resume_after_failure_mid_run(ks, lm, monkeypatch):
@@ -143,7 +144,7 @@ def test_resume_after_failure_mid_run(ks, lm, monkeypatch):
 
     monkeypatch.setattr(pre, "fuse_one", flaky)
     with pytest.raises(RuntimeError, match="simulated crash"):
-        ks.preprocess(top_n=2, progress=False, batch_size=4)
+        build.fuse(ks, lm, top_n=2, progress=False, batch_size=4)
     monkeypatch.undo()
     done = [c for c in ks.chunk_ids() if ks.has_kv(c, "fused")]
     assert len(done) == 4  # the first batch; the failed batch left nothing behind
@@ -151,30 +152,30 @@ def test_resume_after_failure_mid_run(ks, lm, monkeypatch):
         ks.load_kv(cid, "fused")  # complete and verified
     assert not list(ks.path.rglob("*.tmp"))
 
-    report = ks.preprocess(top_n=2, progress=False)
-    assert (report.skipped, report.computed, report.new, report.refused) == (4, 4, 4, 0)
+    report = build.fuse(ks, lm, top_n=2, progress=False)
+    assert (report.skipped, report.computed, report.new, report.replaced) == (4, 4, 4, 0)
     for cid in ks.chunk_ids():
         ref = _reference(lm, ks, cid, ks.neighbours_of(cid), DEFAULT_NEIGHBOUR_ORDER)
         torch.testing.assert_close(ks.load_kv(cid, "fused").keys, ref.keys, atol=1e-4, rtol=1e-4)
-    assert ks.preprocess(top_n=2, progress=False).computed == 0  # nothing left to do
+    assert build.fuse(ks, lm, top_n=2, progress=False).computed == 0  # nothing left to do
 
     # settings that change the neighbour lists or their order make entries stale
-    assert ks.preprocess(top_n=2, neighbour_order="nearest_last", progress=False).refused == 8
+    assert build.fuse(ks, lm, top_n=2, neighbour_order="nearest_last", progress=False).replaced == 8
 
 
-def test_incremental_ingest_refuses_only_changed_chunks(ks, tmp_path):
-    ks.preprocess(top_n=2, progress=False)
+def test_incremental_ingest_re_fuses_only_changed_chunks(ks, tmp_path, lm):
+    build.fuse(ks, lm, top_n=2, progress=False)
     old_ids = ks.chunk_ids()
     before = {c: ks.neighbours_of(c) for c in old_ids}
     mtimes = {c: ks.kv.path(c, "fused").stat().st_mtime_ns for c in old_ids}
 
-    report = ks.ingest([_corpus(tmp_path / "new.jsonl", [("c", NEW)])], progress=False)
+    report = build.ingest(ks, lm, [_corpus(tmp_path / "new.jsonl", [("c", NEW)])], progress=False)
     assert report.new_chunks == 2 and report.plain_computed == 2
     after = compute_neighbours(ks, old_ids, 2)
     changed = {c for c in old_ids if after[c] != before[c]}
     assert 0 < len(changed) < len(old_ids)  # the corpus is built so that some lists change, not all
     fuse = report.fuse
-    assert fuse["new"] == 2 and fuse["refused"] == len(changed) and set(fuse["neighbour_changes"]) == changed
+    assert fuse["new"] == 2 and fuse["replaced"] == len(changed) and set(fuse["neighbour_changes"]) == changed
     assert fuse["skipped"] == len(old_ids) - len(changed)
     for c in old_ids:
         assert ks.neighbours_of(c) == after[c]
@@ -185,10 +186,9 @@ def test_incremental_ingest_refuses_only_changed_chunks(ks, tmp_path):
 
 def test_fused_kv_fp16_storage_is_close(tmp_path, lm):
     store = KnowledgeStore.create(tmp_path / "kb16", lm, chunk_tokens=200, embedder=HashingEmbedder(256))
-    store.ingest([_corpus(tmp_path / "a.jsonl", [("a", DOC_A)])], progress=False)
-    store.preprocess(top_n=2, progress=False)
+    build.ingest(store, lm, [_corpus(tmp_path / "a.jsonl", [("a", DOC_A)])], progress=False)
+    build.fuse(store, lm, top_n=2, progress=False)
     kv = store.load_kv(0, "fused")
     assert kv.keys.dtype == torch.float16 and store.settings["kv_dtype"] == "float16"
     ref = _reference(lm, store, 0, store.neighbours_of(0), DEFAULT_NEIGHBOUR_ORDER)
     torch.testing.assert_close(kv.keys.float(), ref.keys, atol=2e-2, rtol=1e-2)
-    assert isinstance(store.load_kv(0, "fused", dtype=torch.float32), KV)

@@ -6,10 +6,10 @@ from hypothesis import strategies as st
 
 from fusionrag.execution.forward import prefill, visibility
 from fusionrag.execution.recompute import sparse_recompute
+from fusionrag.execution.segments import chunk_kv_plain
 from fusionrag.online.prefill import (
     all_chunk_indices,
     assemble_context,
-    chunk_kv_plain,
     prefill_full,
     prefill_reused,
 )

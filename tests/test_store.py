@@ -13,10 +13,11 @@ from fusionrag.errors import CacheIntegrityError, FusionRAGError
 from fusionrag.kvcache.kv import KV
 from fusionrag.kvcache.store import KVStore
 from fusionrag.models import load_model
-from fusionrag.online.prefill import chunk_kv_plain
+from fusionrag.execution.segments import chunk_kv_plain
 from fusionrag.prompt import chunk_text, passage_hash
 from fusionrag.retrieval.embedder import HashingEmbedder
-from fusionrag.retrieval.knowledge import KnowledgeStore, UnknownChunkError
+from fusionrag.offline import build
+from fusionrag.retrieval.knowledge import KnowledgeStore, UnknownChunkError, stored_model
 
 PASSAGES = [
     {"title": "Paris", "text": "Paris is the capital of France. It lies on the Seine river."},
@@ -133,32 +134,32 @@ def test_fp16_overflow_is_refused(tmp_path):
 
 def test_store_lifecycle(tmp_path, lm):
     ks = _store(tmp_path, lm)
-    report = ks.ingest([_write_corpus(tmp_path / "c.jsonl")], progress=False)
+    report = build.ingest(ks, lm, [_write_corpus(tmp_path / "c.jsonl")], progress=False)
     assert report.new_chunks == 5 and report.plain_computed == 5 and not report.problems
     ids = ks.chunk_ids()
     assert ids == [0, 1, 2, 3, 4]
     rec = ks.chunk(0)
     assert (rec.title, rec.doc, rec.n_tokens) == ("Paris", "c.jsonl#q1", len(rec.token_ids))
-    assert rec.token_ids == ks.prompt.chunk_ids("Paris", PASSAGES[0]["text"])
+    assert rec.token_ids == ks.prompt.chunk_token_ids("Paris", PASSAGES[0]["text"])
     assert ks.find_by_hash(passage_hash("Lyon", PASSAGES[1]["text"])) == 1 and ks.find_by_hash("nope") is None
     with pytest.raises(UnknownChunkError):
         ks.chunk(99)
 
     # plain KV = S + chunk prefill, verified, at base len(S)
-    s_len = len(ks.prompt.system_ids)
+    s_len = len(ks.prompt.system_token_ids)
     plain = ks.load_kv(2, "plain")
     assert plain.base_position == s_len and len(plain) == ks.chunk(2).n_tokens
-    ref = chunk_kv_plain(lm, ks.system_kv(), ks.chunk(2).token_ids)
+    ref = chunk_kv_plain(lm, ks.load_system_kv(), ks.chunk(2).token_ids)
     torch.testing.assert_close(plain.keys, ref.keys)
-    assert ks.has_kv(2, "plain") and not ks.has_kv(2, "fused") and ks.load_scores(2) is None
+    assert ks.has_kv(2, "plain") and not ks.has_kv(2, "fused") and ks.load_entry(2, "plain").scores is None
     assert ks.search(chunk_text("Berlin", PASSAGES[2]["text"]), 2)[0] == 2
 
     # duplicates map to existing ids; new passages get plain KV
-    got = ks.add_passages([PASSAGES[3], {"title": "Dogs", "text": "Dogs bark."}])
+    got = build.add_passages(ks, lm, [PASSAGES[3], {"title": "Dogs", "text": "Dogs bark."}])
     assert got == [3, 5] and ks.has_kv(5, "plain")
 
     # ingesting the same file again adds nothing
-    again = ks.ingest([tmp_path / "c.jsonl"], progress=False)
+    again = build.ingest(ks, lm, [tmp_path / "c.jsonl"], progress=False)
     assert again.new_chunks == 0 and again.duplicates == 5 and again.plain_computed == 0
 
     info = ks.info()
@@ -166,17 +167,18 @@ def test_store_lifecycle(tmp_path, lm):
     assert info["bytes_on_disk"] > info["plain_kv_bytes"] > 0 and info["settings"]["kv_dtype"] == "float32"
     ks.close()
 
-    # reopen: by loading the recorded model, and with the index file lost (rebuilt from SQLite)
+    # reopen: with the recorded model, and with the index file lost (rebuilt from SQLite)
     (tmp_path / "kb" / "index.faiss").unlink()
-    ks2 = KnowledgeStore.open(tmp_path / "kb")
-    assert ks2.lm.fingerprint == lm.fingerprint and len(ks2.index) == 6
+    assert stored_model(tmp_path / "kb") == "tiny-llama"
+    ks2 = KnowledgeStore.open(tmp_path / "kb", lm=load_model(stored_model(tmp_path / "kb")))
+    assert ks2.fingerprint == lm.fingerprint and len(ks2.index) == 6
     assert ks2.search("Dogs bark.", 1) == [5]
-    torch.testing.assert_close(ks2.system_kv().keys, ks.system_kv().keys)
+    torch.testing.assert_close(ks2.load_system_kv().keys, build.ensure_system_kv(ks2, lm).keys)
 
 
 def test_store_refuses_another_model(tmp_path, lm):
     ks = _store(tmp_path, lm)
-    ks.ingest([_write_corpus(tmp_path / "c.jsonl")], progress=False)
+    build.ingest(ks, lm, [_write_corpus(tmp_path / "c.jsonl")], progress=False)
     ks.close()
     with pytest.raises(CacheIntegrityError, match="cannot reuse its caches"):
         KnowledgeStore.open(tmp_path / "kb", lm=load_model("tiny-qwen2"))
@@ -185,12 +187,14 @@ def test_store_refuses_another_model(tmp_path, lm):
     with pytest.raises(FusionRAGError, match="already exists"):
         _store(tmp_path, lm)
     with pytest.raises(FusionRAGError, match="no knowledge base"):
-        KnowledgeStore.open(tmp_path / "nothing-here")
+        KnowledgeStore.open(tmp_path / "nothing-here", lm=lm)
+    with pytest.raises(FusionRAGError, match="no knowledge base"):
+        stored_model(tmp_path / "nothing-here")
 
 
 def test_corrupted_store_file_detected_on_load(tmp_path, lm):
     ks = _store(tmp_path, lm)
-    ks.ingest([_write_corpus(tmp_path / "c.jsonl")], progress=False)
+    build.ingest(ks, lm, [_write_corpus(tmp_path / "c.jsonl")], progress=False)
     path = ks.kv.path(1, "plain")
     path.write_bytes(path.read_bytes()[:-100])
     with pytest.raises(CacheIntegrityError, match="chunk 1"):
@@ -221,7 +225,8 @@ def test_cli_ingest_preprocess_info(tmp_path, capsys):
     assert rep["computed"] == 5 and rep["same_document"] is True
     assert run("store", "info", "--store", store) == 0
     info = json.loads(capsys.readouterr().out)
-    assert info["fused_kv"] == 5 and info["settings"]["top_n"] == 2 and info["settings"]["kv_dtype"] == "float16"
+    assert info["fused_kv"] == 5 and info["settings"]["kv_dtype"] == "float16"
+    assert info["settings"]["fuse"] == {"top_n": 2, "neighbour_order": "nearest_first", "same_document": True}
 
 
 def test_delete_doc_removes_chunks_vectors_and_kv(tmp_path):
@@ -229,13 +234,14 @@ def test_delete_doc_removes_chunks_vectors_and_kv(tmp_path):
     from fusionrag.retrieval.embedder import HashingEmbedder
     from fusionrag.retrieval.knowledge import KnowledgeStore
 
-    store = KnowledgeStore.create(tmp_path / "kb", load_model("tiny-llama"), kv_dtype="float32",
-                                  embedder=HashingEmbedder())
-    keep = store.add_passages([{"title": "A", "text": "alpha beta"}], doc="keep")
-    gone = store.add_passages([{"title": "B", "text": "gamma delta"}, {"title": "C", "text": "eps"}], doc="gone")
-    assert store.delete_doc("gone") == sorted(gone)
+    lm = load_model("tiny-llama")
+    store = build.create_store(tmp_path / "kb", lm, kv_dtype="float32", embedder=HashingEmbedder())
+    keep = build.add_passages(store, lm, [{"title": "A", "text": "alpha beta"}], doc="keep")
+    gone = build.add_passages(store, lm, [{"title": "B", "text": "gamma delta"}, {"title": "C", "text": "eps"}],
+                              doc="gone")
+    assert build.delete_document(store, "gone") == [(c, k) for c in sorted(gone) for k in ("plain", "fused")]
     assert store.chunk_ids() == keep and store.delete_doc("gone") == []
     assert all(not store.has_kv(c, "plain") for c in gone)
     assert store.search("gamma delta", 3) == keep
-    reopened = KnowledgeStore.open(tmp_path / "kb", lm=store.lm, embedder=HashingEmbedder())
+    reopened = KnowledgeStore.open(tmp_path / "kb", lm=lm, embedder=HashingEmbedder())
     assert reopened.chunk_ids() == keep

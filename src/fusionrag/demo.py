@@ -22,6 +22,7 @@ METHODS = (("full", 1.0, "Full Attention"), ("reuse", 0.0, "Full Reuse"), ("fusi
 
 def run_demo(model: str, max_new_tokens: int = 24, limit: int | None = None, top_k: int = 4,
              top_n: int = 3) -> list[dict]:
+    from fusionrag.offline import build
     from fusionrag.online.engine import Engine
     from fusionrag.retrieval.knowledge import KnowledgeStore
 
@@ -34,14 +35,14 @@ def run_demo(model: str, max_new_tokens: int = 24, limit: int | None = None, top
     if (path / "store.sqlite").exists():
         store = KnowledgeStore.open(path, lm=lm)
     else:
-        store = KnowledgeStore.create(path, lm, model_source=model)
+        store = build.create_store(path, lm, model_source=model)
     passages = {(p["title"], p["text"]): p for ex in examples for p in ex["passages"]}
-    store.add_passages(list(passages.values()), doc="sample")
-    store.preprocess(top_n=top_n, progress=True)
+    build.add_passages(store, lm, list(passages.values()), doc="sample")
+    build.fuse(store, lm, top_n=top_n, progress=True)
     console.print(f"offline: {len(passages)} passages ingested and preprocessed (top-{top_n} neighbours) in "
                   f"{time.perf_counter() - t0:.1f} s; store at {path}")
 
-    engine = Engine(store)
+    engine = Engine(store, lm)
     engine.answer(examples[0]["question"], method="reuse", top_k=top_k, max_new_tokens=1)  # warm-up
     table = Table(title=f"fusionrag demo on {lm.name} (top-{top_k} retrieval)", show_lines=False)
     for col, style in (("question / method", None), ("answer", "bold"), ("TTFT", None), ("speed-up", None)):

@@ -12,11 +12,11 @@ import torch
 
 from fusionrag.execution.forward import prefill
 from fusionrag.execution.generate import greedy_tokens
+from fusionrag.execution.segments import chunk_kv_plain
 from fusionrag.models.registry import LoadedModel
 from fusionrag.online.prefill import (
     all_chunk_indices,
     assemble_context,
-    chunk_kv_plain,
     prefill_full,
     prefill_reused,
 )
@@ -32,23 +32,23 @@ KEY_REL_TOL = 1e-4
 def run_doctor(lm: LoadedModel, generate_tokens: int = 16) -> dict:
     example = load_sample()[0]
     pb = PromptBuilder(lm.tokenizer)
-    chunks = [pb.chunk_ids(p["title"], p["text"]) for p in example["passages"]]
-    question = pb.question_ids(example["question"])
-    system_kv, _ = prefill(lm, torch.tensor(pb.system_ids))
+    chunks = [pb.chunk_token_ids(p["title"], p["text"]) for p in example["passages"]]
+    question = pb.question_token_ids(example["question"])
+    system_kv, _ = prefill(lm, torch.tensor(pb.system_token_ids))
 
-    full = prefill_full(lm, pb.system_ids, chunks, question)
+    full = prefill_full(lm, pb.system_token_ids, chunks, question)
     kvs = [chunk_kv_plain(lm, system_kv, c) for c in chunks]
-    ctx, ids, spans = assemble_context(lm, system_kv, kvs, pb.system_ids, chunks)
+    ctx, ids, spans = assemble_context(lm, system_kv, kvs, pb.system_token_ids, chunks)
     everything = prefill_reused(lm, ctx, ids, spans, question, all_chunk_indices(spans))
     ratio1 = (everything.last_logits - full.last_logits).abs().max().item()
 
-    one_ctx, one_ids, one_spans = assemble_context(lm, system_kv, kvs[:1], pb.system_ids, chunks[:1])
+    one_ctx, one_ids, one_spans = assemble_context(lm, system_kv, kvs[:1], pb.system_token_ids, chunks[:1])
     one_reuse = prefill_reused(lm, one_ctx, one_ids, one_spans, question)
-    one_full = prefill_full(lm, pb.system_ids, chunks[:1], question)
+    one_full = prefill_full(lm, pb.system_token_ids, chunks[:1], question)
     single = (one_reuse.last_logits - one_full.last_logits).abs().max().item()
 
     last = chunks[-1]
-    target = len(pb.system_ids) + sum(map(len, chunks[:-1]))
+    target = len(pb.system_token_ids) + sum(map(len, chunks[:-1]))
     at_target, _ = prefill(lm, torch.tensor(last), start=target)
     shifted = prefill(lm, torch.tensor(last), start=0)[0].moved_to(target, lm.inv_freq)
     key_diff = (shifted.keys - at_target.keys).abs().max().item()
@@ -56,14 +56,14 @@ def run_doctor(lm: LoadedModel, generate_tokens: int = 16) -> dict:
 
     # Storage dtype: the same reuse with chunk KVs stored in fp16 (rotation still in fp32).
     kvs16 = [kv.to(torch.float16) for kv in kvs]
-    ctx16, ids16, spans16 = assemble_context(lm, system_kv, kvs16, pb.system_ids, chunks)
+    ctx16, ids16, spans16 = assemble_context(lm, system_kv, kvs16, pb.system_token_ids, chunks)
     reuse32 = prefill_reused(lm, ctx, ids, spans, question)
     reuse16 = prefill_reused(lm, ctx16, ids16, spans16, question)
     fp16_diff = (reuse16.last_logits - reuse32.last_logits).abs().max().item()
     reuse_gap = (reuse32.last_logits - full.last_logits).abs().max().item()
 
     ours = list(greedy_tokens(lm, full.kv, full.last_logits, generate_tokens, stop_ids=[]))
-    prompt = torch.tensor([[*pb.system_ids, *(t for c in chunks for t in c), *question]])
+    prompt = torch.tensor([[*pb.system_token_ids, *(t for c in chunks for t in c), *question]])
     ref = lm.model.generate(
         prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=generate_tokens, do_sample=False,
         eos_token_id=None, pad_token_id=lm.stop_token_ids[0] if lm.stop_token_ids else 0,

@@ -61,19 +61,19 @@ class PromptBuilder:
         return head + "Passages:\n", tail
 
     @cached_property
-    def system_ids(self) -> list[int]:
+    def system_token_ids(self) -> list[int]:
         """Token ids of ``S``."""
         return self.encode(self._template_parts[0])
 
     @cached_property
     def system_hash(self) -> str:
         """Identifies ``S``: a chunk cache computed after another ``S`` must not be reused."""
-        return hashlib.sha256(repr(self.system_ids).encode()).hexdigest()[:16]
+        return hashlib.sha256(repr(self.system_token_ids).encode()).hexdigest()[:16]
 
-    def chunk_ids(self, title: str, text: str) -> list[int]:
+    def chunk_token_ids(self, title: str, text: str) -> list[int]:
         return self.encode(chunk_text(title, text))
 
-    def question_ids(self, question: str) -> list[int]:
+    def question_token_ids(self, question: str) -> list[int]:
         return self.encode(question_text(question) + self._template_parts[1])
 
     def encode(self, text: str) -> list[int]:

@@ -9,7 +9,6 @@ request, with the files dropped from the OS page cache first, i.e. a cold read).
 
 from __future__ import annotations
 
-import os
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -18,6 +17,9 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from fusionrag.errors import FusionRAGError
+from fusionrag.kvcache.sources import ColdDiskSource, KVSource, PreloadedSource, drop_from_page_cache
+from fusionrag.kvcache.store import CHUNK_KINDS
+from fusionrag.offline import build
 
 
 @dataclass
@@ -37,53 +39,21 @@ class TTFTSpec:
     embedder: object | None = None  # None: the store's default (MiniLM); tests inject a cheap one
 
 
-class MemoryTier:
-    """A store view whose chunk KVs were read into RAM beforehand (the hot tier)."""
-
-    def __init__(self, store, chunk_ids: Sequence[int]) -> None:
-        self._store = store
-        self._kv = {(c, k): store.load_kv(c, k) for c in chunk_ids for k in ("plain", "fused") if store.has_kv(c, k)}
-
-    def load_kv(self, chunk_id: int, kind: str = "fused"):
-        return self._kv[(chunk_id, kind)]
-
-    def __getattr__(self, name):
-        return getattr(self._store, name)
+def tier_source(store, tier: str, chunk_ids: Sequence[int]) -> KVSource:
+    """The KV source of one benchmark tier: ``memory`` (entries read into RAM beforehand) or ``disk``
+    (each file evicted from the page cache before it is read)."""
+    if tier == "memory":
+        keys = [(c, k) for c in chunk_ids for k in CHUNK_KINDS if store.has_kv(c, k)]
+        return PreloadedSource.of(store.kv_source(), keys)
+    return ColdDiskSource(store.kv, lambda cid: store.chunk(cid).token_ids)
 
 
-class ColdDiskTier:
-    """A store view that evicts each KV file from the page cache before reading it (cold disk read)."""
-
-    def __init__(self, store) -> None:
-        self._store = store
-
-    def load_kv(self, chunk_id: int, kind: str = "fused"):
-        path = self._store.kv.path(chunk_id, kind)
-        if path.is_file() and hasattr(os, "posix_fadvise"):
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-        return self._store.load_kv(chunk_id, kind)
-
-    def __getattr__(self, name):
-        return getattr(self._store, name)
-
-
-def drop_from_page_cache(store) -> None:
+def drop_store_from_page_cache(store) -> None:
     """Evict every stored KV file from the OS page cache, so the next reads are cold."""
-    if not hasattr(os, "posix_fadvise"):
-        return
-    for path in Path(store.kv.root).rglob("*.safetensors"):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+    drop_from_page_cache(Path(store.kv.root).rglob("*.safetensors"))
 
 
-def loader_comparison(store, question: str, requests: list[list[int]], method: str = "fusionrag",
+def loader_comparison(store, lm, question: str, requests: list[list[int]], method: str = "fusionrag",
                       ratio: float = 0.15) -> list[dict]:
     """Queued requests on a cold disk tier, without and with the asynchronous loader.
 
@@ -95,14 +65,14 @@ def loader_comparison(store, question: str, requests: list[list[int]], method: s
 
     rows = []
     for mode in ("sync", "async"):
-        drop_from_page_cache(store)
-        engine = Engine(store, memory_budget_bytes=(4 << 30) if mode == "async" else None)
+        drop_store_from_page_cache(store)
+        engine = Engine(store, lm, memory_budget_bytes=(4 << 30) if mode == "async" else None)
         if mode == "async":
-            engine.prefetch(requests[0])
+            engine.prefetch_chunks(requests[0])
         for i, ids in enumerate(requests):
             chunks = [{"title": store.chunk(c).title, "text": store.chunk(c).text} for c in ids]
             if mode == "async" and i + 1 < len(requests):
-                engine.prefetch(requests[i + 1])
+                engine.prefetch_chunks(requests[i + 1])
             prep = engine.prepare(question, method=method, ratio=ratio, chunks=chunks)
             rows.append({"mode": mode, "request": i, "ttft_ms": prep.ttft_ms["total"], "load_ms": prep.ttft_ms["load"],
                          "context_tokens": prep.pre.context_tokens})
@@ -143,8 +113,8 @@ def run_ttft(spec: TTFTSpec) -> list[dict]:
     if (path / "store.sqlite").exists():
         store = KnowledgeStore.open(path, lm=lm, embedder=spec.embedder)
     else:
-        store = KnowledgeStore.create(path, lm, chunk_tokens=512, kv_dtype="float16", embedder=spec.embedder,
-                                      model_source=spec.model)
+        store = build.create_store(path, lm, chunk_tokens=512, kv_dtype="float16", embedder=spec.embedder,
+                                   model_source=spec.model)
     need = max(spec.context_tokens)
     passages, total = [], 0
     for ex in examples:
@@ -153,11 +123,11 @@ def run_ttft(spec: TTFTSpec) -> list[dict]:
             total += len(p.text.split()) * 1.3
         if total > need * 1.2:
             break
-    store.add_passages(passages, doc="ttft")
+    build.add_passages(store, lm, passages, doc="ttft")
     contexts = _contexts(store, spec.context_tokens)
     if spec.top_n > 0:
         used = sorted({c for ids in contexts.values() for c in ids})
-        store.preprocess(top_n=spec.top_n, chunk_ids=used)
+        build.fuse(store, lm, top_n=spec.top_n, chunk_ids=used)
     plan = [("full", 1.0)] + [
         (m, r) for m in spec.methods if m != "full" for r in spec.ratios if not (m != "fusionrag" and r == 0.0)
     ]
@@ -171,8 +141,7 @@ def run_ttft(spec: TTFTSpec) -> list[dict]:
     ]
     for n, tier, method, ratio in tqdm(cells, desc="bench ttft", unit="cell"):
         ids = contexts[n]
-        view = MemoryTier(store, ids) if tier == "memory" else ColdDiskTier(store)
-        engine = Engine(view)
+        engine = Engine(store, lm, kv_source=tier_source(store, tier, ids))
         chunks = [{"title": store.chunk(c).title, "text": store.chunk(c).text} for c in ids]
         engine.prepare(question, method=method, ratio=ratio, chunks=chunks[:1])  # warm-up (allocator, threads)
         samples = [engine.prepare(question, method=method, ratio=ratio, chunks=chunks) for _ in range(spec.repeats)]
@@ -182,8 +151,8 @@ def run_ttft(spec: TTFTSpec) -> list[dict]:
             {
                 "method": method,
                 "ratio": ratio,
-                "kv": samples[0].kv,
-                "context_tokens": pre.context_tokens + len(store.prompt.system_ids),
+                "kv": samples[0].kv_kind,
+                "context_tokens": pre.context_tokens + len(store.prompt.system_token_ids),
                 "tier": tier,
                 "ttft_ms": t["total"],
                 "load_ms": t["load"],
@@ -200,7 +169,7 @@ def run_ttft(spec: TTFTSpec) -> list[dict]:
         row["speedup_vs_full"] = full["ttft_ms"] / row["ttft_ms"]
     loader_rows, loader_summary = [], {}
     if spec.loader_requests > 0:
-        loader_rows, loader_summary = _loader_study(spec, store, question, contexts)
+        loader_rows, loader_summary = _loader_study(spec, store, lm, question, contexts)
         print(f"[bench ttft] asynchronous loader on a cold disk tier: {loader_summary}")
     write_ttft_report(rows, spec.out, command=spec.command, model=lm.name,
                       meta={"data_file": str(spec.data), "question": question, "repeats": spec.repeats,
@@ -208,7 +177,7 @@ def run_ttft(spec: TTFTSpec) -> list[dict]:
     return rows
 
 
-def _loader_study(spec: TTFTSpec, store, question: str, contexts: dict[int, list[int]]) -> tuple[list, dict]:
+def _loader_study(spec: TTFTSpec, store, lm, question: str, contexts: dict[int, list[int]]) -> tuple[list, dict]:
     """Disjoint requests of about ``loader_context`` tokens each, run without and with the loader."""
     ids = store.chunk_ids()
     shortest = min(spec.context_tokens)
@@ -216,8 +185,8 @@ def _loader_study(spec: TTFTSpec, store, question: str, contexts: dict[int, list
     requests = [ids[i * per:(i + 1) * per] for i in range(spec.loader_requests)]
     requests = [r for r in requests if len(r) == per]
     if spec.top_n > 0:
-        store.preprocess(top_n=spec.top_n, chunk_ids=sorted({c for r in requests for c in r}), progress=False)
-    rows = loader_comparison(store, question, requests)
+        build.fuse(store, lm, top_n=spec.top_n, chunk_ids=sorted({c for r in requests for c in r}), progress=False)
+    rows = loader_comparison(store, lm, question, requests)
     summary: dict = {}
     for mode in ("sync", "async"):
         mine = [r for r in rows if r["mode"] == mode]

@@ -34,10 +34,12 @@ def cache_tail(cache: DynamicCache, n: int) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def additive_mask(allowed: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``[q, kv]`` booleans -> ``[1, 1, q, kv]`` additive mask (0 visible, finfo.min hidden)."""
-    zero = torch.zeros((), dtype=dtype)
-    hidden = torch.tensor(torch.finfo(dtype).min, dtype=dtype)
-    return torch.where(allowed, zero, hidden)[None, None]
+    """Booleans -> additive mask (0 visible, finfo.min hidden): ``[q, kv]`` -> ``[1, 1, q, kv]``,
+    ``[B, q, kv]`` -> ``[B, 1, q, kv]`` (one mask per batch row, shared by the heads)."""
+    zero = torch.zeros((), dtype=dtype, device=allowed.device)
+    hidden = torch.tensor(torch.finfo(dtype).min, dtype=dtype, device=allowed.device)
+    mask = torch.where(allowed, zero, hidden)
+    return mask[None, None] if mask.dim() == 2 else mask[:, None]
 
 
 def visibility(

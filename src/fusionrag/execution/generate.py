@@ -1,4 +1,4 @@
-"""Greedy decoding from an assembled cache, token by token (streamable)."""
+"""Greedy decoding of one answer (a batch of one in the shared decode loop), and text streaming."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import torch
 
-from fusionrag.execution.forward import forward, to_dynamic_cache
+from fusionrag.execution.decoder import BatchDecoder
 from fusionrag.kvcache.kv import KV
 from fusionrag.models.registry import LoadedModel
 
@@ -18,7 +18,7 @@ def greedy_tokens(
     max_new_tokens: int = 32,
     stop_ids: list[int] | None = None,
 ) -> Iterator[int]:
-    """Yield greedy tokens continuing the prompt whose KV is ``kv`` (positions ``0..len-1``).
+    """Yield greedy tokens continuing the prompt whose KV is ``kv`` (never modified).
 
     ``last_logits`` are the logits after the prompt's last token, so the first token
     costs no forward pass (that is the TTFT point). Stops before a stop token.
@@ -28,12 +28,10 @@ def greedy_tokens(
     if max_new_tokens <= 0 or token in stop:
         return
     yield token
-    cache = to_dynamic_cache(kv)
-    pos = kv.base_position + len(kv)
+    decoder = BatchDecoder(lm)
+    decoder.join(0, kv)
     for _ in range(max_new_tokens - 1):
-        res = forward(lm, torch.tensor([token]), torch.tensor([pos]), cache)
-        pos += 1
-        token = int(torch.argmax(res.logits[-1]))
+        token = int(torch.argmax(decoder.step({0: token})[0]))
         if token in stop:
             return
         yield token

@@ -32,6 +32,7 @@ from fusionrag.kvcache.kv import KV
 
 FORMAT = "fusionrag-kv/1"
 KINDS = ("plain", "fused", "system")
+CHUNK_KINDS = ("plain", "fused")
 DTYPES = {"float16": torch.float16, "fp16": torch.float16, "float32": torch.float32, "fp32": torch.float32}
 _MAX_HEADER = 16 << 20
 
@@ -52,6 +53,11 @@ class KVEntry:
     kv: KV
     scores: torch.Tensor | None
     metadata: dict[str, str]
+
+    @property
+    def nbytes(self) -> int:
+        """Memory held (what a memory tier budgets)."""
+        return self.kv.nbytes + (self.scores.numel() * self.scores.element_size() if self.scores is not None else 0)
 
     @property
     def extra(self) -> dict[str, Any]:

@@ -110,6 +110,7 @@ class TieredKVCache(Generic[K, V]):
         self._seq = 0
         self._inflight: dict[K, Future[V]] = {}
         self._staged: dict[K, V] = {}
+        self._stale_inflight: set[K] = set()  # invalidated while loading: resolve, but do not keep
         self._stats = TierStats(max_bytes=max_bytes)
         self._closed = False
 
@@ -187,11 +188,20 @@ class TieredKVCache(Generic[K, V]):
                 self._mem_bytes -= old.nbytes
             return self._admit(key, value, allow_evict=True)
 
-    def discard(self, keys: Iterable[K]) -> None:
-        """Drop staged prefetches of ``keys`` (e.g. their request was cancelled)."""
+    def invalidate(self, keys: Iterable[K]) -> None:
+        """Forget ``keys``: resident and staged copies are dropped, and a load in flight is not kept.
+
+        Called when the slower tier's value changed (a chunk re-fused or deleted): without it
+        the memory tier would keep serving the old value for as long as it stays hot.
+        """
         with self._lock:
             for k in keys:
+                old = self._mem.pop(k, None)
+                if old is not None:
+                    self._mem_bytes -= old.nbytes
                 self._staged.pop(k, None)
+                if k in self._inflight:
+                    self._stale_inflight.add(k)
 
     def contains(self, key: K) -> bool:
         """Whether ``key`` is resident in the memory tier."""
@@ -244,11 +254,14 @@ class TieredKVCache(Generic[K, V]):
         except BaseException as e:
             with self._lock:
                 self._inflight.pop(key, None)
+                self._stale_inflight.discard(key)
             fut.set_exception(e)
             raise
         with self._lock:
             self._inflight.pop(key, None)
-            if not prefetched:
+            if key in self._stale_inflight:
+                self._stale_inflight.discard(key)
+            elif not prefetched:
                 self._admit(key, value, allow_evict=True)
             elif not self._admit(key, value, allow_evict=False, count_rejection=False):
                 self._staged[key] = value

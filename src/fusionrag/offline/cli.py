@@ -1,6 +1,6 @@
 """``fusionrag ingest``, ``fusionrag preprocess`` and ``fusionrag store info``.
 
-Thin handlers over :class:`~fusionrag.retrieval.knowledge.KnowledgeStore`: they return
+Thin handlers over :mod:`fusionrag.offline.build`: they return
 an exit code and raise :class:`FusionRAGError` for user errors (the CLI prints one line).
 Reports go to stdout as JSON so that scripts can read them; skipped input goes to stderr.
 """
@@ -13,21 +13,31 @@ import sys
 from pathlib import Path
 
 from fusionrag.errors import FusionRAGError
+from fusionrag.offline.preprocess import DEFAULT_TOP_N, NEIGHBOUR_ORDERS
 
 _MODEL_HELP = (
     "model short name or local checkpoint (default: qwen2.5-0.5b for a new store, the store's model otherwise)"
 )
 
 
+def _open(store_dir: Path, model: str | None, embedder=None):
+    """The store and the model it was built with (``model`` overrides where the weights are read from)."""
+    from fusionrag.models import load_model
+    from fusionrag.retrieval.knowledge import KnowledgeStore, stored_model
+
+    lm = load_model(model or stored_model(store_dir))
+    return KnowledgeStore.open(store_dir, lm=lm, embedder=embedder), lm
+
+
 def cmd_ingest(args: argparse.Namespace) -> int:
     from fusionrag.models import DEFAULT_MODEL, load_model
+    from fusionrag.offline import build
     from fusionrag.retrieval.embedder import get_embedder
-    from fusionrag.retrieval.knowledge import DB_NAME, KnowledgeStore
+    from fusionrag.retrieval.knowledge import DB_NAME
 
     store_dir = Path(args.store)
     if (store_dir / DB_NAME).is_file():
-        store = KnowledgeStore.open(store_dir, lm=load_model(args.model) if args.model else None,
-                                    embedder=get_embedder(args.embedder) if args.embedder else None)
+        store, lm = _open(store_dir, args.model, get_embedder(args.embedder) if args.embedder else None)
         for opt, key in (("chunk_tokens", "chunk_tokens"), ("kv_dtype", "kv_dtype")):
             given = getattr(args, opt)
             if given is not None and str(given) not in (str(store.settings[key]),) and not (
@@ -39,10 +49,11 @@ def cmd_ingest(args: argparse.Namespace) -> int:
     else:
         model = args.model or DEFAULT_MODEL
         embedder = get_embedder(args.embedder) if args.embedder else None
-        store = KnowledgeStore.create(store_dir, load_model(model), chunk_tokens=args.chunk_tokens or 256,
-                                      kv_dtype=args.kv_dtype or "float16", embedder=embedder, model_source=model)
+        lm = load_model(model)
+        store = build.create_store(store_dir, lm, chunk_tokens=args.chunk_tokens or 256,
+                                   kv_dtype=args.kv_dtype or "float16", embedder=embedder, model_source=model)
     try:
-        report = store.ingest([Path(p) for p in args.paths], progress=not args.quiet)
+        report = build.ingest(store, lm, [Path(p) for p in args.paths], progress=not args.quiet)
     finally:
         store.close()
     for problem in report.problems:
@@ -60,13 +71,12 @@ def _same_dtype(a: str, b: str) -> bool:
 
 
 def cmd_preprocess(args: argparse.Namespace) -> int:
-    from fusionrag.models import load_model
-    from fusionrag.retrieval.knowledge import KnowledgeStore
+    from fusionrag.offline import build
 
-    store = KnowledgeStore.open(Path(args.store), lm=load_model(args.model) if args.model else None)
+    store, lm = _open(Path(args.store), args.model)
     try:
-        report = store.preprocess(top_n=args.top_n, progress=not args.quiet, neighbour_order=args.neighbour_order,
-                                  same_document=True if args.same_document else None)
+        report = build.fuse(store, lm, top_n=args.top_n, progress=not args.quiet,
+                            neighbour_order=args.neighbour_order, same_document=True if args.same_document else None)
     finally:
         store.close()
     print(json.dumps(report.to_dict(), indent=2))
@@ -96,9 +106,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("preprocess", help="fuse each chunk's KV with its top-n most similar chunks (resumable)")
     p.add_argument("--store", required=True, help="knowledge-base folder")
-    p.add_argument("--top-n", type=int, default=10, help="neighbours per chunk (0 = plain KV; default 10)")
-    p.add_argument("--neighbour-order", choices=["nearest_last", "nearest_first"], default=None,
-                   help="where the most similar neighbour goes: right before the chunk (default) or first")
+    p.add_argument("--top-n", type=int, default=None,
+                   help=f"neighbours per chunk (0 = plain KV; default: the store's setting, else {DEFAULT_TOP_N})")
+    p.add_argument("--neighbour-order", choices=list(NEIGHBOUR_ORDERS), default=None,
+                   help="where the most similar neighbour goes: first, right after S (nearest_first, the default) "
+                        "or right before the chunk (nearest_last); default: the store's recorded setting")
     p.add_argument("--same-document", action="store_true", help="take neighbours only from the chunk's document")
     p.add_argument("--model", default=None, help="load the store's model from here (must be the same weights)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")

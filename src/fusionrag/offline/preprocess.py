@@ -7,16 +7,16 @@ caches and re-rotated to consecutive positions after ``S``, then the chunk prefi
 top of them; its new KV is rotated back to ``len(S)`` and stored (one replica per chunk)
 together with Cache-Craft scores (how much attention each token paid to the neighbours).
 
-Neighbour order default: the **most similar neighbour nearest the chunk** (last before
-it). Attention to recent tokens is strongest, so the chunk's KV absorbs most from the
-neighbour that is most likely to be co-retrieved with it; ``nearest_first`` is the
-alternative setting. Neighbours come from the whole corpus by default, or from the
-chunk's document group with ``same_document``.
+Neighbour order default: ``nearest_first``, the **most similar neighbour first, right
+after** ``S`` (as the authors' code does; measured against ``nearest_last`` on TriviaQA in
+docs/decisions.md). Neighbours come from the whole corpus by default, or from the chunk's
+document group with ``same_document``.
 
 :func:`plain_batch` and :func:`fuse_batch` are pure functions of their inputs (token ids,
-neighbour lists, a plain-KV loader): the store-facing driver :func:`run_preprocess` only
-decides what to compute and writes results, so a distributed engine can map the pure
-part over shards of a large corpus.
+neighbour lists, a plain-KV loader): the store-facing drivers :func:`compute_plain` and
+:func:`fuse_store` only decide what to compute and write results, so a distributed engine
+can map the pure part over shards of a large corpus. Which chunks to fuse with which
+settings is decided in one place, :mod:`fusionrag.offline.build`.
 """
 
 from __future__ import annotations
@@ -33,10 +33,10 @@ from tqdm.auto import tqdm
 
 from fusionrag.errors import FusionRAGError
 from fusionrag.execution.attention import prefill_with_context_attention
+from fusionrag.execution.segments import chunk_kv_plain
 from fusionrag.kvcache.kv import KV, assemble
 from fusionrag.kvcache.store import tokens_hash
 from fusionrag.models.registry import LoadedModel
-from fusionrag.online.prefill import chunk_kv_plain
 
 if TYPE_CHECKING:
     from fusionrag.retrieval.knowledge import KnowledgeStore
@@ -135,11 +135,18 @@ class PreprocessReport:
     chunks: int = 0  # considered
     computed: int = 0
     new: int = 0  # computed, had no fused entry before
-    refused: int = 0  # computed, replaced an entry made with other neighbours/settings
+    replaced: int = 0  # computed, replaced an entry made with other neighbours/settings
     skipped: int = 0  # already up to date (resume / unchanged neighbours)
     seconds: float = 0.0
     tokens: int = 0  # chunk tokens of the computed chunks
     neighbour_changes: list[int] = field(default_factory=list)  # ids re-fused (not new)
+
+    changed: list[int] = field(default_factory=list)  # every chunk whose fused entry was (re)written
+
+    @property
+    def changed_keys(self) -> list[tuple[int, str]]:
+        """The store entries this run rewrote: online tiers must drop their copies."""
+        return [(c, "fused") for c in self.changed]
 
     @property
     def chunks_per_s(self) -> float:
@@ -151,6 +158,7 @@ class PreprocessReport:
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
+        del d["changed"]
         d["chunks_per_s"] = round(self.chunks_per_s, 3)
         d["s_per_chunk"] = round(self.s_per_chunk, 4)
         d["seconds"] = round(self.seconds, 3)
@@ -181,8 +189,8 @@ def entry_is_current(store: KnowledgeStore, chunk_id: int, key: dict[str, Any]) 
     return True, current
 
 
-def run_plain(store: KnowledgeStore, chunk_ids: Sequence[int] | None = None, progress: bool = True,
-              batch_size: int = 8) -> tuple[int, float]:
+def compute_plain(store: KnowledgeStore, lm: LoadedModel, system_kv: KV, chunk_ids: Sequence[int] | None = None,
+                  progress: bool = True, batch_size: int = 8) -> tuple[int, float]:
     """Compute and store the plain KV of every chunk (of ``chunk_ids``) lacking one.
 
     Resumable: existing entries are skipped, each entry is written atomically.
@@ -192,20 +200,19 @@ def run_plain(store: KnowledgeStore, chunk_ids: Sequence[int] | None = None, pro
     todo = [c for c in ids if not store.has_kv(c, "plain")]
     if not todo:
         return 0, 0.0
-    system_kv = store.system_kv()
     t0 = time.perf_counter()
     with tqdm(total=len(todo), unit="chunk", desc="plain KV (S + chunk)", disable=not progress) as bar:
         for i in range(0, len(todo), batch_size):
             batch = {c: store.chunk(c).token_ids for c in todo[i:i + batch_size]}
-            for cid, kv in plain_batch(store.lm, system_kv, batch).items():
+            for cid, kv in plain_batch(lm, system_kv, batch).items():
                 store.kv.save(cid, "plain", kv, batch[cid])
                 bar.update(1)
     return len(todo), time.perf_counter() - t0
 
 
-def run_preprocess(store: KnowledgeStore, top_n: int = DEFAULT_TOP_N, neighbour_order: str = DEFAULT_NEIGHBOUR_ORDER,
-                   same_document: bool = False, chunk_ids: Sequence[int] | None = None, progress: bool = True,
-                   batch_size: int = 4) -> PreprocessReport:
+def fuse_store(store: KnowledgeStore, lm: LoadedModel, system_kv: KV, top_n: int = DEFAULT_TOP_N,
+               neighbour_order: str = DEFAULT_NEIGHBOUR_ORDER, same_document: bool = False,
+               chunk_ids: Sequence[int] | None = None, progress: bool = True, batch_size: int = 4) -> PreprocessReport:
     """Fuse every chunk (of ``chunk_ids``) whose fused entry is missing or out of date.
 
     Neighbours are always searched in the whole store (or document group). A chunk is
@@ -221,7 +228,7 @@ def run_preprocess(store: KnowledgeStore, top_n: int = DEFAULT_TOP_N, neighbour_
     report.chunks = len(ids)
     if not ids:
         return report
-    run_plain(store, progress=progress)  # neighbours need plain KV (also completes an interrupted ingest)
+    compute_plain(store, lm, system_kv, progress=progress)  # neighbours need plain KV (completes an interrupted ingest)
     neighbours = compute_neighbours(store, ids, top_n, same_document)
     todo, replaced = [], set()
     for cid in ids:
@@ -236,7 +243,6 @@ def run_preprocess(store: KnowledgeStore, top_n: int = DEFAULT_TOP_N, neighbour_
     store.record_neighbours({c: neighbours[c] for c in ids if c not in todo_set})
     if not todo:
         return report
-    system_kv = store.system_kv()
     loader = PlainCache(store)
     t0 = time.perf_counter()
     try:
@@ -244,7 +250,7 @@ def run_preprocess(store: KnowledgeStore, top_n: int = DEFAULT_TOP_N, neighbour_
             for i in range(0, len(todo), batch_size):
                 batch = todo[i:i + batch_size]
                 tokens = {c: store.chunk(c).token_ids for c in batch}
-                fused = fuse_batch(store.lm, system_kv, batch, tokens, {c: neighbours[c] for c in batch}, loader,
+                fused = fuse_batch(lm, system_kv, batch, tokens, {c: neighbours[c] for c in batch}, loader,
                                    neighbour_order)
                 for cid in batch:
                     f = fused[cid]
@@ -253,9 +259,10 @@ def run_preprocess(store: KnowledgeStore, top_n: int = DEFAULT_TOP_N, neighbour_
                     store.kv.save(cid, "fused", f.kv, tokens[cid], scores=f.scores, extra=extra)
                     store.record_neighbours({cid: f.neighbours})
                     report.computed += 1
+                    report.changed.append(cid)
                     report.tokens += len(tokens[cid])
                     if cid in replaced:
-                        report.refused += 1
+                        report.replaced += 1
                         report.neighbour_changes.append(cid)
                     else:
                         report.new += 1

@@ -26,8 +26,8 @@ def _cmd_ask(args: argparse.Namespace) -> int:
     if args.explain:
         from fusionrag.online.explain import render_explain_html, write_explain
 
-        token_ids = [engine._token_ids(c, p) for c, p in zip(result.chunk_ids, result.passages, strict=True)]
-        write_explain(args.explain, render_explain_html(result, args.question, engine.lm.tokenizer, token_ids))
+        write_explain(args.explain, render_explain_html(result, args.question, engine.lm.tokenizer,
+                                                        result.chunk_token_ids))
     if args.json:
         print(json.dumps({"question": args.question, **result.to_json()}))
     else:

@@ -5,24 +5,39 @@
     engine = Engine.open("kb/", model="qwen2.5-0.5b")
     result = engine.answer("Who discovered polonium?", method="fusionrag", ratio=0.15)
     print(result.text, result.ttft_ms)
+
+Its surface is what the server's scheduler and the benchmarks use, nothing else:
+:meth:`prepare` (everything up to the first token), :meth:`finish` (the :class:`Answer`
+for generated tokens), :meth:`prefetch` (the asynchronous loader), :meth:`invalidate`
+(entries a store change made stale), :meth:`stats`, :meth:`prompt_tokens` and :attr:`lock`.
+Stored KV is read through one :class:`~fusionrag.kvcache.sources.KVSource` (the disk, or a
+memory tier over it); decoding is the shared :class:`~fusionrag.execution.decoder.BatchDecoder`.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from fusionrag.errors import FusionRAGError
 from fusionrag.execution.generate import TextStreamer, greedy_tokens
+from fusionrag.execution.segments import chunk_kv_plain
+from fusionrag.execution.segments import system_kv as compute_system_kv
 from fusionrag.kvcache.kv import KV
+from fusionrag.kvcache.prefix_cache import AlternativePathCache
+from fusionrag.kvcache.sources import Key, KVSource, MemoryTier
+from fusionrag.kvcache.store import KVEntry
+from fusionrag.models.registry import LoadedModel
 from fusionrag.online.policies import METHODS, SelectionInput, make_policy, select
-from fusionrag.online.prefill import Prefilled, assemble_context, chunk_kv_plain, prefill_full, prefill_reused
+from fusionrag.online.prefill import Prefilled, assemble_context, prefill_full, prefill_reused
 from fusionrag.prompt import passage_hash
+from fusionrag.retrieval.knowledge import KnowledgeStore
 
 DEFAULT_TOP_K = 5
 #: Which stored KV a method reuses unless ``kv=`` says otherwise. FusionRAG is query-guided
@@ -45,6 +60,7 @@ class Answer:
     selected: torch.Tensor | None = field(default=None, repr=False)
     spans: list[tuple[int, int]] = field(default_factory=list, repr=False)
     passages: list[dict] = field(default_factory=list, repr=False)
+    chunk_token_ids: list[list[int]] = field(default_factory=list, repr=False)
     fused_fallbacks: int = 0
 
     def to_json(self) -> dict:
@@ -64,16 +80,32 @@ class Answer:
 
 @dataclass
 class Prepared:
-    """Everything up to the first token; decoding continues from ``pre``."""
+    """Everything up to the first token; decoding continues from ``pre`` (see :meth:`take_kv`)."""
 
     pre: Prefilled
     method: str
-    kv: str
+    kv_kind: str  # "plain" | "fused" | "none" (Full Attention)
     ratio: float
     chunk_ids: list[int | None]
     passages: list[dict]
+    chunk_token_ids: list[list[int]]
     ttft_ms: dict[str, float]
     fused_fallbacks: int
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.pre.kv.base_position + len(self.pre.kv)
+
+    @property
+    def first_token(self) -> int:
+        """The greedy first answer token (no forward needed: the prefill's last logits)."""
+        return int(torch.argmax(self.pre.last_logits))
+
+    def take_kv(self) -> KV:
+        """Hand the prompt KV to a decoder; this object stops holding it (so its memory can go)."""
+        kv = self.pre.kv
+        self.pre.kv = KV.empty_like(kv, kv.base_position + len(kv))
+        return kv
 
 
 def _ms(t0: float) -> float:
@@ -83,71 +115,72 @@ def _ms(t0: float) -> float:
 class Engine:
     """Answers questions over a knowledge store with a chosen KV-reuse method."""
 
-    def __init__(self, store, adhoc_cache_bytes: int | None = 2 << 30, memory_budget_bytes: int | None = None,
-                 loader_threads: int = 2) -> None:
-        """``memory_budget_bytes`` enables the in-memory KV tier (heat-based) with an asynchronous
-        loader of ``loader_threads`` threads over the on-disk store; ``None`` reads the store directly."""
+    def __init__(self, store: KnowledgeStore, lm: LoadedModel, *, kv_source: KVSource | None = None,
+                 memory_budget_bytes: int | None = None, loader_threads: int = 2,
+                 adhoc_cache_bytes: int | None = 2 << 30) -> None:
+        """``kv_source`` replaces the store's own disk reads (benchmarks' hot/cold tiers; a shared tier);
+        ``memory_budget_bytes`` puts a heat-managed memory tier with an asynchronous loader of
+        ``loader_threads`` threads over it."""
+        if lm.fingerprint != store.fingerprint:
+            raise FusionRAGError(f"model {lm.name} is not the model the store at {store.path} was built with")
         self.store = store
-        self.lm = store.lm
+        self.lm = lm
         self.prompt = store.prompt
+        source = kv_source if kv_source is not None else store.kv_source()
+        self.kv_source: KVSource = MemoryTier(source, memory_budget_bytes, loader_threads=loader_threads) \
+            if memory_budget_bytes else source
         self._system_kv: KV | None = None
         # KV of request-supplied passages (not in the store): a prefix cache with the alternative
         # path, so each distinct passage has one ``S + chunk`` replica whatever its position.
-        from fusionrag.kvcache.prefix_cache import AlternativePathCache
-
         self.prefix_cache = AlternativePathCache(max_bytes=adhoc_cache_bytes)
         self._lock = threading.RLock()  # the model runs one request at a time
-        self.tiers = None
-        if memory_budget_bytes:
-            from fusionrag.kvcache.tiers import TieredKVCache
-
-            self.tiers = TieredKVCache(lambda key: store.load_kv(*key), memory_budget_bytes,
-                                       max_workers=loader_threads)
 
     @classmethod
-    def open(cls, store_dir: str | Path, model: str | None = None, **engine_options) -> Engine:
+    def open(cls, store_dir: str | Path, model: str | None = None, **engine_options: Any) -> Engine:
+        """The store at ``store_dir`` with its model (``model`` overrides where the weights come from)."""
         from fusionrag.models import load_model
-        from fusionrag.retrieval.knowledge import KnowledgeStore
+        from fusionrag.retrieval.knowledge import stored_model
 
         path = Path(store_dir)
         if not path.exists():
             raise FusionRAGError(
                 f"no knowledge store at '{path}'; create one with 'fusionrag ingest FILES --store {path}'"
             )
-        lm = load_model(model) if model else None
-        return cls(KnowledgeStore.open(path, lm=lm), **engine_options)
+        lm = load_model(model or stored_model(path))
+        return cls(KnowledgeStore.open(path, lm=lm), lm, **engine_options)
 
     @property
     def system_kv(self) -> KV:
+        """``S``'s KV in fp32: from the store, or computed here (not stored: building is offline's job)."""
         if self._system_kv is None:
-            self._system_kv = self.store.system_kv().to(torch.float32)
+            kv = self.store.load_system_kv()
+            if kv is None:
+                kv = compute_system_kv(self.lm, self.prompt.system_token_ids)
+            self._system_kv = kv.to(torch.float32)
         return self._system_kv
 
-    # -- public API -------------------------------------------------------------------
+    @property
+    def lock(self) -> threading.RLock:
+        """Held while the model runs; a scheduler takes it around each forward it runs itself."""
+        return self._lock
 
-    def answer(
-        self,
-        question: str,
-        method: str = "fusionrag",
-        ratio: float = 0.15,
-        top_k: int | None = None,
-        chunks: Sequence[dict] | None = None,
-        max_new_tokens: int = 32,
-        kv: str | None = None,
-        **policy_options,
-    ) -> Answer:
+    # -- answering --------------------------------------------------------------------
+
+    def answer(self, question: str, method: str = "fusionrag", ratio: float = 0.15, top_k: int | None = None,
+               chunks: Sequence[dict] | None = None, max_new_tokens: int = 32, kv: str | None = None,
+               **policy_options: Any) -> Answer:
         """Answer ``question``; ``chunks`` (``{title, text}`` dicts, in order) bypasses retrieval."""
         with self._lock:
             prep = self.prepare(question, method, ratio, top_k, chunks, kv, **policy_options)
-            ids = list(greedy_tokens(self.lm, prep.pre.kv, prep.pre.last_logits, max_new_tokens))
-        return self.result_of(prep, ids)
+            ids = list(greedy_tokens(self.lm, prep.take_kv(), prep.pre.last_logits, max_new_tokens))
+        return self.finish(prep, ids)
 
-    def stream(self, question: str, max_new_tokens: int = 32, **kwargs) -> Iterator[str]:
+    def stream(self, question: str, max_new_tokens: int = 32, **kwargs: Any) -> Iterator[str]:
         """Yield the answer as text deltas (the first one as soon as the first token exists)."""
         with self._lock:
             prep = self.prepare(question, **kwargs)
             streamer = TextStreamer(self.lm.tokenizer)
-            for tok in greedy_tokens(self.lm, prep.pre.kv, prep.pre.last_logits, max_new_tokens):
+            for tok in greedy_tokens(self.lm, prep.take_kv(), prep.pre.last_logits, max_new_tokens):
                 delta = streamer.push(tok)
                 if delta:
                     yield delta
@@ -155,16 +188,8 @@ class Engine:
             if tail:
                 yield tail
 
-    def prepare(
-        self,
-        question: str,
-        method: str = "fusionrag",
-        ratio: float = 0.15,
-        top_k: int | None = None,
-        chunks: Sequence[dict] | None = None,
-        kv: str | None = None,
-        **policy_options,
-    ) -> Prepared:
+    def prepare(self, question: str, method: str = "fusionrag", ratio: float = 0.15, top_k: int | None = None,
+                chunks: Sequence[dict] | None = None, kv: str | None = None, **policy_options: Any) -> Prepared:
         """Everything up to the first answer token, with the TTFT breakdown."""
         question = (question or "").strip()
         if not question:
@@ -183,56 +208,44 @@ class Engine:
         chunk_ids, passages = self._retrieve(question, top_k, chunks)
         timings["retrieve"] = _ms(t0)
         token_ids = [self._token_ids(cid, p) for cid, p in zip(chunk_ids, passages, strict=True)]
-        question_ids = self.prompt.question_ids(question)
+        question_token_ids = self.prompt.question_token_ids(question)
 
         fallbacks = 0
         if method == "full":
             timings["load"] = timings["select"] = 0.0
-            pre = prefill_full(self.lm, self.prompt.system_ids, token_ids, question_ids)
-            timings["recompute"] = pre.timings_ms["recompute"]
+            pre = prefill_full(self.lm, self.prompt.system_token_ids, token_ids, question_token_ids)
             ratio = 1.0
         else:
             t0 = time.perf_counter()
-            kvs, fallbacks = self._load_kvs(chunk_ids, passages, token_ids, kv_kind)
-            ctx, ctx_ids, spans = assemble_context(self.lm, self.system_kv, kvs, self.prompt.system_ids, token_ids)
+            entries, fallbacks = self._load(chunk_ids, passages, token_ids, kv_kind)
+            ctx, ctx_ids, spans = assemble_context(self.lm, self.system_kv, [e.kv for e in entries],
+                                                   self.prompt.system_token_ids, token_ids)
             timings["load"] = _ms(t0)
             t0 = time.perf_counter()
             if method == "reuse":
                 idx, ratio = None, 0.0
             else:
-                scores = None
-                if method == "cachecraft":
-                    scores = [self.store.load_scores(c) if c is not None else None for c in chunk_ids]
-                inp = SelectionInput(self.lm, ctx, ctx_ids, spans, torch.tensor(question_ids),
-                                     chunk_scores=scores or [])
+                scores = self._cachecraft_scores(chunk_ids, entries, kv_kind) if method == "cachecraft" else []
+                inp = SelectionInput(self.lm, ctx, ctx_ids, spans, torch.tensor(question_token_ids),
+                                     chunk_scores=scores)
                 idx = select(make_policy(method, **policy_options), inp, float(ratio))
             timings["select"] = _ms(t0)
-            pre = prefill_reused(self.lm, ctx, ctx_ids, spans, question_ids, idx)
-            timings["recompute"] = pre.timings_ms["recompute"]
+            pre = prefill_reused(self.lm, ctx, ctx_ids, spans, question_token_ids, idx)
+        timings["recompute"] = pre.timings_ms["recompute"]
         t0 = time.perf_counter()
         int(torch.argmax(pre.last_logits))  # the first token itself (part of TTFT)
         timings["first_token"] = _ms(t0)
         timings["total"] = _ms(t_start)
         return Prepared(pre, method, kv_kind if method != "full" else "none", float(ratio), chunk_ids, passages,
-                        timings, fallbacks)
+                        token_ids, timings, fallbacks)
 
-    @property
-    def lock(self) -> threading.RLock:
-        """Held while the model runs; batch decoding takes it between steps."""
-        return self._lock
-
-    @property
-    def adhoc_entries(self) -> int:
-        """Number of cached KVs of request-supplied passages."""
-        return len(self.prefix_cache)
-
-    def result_of(self, prep: Prepared, ids: list[int]) -> Answer:
-        """The :class:`Answer` for a prepared request and its generated token ids (used by batch decoding)."""
+    def finish(self, prep: Prepared, token_ids: list[int]) -> Answer:
+        """The :class:`Answer` for a prepared request and its generated token ids."""
         return Answer(
-            text=self.lm.tokenizer.decode(ids, skip_special_tokens=True).strip(),
-            token_ids=ids,
+            text=self.lm.tokenizer.decode(token_ids, skip_special_tokens=True).strip(),
+            token_ids=token_ids,
             method=prep.method,
-            kv=prep.kv,
+            kv=prep.kv_kind,
             ratio=prep.ratio,
             chunk_ids=prep.chunk_ids,
             context_tokens=prep.pre.context_tokens,
@@ -242,81 +255,106 @@ class Engine:
             selected=prep.pre.selected,
             spans=prep.pre.spans,
             passages=prep.passages,
+            chunk_token_ids=prep.chunk_token_ids,
             fused_fallbacks=prep.fused_fallbacks,
         )
 
-    def _retrieve(self, question: str, top_k: int | None, chunks: Sequence[dict] | None):
-        if chunks is not None:
-            if not chunks:
-                raise FusionRAGError("chunks= was given but is empty")
-            passages = [{"title": c.get("title", ""), "text": c["text"]} for c in chunks]
-            ids = [self.store.find_by_hash(passage_hash(p.get("title", ""), p["text"])) for p in passages]
-            return ids, passages
-        if not self.store.chunk_ids():
-            raise FusionRAGError("the knowledge store is empty; add documents with 'fusionrag ingest'")
-        ids = self.store.search(question, top_k or DEFAULT_TOP_K)
-        passages = []
-        for cid in ids:
-            rec = self.store.chunk(cid)
-            passages.append({"title": rec.title, "text": rec.text})
-        return list(ids), passages
+    def prompt_tokens(self, question: str, chunks: Sequence[dict]) -> int:
+        """Tokens of ``S`` + these passages + the question: a length check before spending a prefill."""
+        n = len(self.prompt.system_token_ids) + len(self.prompt.question_token_ids(question))
+        return n + sum(len(self.prompt.chunk_token_ids(c.get("title", ""), c.get("text", ""))) for c in chunks)
 
-    def _token_ids(self, chunk_id: int | None, passage: dict) -> list[int]:
-        if chunk_id is not None:
-            return list(self.store.chunk(chunk_id).token_ids)
-        return self.prompt.chunk_ids(passage["title"], passage["text"])
+    # -- the KV source ----------------------------------------------------------------
 
-    def tier_stats(self) -> dict:
-        """Hits per tier of the in-memory KV cache (empty when it is off)."""
-        return {"host": self.tiers.stats()} if self.tiers is not None else {}
-
-    def prefetch(self, chunk_ids: Sequence[int | None], kv: str = "fused") -> None:
-        """Start loading these chunks' KV in the background (the asynchronous loader).
-
-        Called for queued requests while the model computes others, so their ``load``
-        step finds the KV in memory. A no-op without the memory tier.
-        """
-        if self.tiers is not None:
-            self.tiers.prefetch([k for k in (self._stored_key(c, kv) for c in chunk_ids) if k is not None])
-
-    def prefetch_request(self, question: str, method: str = "fusionrag", top_k: int | None = None,
-                         chunks: Sequence[dict] | None = None, kv: str | None = None, **_ignored) -> None:
+    def prefetch(self, question: str, method: str = "fusionrag", top_k: int | None = None,
+                 chunks: Sequence[dict] | None = None, kv: str | None = None, **_ignored: Any) -> None:
         """Asynchronous loader for a queued request: find its chunks now, start loading their KV.
 
         Runs retrieval (embedding + index search) in the caller's thread, outside the model
         lock, so the KV reads overlap with whatever the model is computing. Best effort:
         a request that cannot be resolved here is simply not prefetched.
         """
-        if self.tiers is None or method == "full" or not (question or "").strip():
+        if method == "full" or not (question or "").strip():
             return
         try:
             chunk_ids, _ = self._retrieve(question.strip(), top_k, chunks)
         except FusionRAGError:
             return
-        self.prefetch(chunk_ids, kv or DEFAULT_KV.get(method, "plain"))
+        self.prefetch_chunks(chunk_ids, kv or DEFAULT_KV.get(method, "plain"))
 
-    def _stored_key(self, chunk_id: int | None, kind: str) -> tuple[int, str] | None:
+    def prefetch_chunks(self, chunk_ids: Sequence[int | None], kv: str = "fused") -> None:
+        """Start loading these chunks' KV in the background (a no-op without a caching tier)."""
+        self.kv_source.prefetch([k for k in (self._stored_key(c, kv) for c in chunk_ids) if k is not None])
+
+    def invalidate(self, keys: Iterable[Key]) -> None:
+        """Forget cached copies of entries a store change rewrote or removed (every tier down to disk)."""
+        self.kv_source.invalidate(list(keys))
+
+    def stats(self) -> dict[str, Any]:
+        """``{tier: TierStats}`` of the KV tiers (empty without a caching tier)."""
+        return dict(self.kv_source.stats())
+
+    tier_stats = stats
+
+    @property
+    def adhoc_entries(self) -> int:
+        """Number of cached KVs of request-supplied passages."""
+        return len(self.prefix_cache)
+
+    # -- internals --------------------------------------------------------------------
+
+    def _retrieve(self, question: str, top_k: int | None,
+                  chunks: Sequence[dict] | None) -> tuple[list[int | None], list[dict]]:
+        if chunks is not None:
+            if not chunks:
+                raise FusionRAGError("chunks= was given but is empty")
+            passages = [{"title": c.get("title", ""), "text": c["text"]} for c in chunks]
+            return [self.store.find_by_hash(passage_hash(p["title"], p["text"])) for p in passages], passages
+        if not self.store.chunk_ids():
+            raise FusionRAGError("the knowledge store is empty; add documents with 'fusionrag ingest'")
+        ids: list[int | None] = list(self.store.search(question, top_k or DEFAULT_TOP_K))
+        passages = []
+        for cid in ids:
+            rec = self.store.chunk(cid)
+            passages.append({"title": rec.title, "text": rec.text})
+        return ids, passages
+
+    def _token_ids(self, chunk_id: int | None, passage: dict) -> list[int]:
+        if chunk_id is not None:
+            return list(self.store.chunk(chunk_id).token_ids)
+        return self.prompt.chunk_token_ids(passage["title"], passage["text"])
+
+    def _stored_key(self, chunk_id: int | None, kind: str) -> Key | None:
         if chunk_id is None:
             return None
         if self.store.has_kv(chunk_id, kind):
             return (chunk_id, kind)
         return (chunk_id, "plain") if self.store.has_kv(chunk_id, "plain") else None
 
-    def _load_kvs(self, chunk_ids, passages, token_ids, kind: str) -> tuple[list[KV], int]:
+    def _load(self, chunk_ids: Sequence[int | None], passages: Sequence[dict], token_ids: Sequence[list[int]],
+              kind: str) -> tuple[list[KVEntry], int]:
+        """One entry per chunk: stored ones from the KV source, the rest through the prefix cache."""
         keys = [self._stored_key(cid, kind) for cid in chunk_ids]
         stored = [k for k in keys if k is not None]
-        if self.tiers is not None:
-            loaded = dict(zip(stored, self.tiers.get_many(stored), strict=True))
-        else:
-            loaded = {k: self.store.load_kv(*k) for k in stored}
+        loaded = dict(zip(stored, self.kv_source.get_many(stored), strict=True))
         missing = [(passage_hash(p.get("title", ""), p["text"]), ids)
                    for key, p, ids in zip(keys, passages, token_ids, strict=True) if key is None]
         adhoc = iter(self._adhoc_kvs(missing))
-        kvs, fallbacks = [], 0
+        entries, fallbacks = [], 0
         for key in keys:
-            kvs.append(loaded[key] if key is not None else next(adhoc))
+            entries.append(loaded[key] if key is not None else KVEntry(next(adhoc), None, {}))
             fallbacks += kind == "fused" and (key is None or key[1] != "fused")
-        return kvs, fallbacks
+        return entries, fallbacks
+
+    def _cachecraft_scores(self, chunk_ids: Sequence[int | None], entries: Sequence[KVEntry],
+                           kind: str) -> list[torch.Tensor | None]:
+        """Cache-Craft's scores are recorded with the fused entries: the ones just loaded when the
+        method runs on fused KV, otherwise read through the same source (so a memory tier serves them)."""
+        if kind == "fused":
+            return [e.scores for e in entries]
+        keys = [(c, "fused") for c in chunk_ids if c is not None and self.store.has_kv(c, "fused")]
+        fused = dict(zip(keys, self.kv_source.get_many(keys), strict=True))
+        return [fused[(c, "fused")].scores if (c, "fused") in fused else None for c in chunk_ids]
 
     def _adhoc_kvs(self, items: list[tuple[str, list[int]]]) -> list[KV]:
         """Plain KVs of passages the store does not hold (by content hash, in order), through the
@@ -328,4 +366,3 @@ class Engine:
             self.prompt.system_hash, [h for h, _ in items],
             lambda _system, _context, chunk: chunk_kv_plain(self.lm, self.system_kv, ids_of[chunk]))
         return list(result.values)
-

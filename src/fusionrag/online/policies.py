@@ -38,7 +38,7 @@ class SelectionInput:
     context: KV  # S + chunks, positions 0..T-1
     context_ids: torch.Tensor  # [T]
     spans: list[tuple[int, int]]  # chunk spans in the context
-    question_ids: torch.Tensor  # [q]
+    question_token_ids: torch.Tensor  # [q]
     chunk_scores: list[torch.Tensor | None] = field(default_factory=list)  # Cache-Craft, per chunk
     seed: int = 0
 
@@ -91,9 +91,9 @@ def question_attention(inp: SelectionInput, softmax: str = "global") -> torch.Te
     ``global`` uses the model's real attention distribution over the whole prompt.
     """
     lm, T = inp.lm, len(inp.context)
-    q_pos = torch.arange(T, T + inp.question_ids.numel())
+    q_pos = torch.arange(T, T + inp.question_token_ids.numel())
     with capture_last_layer_queries(lm) as captured:
-        res = forward(lm, inp.question_ids, q_pos, inp.context)
+        res = forward(lm, inp.question_token_ids, q_pos, inp.context)
     queries = finish_queries(lm, captured[-1], q_pos)  # [heads, q, d]
     scale = attention_scale(lm)
     if softmax == "global":

@@ -39,36 +39,31 @@ def _ms(t0: float) -> float:
 
 
 def prefill_full(
-    lm: LoadedModel, system_ids: Sequence[int], chunk_ids: Sequence[Sequence[int]], question_ids: Sequence[int]
+    lm: LoadedModel, system_token_ids: Sequence[int], chunk_token_ids: Sequence[Sequence[int]],
+    question_token_ids: Sequence[int],
 ) -> Prefilled:
     """Full Attention over ``S + chunks + Q`` (the quality reference)."""
     t0 = time.perf_counter()
-    ids = [*system_ids, *(t for c in chunk_ids for t in c), *question_ids]
+    ids = [*system_token_ids, *(t for c in chunk_token_ids for t in c), *question_token_ids]
     kv, logits = prefill(lm, torch.tensor(ids))
-    spans, pos = [], len(system_ids)
-    for c in chunk_ids:
+    spans, pos = [], len(system_token_ids)
+    for c in chunk_token_ids:
         spans.append((pos, pos + len(c)))
         pos += len(c)
-    n_ctx = sum(len(c) for c in chunk_ids)
+    n_ctx = sum(len(c) for c in chunk_token_ids)
     return Prefilled(kv, logits[-1], n_ctx, n_ctx, {"recompute": _ms(t0)}, spans=spans)
 
 
-def chunk_kv_plain(lm: LoadedModel, system_kv: KV, ids: Sequence[int]) -> KV:
-    """A chunk's Full Reuse KV: prefilled right after ``S``, only the chunk's part kept."""
-    kv, _ = prefill(lm, torch.tensor(list(ids)), past=system_kv)
-    return kv
-
-
 def assemble_context(
-    lm: LoadedModel, system_kv: KV, chunk_kvs: Sequence[KV], system_ids: Sequence[int],
-    chunk_ids: Sequence[Sequence[int]],
+    lm: LoadedModel, system_kv: KV, chunk_kvs: Sequence[KV], system_token_ids: Sequence[int],
+    chunk_token_ids: Sequence[Sequence[int]],
 ) -> tuple[KV, torch.Tensor, list[tuple[int, int]]]:
     """``S`` + chunks at consecutive positions, the matching token ids, and chunk spans."""
-    for kv, ids in zip(chunk_kvs, chunk_ids, strict=True):
+    for kv, ids in zip(chunk_kvs, chunk_token_ids, strict=True):
         if len(kv) != len(ids):
             raise ValueError(f"chunk KV has {len(kv)} tokens but its ids have {len(ids)}")
     context, spans = assemble(system_kv, chunk_kvs, lm.inv_freq)
-    ids = torch.tensor([*system_ids, *(t for c in chunk_ids for t in c)], dtype=torch.long)
+    ids = torch.tensor([*system_token_ids, *(t for c in chunk_token_ids for t in c)], dtype=torch.long)
     return context, ids, spans
 
 
@@ -77,13 +72,13 @@ def prefill_reused(
     context: KV,
     context_ids: torch.Tensor,
     spans: list[tuple[int, int]],
-    question_ids: Sequence[int],
+    question_token_ids: Sequence[int],
     recompute_idx: torch.Tensor | None = None,
 ) -> Prefilled:
     """Sparse-recompute ``recompute_idx`` (indices into ``context``) and prefill the question."""
     t0 = time.perf_counter()
     idx = torch.empty(0, dtype=torch.long) if recompute_idx is None else recompute_idx
-    res = sparse_recompute(lm, context, context_ids, idx, torch.tensor(list(question_ids)))
+    res = sparse_recompute(lm, context, context_ids, idx, torch.tensor(list(question_token_ids)))
     n_ctx = sum(b - a for a, b in spans)
     return Prefilled(res.kv, res.last_logits, n_ctx, res.recomputed, {"recompute": _ms(t0)},
                      selected=idx, spans=spans)

@@ -1,7 +1,7 @@
 """Reading documents and cutting them into token-bounded chunks.
 
 A chunk is the unit of KV reuse, so its size is measured in the *LLM's* tokens, exactly
-as the chunk will appear in the prompt (``PromptBuilder.chunk_ids(title, text)``, title
+as the chunk will appear in the prompt (``PromptBuilder.chunk_token_ids(title, text)``, title
 included). Chunks are cut on sentence boundaries (then whitespace, then characters for
 pathological inputs) and a passage that already fits is kept verbatim, so its content
 hash equals the hash of the same passage seen online (``chunk_text(title, text)``).
@@ -179,9 +179,9 @@ def split_passage(prompt: PromptBuilder, title: str, text: str, max_tokens: int)
     text = text.strip()
     if not text:
         return []
-    if len(prompt.chunk_ids(title, text)) <= max_tokens:
+    if len(prompt.chunk_token_ids(title, text)) <= max_tokens:
         return [text]  # verbatim: same hash as the passage seen online
-    if len(prompt.chunk_ids(title, "x")) >= max_tokens:
+    if len(prompt.chunk_token_ids(title, "x")) >= max_tokens:
         raise ValueError(f"the title alone needs {max_tokens}+ tokens")
     return [p for p in _pack(prompt, title, text, _spans(text, _SENTENCE_END), max_tokens, level=0) if p]
 
@@ -208,9 +208,9 @@ def _pack(prompt: PromptBuilder, title: str, text: str, spans: list[tuple[int, i
     """
 
     def fits(a: int, b: int) -> bool:
-        return len(prompt.chunk_ids(title, text[a:b])) <= max_tokens
+        return len(prompt.chunk_token_ids(title, text[a:b])) <= max_tokens
 
-    overhead = len(prompt.chunk_ids(title, "")) if title else 0
+    overhead = len(prompt.chunk_token_ids(title, "")) if title else 0
     costs = [len(prompt.encode(text[a:b])) for a, b in spans]
     i = 0
     while i < len(spans):
@@ -242,7 +242,7 @@ def _split_long(prompt: PromptBuilder, title: str, text: str, span: tuple[int, i
         lo, hi = a + 1, b
         while lo < hi:  # the longest prefix that fits
             mid = (lo + hi + 1) // 2
-            if len(prompt.chunk_ids(title, text[a:mid])) <= max_tokens:
+            if len(prompt.chunk_token_ids(title, text[a:mid])) <= max_tokens:
                 lo = mid
             else:
                 hi = mid - 1
@@ -262,7 +262,7 @@ def make_chunks(prompt: PromptBuilder, passages: Iterable[Passage], max_tokens: 
                 problems.append(Problem(p.doc, None, f"passage '{p.title[:40]}' skipped: {exc}"))
             continue
         for piece in pieces:
-            ids = tuple(prompt.chunk_ids(p.title, piece))
+            ids = tuple(prompt.chunk_token_ids(p.title, piece))
             out.append(Chunk(p.doc, p.title.strip(), piece, ids, passage_hash(p.title, piece)))
     return out
 

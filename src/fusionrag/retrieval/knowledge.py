@@ -12,7 +12,11 @@ A store folder holds:
 
 The store records the model fingerprint and the system-prompt hash; opening it with
 another model, or loading a cache made after another ``S``, raises
-:class:`CacheIntegrityError`. Every step is resumable (see :mod:`fusionrag.offline.preprocess`).
+:class:`CacheIntegrityError`.
+
+This module is data and file access only: it never runs the model. Building (ingest,
+plain and fused KV, the offline stage) is :mod:`fusionrag.offline.build`; reading KV
+online goes through :meth:`KnowledgeStore.kv_source` (:mod:`fusionrag.kvcache.sources`).
 """
 
 from __future__ import annotations
@@ -21,31 +25,21 @@ import json
 import sqlite3
 import threading
 import time
-from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 from tqdm.auto import tqdm
 
 from fusionrag.errors import CacheIntegrityError, FusionRAGError
 from fusionrag.kvcache.kv import KV
-from fusionrag.kvcache.store import KVEntry, KVStore, canonical_dtype
+from fusionrag.kvcache.sources import DiskSource
+from fusionrag.kvcache.store import CHUNK_KINDS, KVEntry, KVStore, canonical_dtype
 from fusionrag.models.registry import LoadedModel
-from fusionrag.offline.preprocess import DEFAULT_NEIGHBOUR_ORDER
 from fusionrag.prompt import PromptBuilder, chunk_text
-from fusionrag.retrieval.chunking import (
-    DEFAULT_CHUNK_TOKENS,
-    Chunk,
-    Passage,
-    Problem,
-    dedup,
-    expand_paths,
-    make_chunks,
-    read_passages,
-)
+from fusionrag.retrieval.chunking import DEFAULT_CHUNK_TOKENS, Chunk
 from fusionrag.retrieval.embedder import Embedder, get_embedder
 from fusionrag.retrieval.index import VectorIndex
 
@@ -85,55 +79,25 @@ class ChunkRecord:
     n_tokens: int
     content_hash: str
 
-    @property
-    def prompt_text(self) -> str:
-        return chunk_text(self.title, self.text)
-
-
-@dataclass
-class IngestReport:
-    files: int = 0
-    passages: int = 0
-    chunks: int = 0  # chunks cut from the input, duplicates included
-    new_chunks: int = 0
-    duplicates: int = 0  # within the input or already in the store
-    new_ids: list[int] = field(default_factory=list)
-    problems: list[Problem] = field(default_factory=list)
-    plain_computed: int = 0
-    embed_seconds: float = 0.0
-    plain_seconds: float = 0.0
-    seconds: float = 0.0
-    fuse: dict[str, Any] | None = None  # the incremental re-fuse (a PreprocessReport), if the store is preprocessed
-
-    @property
-    def plain_chunks_per_s(self) -> float:
-        return self.plain_computed / self.plain_seconds if self.plain_seconds > 0 else 0.0
-
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["problems"] = [str(p) for p in self.problems]
-        d["plain_chunks_per_s"] = round(self.plain_chunks_per_s, 3)
-        d["plain_s_per_chunk"] = round(self.plain_seconds / self.plain_computed, 4) if self.plain_computed else 0.0
-        for k in ("embed_seconds", "plain_seconds", "seconds"):
-            d[k] = round(d[k], 3)
-        if len(d["new_ids"]) > 50:
-            d["new_ids"] = [*d["new_ids"][:50], f"... {len(self.new_ids) - 50} more"]
-        return d
-
 
 class KnowledgeStore:
-    """Facade over a store folder, used by ``ingest``/``preprocess`` and the online engine."""
+    """A store folder: chunks, vectors and KV files, bound to one model's fingerprint and ``S``.
 
-    def __init__(self, path: Path, lm: LoadedModel, settings: dict[str, Any], db: sqlite3.Connection,
-                 embedder: Embedder | None) -> None:
+    Holds no model: the model that built the store is named in its settings
+    (:func:`stored_model`), and whoever runs a model (the online engine, the offline
+    builder) passes it in. ``lm`` given to :meth:`create` / :meth:`open` is only checked
+    against the store (fingerprint, tokenizer's ``S``), never kept.
+    """
+
+    def __init__(self, path: Path, fingerprint: str, prompt: PromptBuilder, settings: dict[str, Any],
+                 db: sqlite3.Connection, embedder: Embedder | None) -> None:
         self.path = Path(path)
-        self.lm = lm
-        self.prompt = PromptBuilder(lm.tokenizer)
+        self.fingerprint = fingerprint
+        self.prompt = prompt
         self.settings = settings
         self.db = db
         self._embedder = embedder
-        self.kv = KVStore(self.path / KV_DIR, lm.fingerprint, self.prompt.system_hash, settings["kv_dtype"])
-        self._system_kv: KV | None = None
+        self.kv = KVStore(self.path / KV_DIR, fingerprint, self.prompt.system_hash, settings["kv_dtype"])
         self._records: dict[int, ChunkRecord] = {}
         self._lock = threading.RLock()
         self.index = self._load_index()
@@ -143,7 +107,11 @@ class KnowledgeStore:
     @classmethod
     def create(cls, path, lm: LoadedModel, chunk_tokens: int = DEFAULT_CHUNK_TOKENS, kv_dtype: str = "float16",
                embedder: Embedder | None = None, model_source: str | None = None) -> KnowledgeStore:
-        """A new, empty store for ``lm`` (``model_source``: what :func:`load_model` needs to reload it)."""
+        """A new, empty store for ``lm`` (``model_source``: what :func:`load_model` needs to reload it).
+
+        ``S``'s KV is not computed here (that runs the model): :func:`fusionrag.offline.build.create_store`
+        does both, and every build step computes it when it is missing.
+        """
         path = Path(path)
         if (path / DB_NAME).exists():
             raise FusionRAGError(f"a knowledge base already exists at {path}; open it instead of creating it")
@@ -157,14 +125,12 @@ class KnowledgeStore:
             "model": model_source or lm.name,
             "fingerprint": lm.fingerprint,
             "system_hash": prompt.system_hash,
-            "system_tokens": len(prompt.system_ids),
+            "system_tokens": len(prompt.system_token_ids),
             "chunk_tokens": int(chunk_tokens),
             "kv_dtype": kv_dtype,
             "embedder": embedder.name,
             "embedding_dim": int(embedder.dim),
-            "top_n": None,  # set by the first preprocess; then ingest keeps the store fused
-            "neighbour_order": DEFAULT_NEIGHBOUR_ORDER,
-            "same_document": False,
+            "fuse": None,  # the offline stage's settings, recorded by the first fuse (offline.build)
             "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
         }
         path.mkdir(parents=True, exist_ok=True)
@@ -172,13 +138,11 @@ class KnowledgeStore:
         with db:
             db.executemany("INSERT INTO settings(key, value) VALUES (?, ?)",
                            [(k, json.dumps(v)) for k, v in settings.items()])
-        store = cls(path, lm, settings, db, embedder)
-        store.system_kv()
-        return store
+        return cls(path, lm.fingerprint, prompt, settings, db, embedder)
 
     @classmethod
-    def open(cls, path, lm: LoadedModel | None = None, embedder: Embedder | None = None) -> KnowledgeStore:
-        """An existing store; loads its model if ``lm`` is None, refuses a different model."""
+    def open(cls, path, lm: LoadedModel, embedder: Embedder | None = None) -> KnowledgeStore:
+        """An existing store, checked against ``lm``: another model or another ``S`` is refused."""
         path = Path(path)
         if not (path / DB_NAME).is_file():
             raise FusionRAGError(f"no knowledge base at {path} (create one with: fusionrag ingest PATH --store {path})")
@@ -186,27 +150,23 @@ class KnowledgeStore:
         settings = read_settings(db)
         if settings.get("format") != STORE_FORMAT:
             raise FusionRAGError(f"{path}: unsupported store format {settings.get('format')!r}")
-        if lm is None:
-            from fusionrag.models import load_model
-
-            lm = load_model(settings["model"])
         if lm.fingerprint != settings["fingerprint"]:
             raise CacheIntegrityError(
                 f"the knowledge base at {path} was built with model {settings['model']} ({settings['fingerprint']}); "
                 f"the loaded model {lm.name} ({lm.fingerprint}) cannot reuse its caches. Use --model "
                 f"{settings['model']} or build a new store."
             )
-        system_hash = PromptBuilder(lm.tokenizer).system_hash
-        if system_hash != settings["system_hash"]:
+        prompt = PromptBuilder(lm.tokenizer)
+        if prompt.system_hash != settings["system_hash"]:
             raise CacheIntegrityError(
                 f"the knowledge base at {path} was built with another system prompt "
-                f"({settings['system_hash']} != {system_hash}); its caches cannot be reused"
+                f"({settings['system_hash']} != {prompt.system_hash}); its caches cannot be reused"
             )
         if embedder is not None and embedder.name != settings["embedder"]:
             raise FusionRAGError(
                 f"the knowledge base at {path} was embedded with {settings['embedder']}, not {embedder.name}"
             )
-        return cls(path, lm, settings, db, embedder)
+        return cls(path, lm.fingerprint, prompt, settings, db, embedder)
 
     def close(self) -> None:
         with self._lock:
@@ -276,7 +236,7 @@ class KnowledgeStore:
                 self.db.executemany("UPDATE chunks SET neighbours = ? WHERE id = ?",
                                     [(json.dumps([int(n) for n in v]), int(k)) for k, v in neighbours.items()])
 
-    def _insert(self, chunks: Sequence[Chunk], progress: bool = False) -> tuple[list[int], float]:
+    def insert_chunks(self, chunks: Sequence[Chunk], progress: bool = False) -> tuple[list[int], float]:
         """Embed and add new (not yet stored, unique) chunks; returns their ids and the embedding time."""
         if not chunks:
             return [], 0.0
@@ -311,8 +271,10 @@ class KnowledgeStore:
         """Remove every chunk of document ``doc``: metadata, vectors and KV files. Returns the removed ids.
 
         Chunk ids are never reused. Fused KVs of other chunks that had a removed chunk
-        among their neighbours stay valid caches; the next ``preprocess`` sees their
-        neighbour lists change and re-fuses them (incremental update).
+        among their neighbours stay valid caches; the next fuse sees their neighbour
+        lists change and re-fuses them (incremental update). Online tiers holding the
+        removed entries must be told: :func:`fusionrag.offline.build.delete_document`
+        returns their keys.
         """
         with self._lock:
             ids = [r[0] for r in self.db.execute("SELECT id FROM chunks WHERE doc = ?", (doc,)).fetchall()]
@@ -324,7 +286,7 @@ class KnowledgeStore:
             self.index.save(self.path / INDEX_NAME)
             for cid in ids:
                 self._records.pop(cid, None)
-                for kind in ("plain", "fused"):
+                for kind in CHUNK_KINDS:
                     self.kv.path(cid, kind).unlink(missing_ok=True)
         return ids
 
@@ -358,113 +320,31 @@ class KnowledgeStore:
 
     # ------------------------------------------------------------ KV
 
-    def system_kv(self) -> KV:
-        """KV of ``S`` (computed once, stored in fp32: it prefixes every prompt)."""
-        if self._system_kv is None:
-            ids = self.prompt.system_ids
-            if self.kv.exists(None, "system"):
-                kv = self.kv.load(None, "system", token_ids=ids).kv
-            else:
-                from fusionrag.execution.forward import prefill
+    def load_system_kv(self) -> KV | None:
+        """The stored KV of ``S`` (verified), or None if it has not been computed yet."""
+        if not self.kv.exists(None, "system"):
+            return None
+        return self.kv.load(None, "system", token_ids=self.prompt.system_token_ids).kv
 
-                kv, _ = prefill(self.lm, torch.tensor(ids))
-                self.kv.save(None, "system", kv, ids, dtype="float32")
-            self._system_kv = kv.to(self.lm.model.dtype)
-        return self._system_kv
+    def save_system_kv(self, kv: KV) -> None:
+        """Store ``S``'s KV in fp32: it prefixes every prompt, so it is kept at full precision."""
+        self.kv.save(None, "system", kv, self.prompt.system_token_ids, dtype="float32")
 
     def has_kv(self, chunk_id: int, kind: str) -> bool:
-        """Whether an entry exists (not verified; :meth:`load_kv` verifies)."""
+        """Whether an entry exists (not verified; every read through :meth:`kv_source` verifies)."""
         return self.kv.exists(chunk_id, kind)
 
+    def kv_source(self) -> DiskSource:
+        """The store's KV files as a :class:`~fusionrag.kvcache.sources.KVSource` (verified reads)."""
+        return DiskSource(self.kv, lambda chunk_id: self.chunk(chunk_id).token_ids)
+
     def load_entry(self, chunk_id: int, kind: str = "fused") -> KVEntry:
-        """KV, scores and header metadata of one entry, verified."""
+        """KV, scores and header metadata of one entry, verified against the chunk's tokens."""
         return self.kv.load(chunk_id, kind, token_ids=self.chunk(chunk_id).token_ids)
 
-    def load_kv(self, chunk_id: int, kind: str = "fused", dtype: torch.dtype | None = None) -> KV:
-        """A verified chunk cache at its stored base position ``len(S)``, in the storage dtype
-        unless ``dtype`` is given (``assemble`` converts to fp32 before rotating anyway)."""
-        kv = self.load_entry(chunk_id, kind).kv
-        return kv if dtype is None else kv.to(dtype)
-
-    def load_scores(self, chunk_id: int) -> torch.Tensor | None:
-        """Cache-Craft scores stored with the fused entry (None if it has none)."""
-        if not self.has_kv(chunk_id, "fused"):
-            return None
-        return self.load_entry(chunk_id, "fused").scores
-
-    # ------------------------------------------------------------ building
-
-    def ingest(self, paths: Iterable[Path | str], progress: bool = True) -> IngestReport:
-        """Read, chunk, dedup, embed and index ``paths``; plain KV for new chunks; re-fuse if preprocessed."""
-        from fusionrag.offline.preprocess import run_plain, run_preprocess
-
-        t0 = time.perf_counter()
-        report = IngestReport()
-        self.kv.remove_temp_files()
-        files = expand_paths(paths, report.problems)
-        report.files = len(files)
-        passages: list[Passage] = []
-        for f in tqdm(files, unit="file", desc="read", disable=not progress or len(files) < 2):
-            passages.extend(read_passages(f, report.problems))
-        report.passages = len(passages)
-        chunks = make_chunks(self.prompt, passages, int(self.settings["chunk_tokens"]), report.problems)
-        report.chunks = len(chunks)
-        unique, dups = dedup(chunks)
-        new = [c for c in unique if self.find_by_hash(c.content_hash) is None]
-        report.duplicates = dups + len(unique) - len(new)
-        report.new_ids, report.embed_seconds = self._insert(new, progress)
-        report.new_chunks = len(new)
-        # Every chunk lacking plain KV, not only the new ones: completes an interrupted ingest.
-        report.plain_computed, report.plain_seconds = run_plain(self, progress=progress)
-        if self.settings.get("top_n") is not None:
-            report.fuse = run_preprocess(
-                self, top_n=int(self.settings["top_n"]), neighbour_order=self.settings["neighbour_order"],
-                same_document=bool(self.settings["same_document"]), progress=progress,
-            ).to_dict()
-        report.seconds = time.perf_counter() - t0
-        return report
-
-    def add_passages(self, passages: list[dict], doc: str = "api", plain_kv: bool = True) -> list[int]:
-        """Add ``{title, text}`` passages (split if longer than a chunk); returns their chunk ids in order.
-
-        Duplicates map to the existing ids. New chunks get plain KV (unless ``plain_kv`` is
-        False: callers adding many small batches compute it once, with a progress bar, via
-        ``run_plain`` or ``preprocess``), not fused KV (the next ``preprocess`` fuses them).
-        """
-        from fusionrag.offline.preprocess import run_plain
-
-        items = []
-        for i, p in enumerate(passages):
-            if not isinstance(p, dict) or not isinstance(p.get("text"), str):
-                raise FusionRAGError(f"passage {i} must be a dict with a 'text' string (and optionally 'title')")
-            items.append(Passage(str(p.get("title") or ""), p["text"], doc=str(p.get("doc") or doc)))
-        chunks = make_chunks(self.prompt, items, int(self.settings["chunk_tokens"]))
-        unique, _ = dedup(chunks)
-        new = [c for c in unique if self.find_by_hash(c.content_hash) is None]
-        self._insert(new)
-        ids = [self.find_by_hash(c.content_hash) for c in chunks]
-        if plain_kv:
-            run_plain(self, chunk_ids=[i for i in dict.fromkeys(ids) if i is not None], progress=False)
-        return [int(i) for i in ids if i is not None]
-
-    def preprocess(self, top_n: int = 10, progress: bool = True, chunk_ids: Sequence[int] | None = None, *,
-                   neighbour_order: str | None = None, same_document: bool | None = None, batch_size: int = 4):
-        """Fuse chunks (all by default) with their top-n neighbours; resumable. Returns a PreprocessReport.
-
-        ``neighbour_order`` / ``same_document`` default to the store's settings; the values
-        used are saved, so later ingests keep the store fused the same way.
-        """
-        from fusionrag.offline.preprocess import prefix_order, run_preprocess
-
-        order = neighbour_order or self.settings.get("neighbour_order") or DEFAULT_NEIGHBOUR_ORDER
-        prefix_order([], order)
-        same = bool(self.settings.get("same_document")) if same_document is None else bool(same_document)
-        if top_n < 0:
-            raise FusionRAGError(f"top-n must be >= 0, got {top_n}")
-        self.update_settings(top_n=int(top_n), neighbour_order=order, same_document=same)
-        self.kv.remove_temp_files()
-        return run_preprocess(self, top_n=int(top_n), neighbour_order=order, same_document=same,
-                              chunk_ids=chunk_ids, progress=progress, batch_size=batch_size)
+    def load_kv(self, chunk_id: int, kind: str = "fused") -> KV:
+        """A verified chunk cache at its stored base position ``len(S)``, in the storage dtype."""
+        return self.load_entry(chunk_id, kind).kv
 
     # ------------------------------------------------------------ reporting
 
@@ -477,6 +357,18 @@ def _connect(path: Path) -> sqlite3.Connection:
     db = sqlite3.connect(str(path), check_same_thread=False)
     db.executescript(_SCHEMA)
     return db
+
+
+def stored_model(path) -> str:
+    """The model a store was built with (what :func:`fusionrag.models.load_model` needs to reload it)."""
+    path = Path(path)
+    if not (path / DB_NAME).is_file():
+        raise FusionRAGError(f"no knowledge base at {path} (create one with: fusionrag ingest PATH --store {path})")
+    db = sqlite3.connect(f"file:{path / DB_NAME}?mode=ro", uri=True)
+    try:
+        return str(read_settings(db)["model"])
+    finally:
+        db.close()
 
 
 def read_settings(db: sqlite3.Connection) -> dict[str, Any]:
@@ -517,6 +409,5 @@ def store_info(path) -> dict[str, Any]:
         "kv_bytes_per_token": round(plain_bytes / n_tokens, 1) if n_tokens and len(plain) == n_chunks else None,
         "bytes_on_disk": total,
         "settings": {k: settings.get(k) for k in (
-            "top_n", "neighbour_order", "same_document", "chunk_tokens", "kv_dtype", "embedder", "embedding_dim",
-            "system_tokens", "created")},
+            "fuse", "chunk_tokens", "kv_dtype", "embedder", "embedding_dim", "system_tokens", "created")},
     }

@@ -7,13 +7,11 @@ little more than one, so throughput grows with concurrency. Prefill stays per re
 
 How (see :class:`BatchScheduler`): one *model thread* owns the engine. It admits waiting
 requests by running ``engine.prepare`` (everything up to the first token), then runs
-batched decode steps over the active requests. Each request keeps its own KV, laid out
-as one row of a padded batch cache ``[B, H, W, D]`` per layer; the pad slots are hidden
-by an additive float mask (``finfo.min``, never a boolean mask) and each row decodes at
-its own position id, so padding changes nothing a request sees. Requests join and leave
-between steps: joining pads the batch to the widest row, leaving drops the row (and
-compacts the padding when it grows). Shared chunk KV is never touched: ``prepare`` hands
-each request its own assembled copy.
+batched decode steps over the active requests with the shared decode loop
+(:class:`~fusionrag.execution.decoder.BatchDecoder`: padded rows, each at its own
+position, joining and leaving between steps). This module keeps only the queue, the
+request lifecycle and the events. Shared chunk KV is never touched: ``prepare`` hands each
+request its own assembled copy, which the decoder takes over.
 
 The model thread also runs *tasks* (e.g. adding documents to the store) between steps,
 so everything that touches the model or the store happens on one thread: the model runs
@@ -36,11 +34,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from transformers import DynamicCache
 
 from fusionrag.errors import FusionRAGError
+from fusionrag.execution.decoder import BatchDecoder
 from fusionrag.execution.generate import TextStreamer
-from fusionrag.kvcache.kv import KV
 
 log = logging.getLogger(__name__)
 
@@ -121,9 +118,7 @@ class DecodeRequest:
         self._cancelled = threading.Event()
         self._done = threading.Event()
         self._streamer: TextStreamer | None = None
-        # decode state (model thread only)
-        self.last_token = -1
-        self.next_pos = 0
+        self.last_token = -1  # decode state (model thread only)
 
     # -- caller side --------------------------------------------------------------------
 
@@ -199,7 +194,8 @@ class _Task:
 class BatchScheduler:
     """The model thread: prefill admitted requests, then decode all active requests together.
 
-    ``engine`` is an :class:`~fusionrag.online.engine.Engine` or a zero-argument factory that
+    ``engine`` is an :class:`~fusionrag.online.engine.Engine` (or anything with its surface:
+    ``lm``, ``lock``, ``prepare``, ``finish``, ``prefetch``, ``prompt_tokens``) or a zero-argument factory that
     builds one; a factory runs on the model thread (so a store whose SQLite connection is
     bound to its creating thread works), and :meth:`wait_ready` reports a failure to load.
 
@@ -242,11 +238,9 @@ class BatchScheduler:
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, name="fusionrag-model", daemon=True)
         # batch state (model thread only)
-        self._rows: list[DecodeRequest] = []
+        self._rows: dict[str, DecodeRequest] = {}  # decoding, by request id (the decoder's row keys)
         self._joining: list[DecodeRequest] = []
-        self._keys: list[torch.Tensor] = []  # per layer [B, H, W, D]
-        self._values: list[torch.Tensor] = []
-        self._valid: torch.Tensor | None = None  # [B, W] bool: which slots of each row hold its KV
+        self._decoder: BatchDecoder | None = None
         if autostart:
             self.start()
 
@@ -310,11 +304,10 @@ class BatchScheduler:
             self._cond.notify_all()
         # Asynchronous loader: resolve this request's chunks and start reading their KV while
         # the model is busy, off the caller's thread (it may be the event loop).
-        prefetch = getattr(self.engine, "prefetch_request", None)
-        if prefetch is not None and getattr(self.engine, "tiers", None) is not None:
+        if self.engine is not None:
             if self._prefetcher is None:
                 self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="fusionrag-prefetch")
-            self._prefetcher.submit(prefetch, question, **prepare_kwargs)
+            self._prefetcher.submit(self.engine.prefetch, question, **prepare_kwargs)
         return req
 
     def run_task(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Future:
@@ -340,6 +333,7 @@ class BatchScheduler:
                 if self._factory is not None:
                     self.engine = self._factory()
                 lm = self.engine.lm
+                self._decoder = BatchDecoder(lm)
                 self.stop_ids = set(lm.stop_token_ids if self._stop_override is None else self._stop_override)
             except BaseException as exc:  # reported by wait_ready / submit / health
                 self.load_error = exc
@@ -367,7 +361,7 @@ class BatchScheduler:
                         self._step()
                     except Exception as exc:  # never let one bad step kill the server
                         log.exception("batched decode step failed")
-                        for req in [*self._rows, *self._joining]:
+                        for req in [*self._rows.values(), *self._joining]:
                             self._fail(req, exc)
                         self._reset_batch()
             self._drain(SchedulerClosedError("the server is shutting down"))
@@ -376,15 +370,15 @@ class BatchScheduler:
         with self._cond:
             pending, self._pending = list(self._pending), collections.deque()
             tasks, self._tasks = list(self._tasks), collections.deque()
-        for req in [*pending, *self._rows, *self._joining]:
+        for req in [*pending, *self._rows.values(), *self._joining]:
             self._fail(req, exc)
         for task in tasks:
             task.future.set_exception(exc)
         self._reset_batch()
 
-    def _lock(self):
+    def _lock(self) -> threading.RLock:
         """The engine's own lock, so direct ``engine.answer`` calls elsewhere never overlap ours."""
-        return getattr(self.engine, "lock", None) or _NULL_LOCK
+        return self.engine.lock
 
     def _run_task(self, task: _Task) -> None:
         if not task.future.set_running_or_notify_cancel():
@@ -411,7 +405,7 @@ class BatchScheduler:
     def _finish(self, req: DecodeRequest, reason: str) -> None:
         req.finish_reason = reason
         try:
-            req.answer = self.engine.result_of(req.prep, list(req.tokens))
+            req.answer = self.engine.finish(req.prep, list(req.tokens))
         except Exception as exc:
             self._fail(req, exc)
             return
@@ -432,9 +426,7 @@ class BatchScheduler:
         chunks = req.prepare_kwargs.get("chunks")
         if not self.max_prompt_tokens or not chunks:
             return
-        prompt = self.engine.prompt
-        n = len(prompt.system_ids) + len(prompt.question_ids(req.question))
-        n += sum(len(prompt.chunk_ids(c.get("title", ""), c.get("text", ""))) for c in chunks)
+        n = self.engine.prompt_tokens(req.question, chunks)
         if n > self.max_prompt_tokens:
             raise PromptTooLongError(f"the prompt has {n} tokens; this server accepts at most "
                                      f"{self.max_prompt_tokens} (fewer or shorter documents, or a lower top_k)")
@@ -449,7 +441,7 @@ class BatchScheduler:
             self._check_prompt_before(req)
             with self._lock():
                 prep = self.engine.prepare(req.question, **req.prepare_kwargs)
-            req.prompt_tokens = len(prep.pre.kv)
+            req.prompt_tokens = prep.prompt_tokens
             if self.max_prompt_tokens and req.prompt_tokens > self.max_prompt_tokens:
                 raise PromptTooLongError(f"the prompt has {req.prompt_tokens} tokens; this server accepts at most "
                                          f"{self.max_prompt_tokens} (use a lower top_k)")
@@ -460,7 +452,7 @@ class BatchScheduler:
             self.stats.prefills += 1
             self.stats.prefill_seconds += time.perf_counter() - t0
         req.prep = prep
-        first = int(torch.argmax(prep.pre.last_logits))
+        first = prep.first_token
         if req.max_new_tokens <= 0:
             self._finish(req, "length")
             return
@@ -472,150 +464,57 @@ class BatchScheduler:
             self._finish(req, "length")
             return
         req.last_token = first
-        req.next_pos = prep.pre.kv.base_position + len(prep.pre.kv)
         self._joining.append(req)
 
     # -- the batch ----------------------------------------------------------------------
 
     def _reset_batch(self) -> None:
-        self._rows, self._joining = [], []
-        self._keys, self._values, self._valid = [], [], None
+        self._rows, self._joining = {}, []
+        if self._decoder is not None:
+            self._decoder.clear()
 
-    def _join(self) -> None:
-        """Add the newly prefilled requests as rows, padding every row to the widest one."""
-        new = self._joining
-        self._joining = []
-        kvs: list[KV] = [r.prep.pre.kv for r in new]
-        for r in new:  # the batch holds the only copy from now on
-            r.prep.pre = dataclasses.replace(r.prep.pre, kv=KV.empty_like(r.prep.pre.kv))
-        if self._valid is None:
-            dtype, device = kvs[0].keys.dtype, kvs[0].keys.device
-            n_layers, heads, _, dim = kvs[0].keys.shape
-            b_old, w_old = 0, 0
-        else:
-            dtype, device = self._keys[0].dtype, self._keys[0].device
-            b_old, heads, w_old, dim = self._keys[0].shape
-            n_layers = len(self._keys)
-        width = max(w_old, *(len(kv) for kv in kvs))
-        batch = b_old + len(new)
-        keys, values = [], []
-        for layer in range(n_layers):
-            k = torch.zeros(batch, heads, width, dim, dtype=dtype, device=device)
-            v = torch.zeros(batch, heads, width, dim, dtype=dtype, device=device)
-            if b_old:
-                k[:b_old, :, :w_old] = self._keys[layer]
-                v[:b_old, :, :w_old] = self._values[layer]
-            for j, kv in enumerate(kvs):
-                k[b_old + j, :, : len(kv)] = kv.keys[layer].to(device=device, dtype=dtype)
-                v[b_old + j, :, : len(kv)] = kv.values[layer].to(device=device, dtype=dtype)
-            keys.append(k)
-            values.append(v)
-        valid = torch.zeros(batch, width, dtype=torch.bool, device=device)
-        if b_old:
-            valid[:b_old, :w_old] = self._valid
-        for j, kv in enumerate(kvs):
-            valid[b_old + j, : len(kv)] = True
-        self._keys, self._values, self._valid = keys, values, valid
-        self._rows.extend(new)
-
-    def _leave(self, gone: list[int]) -> None:
-        """Drop finished rows; drop slots no row uses; compact once padding is over half the cache.
-
-        Slot order inside a row does not matter (keys carry their RoPE positions and the
-        mask says what is visible), so compaction may move a row's slots to the left.
-        """
-        gone_set = set(gone)
-        keep = [b for b in range(len(self._rows)) if b not in gone_set]
-        if not keep:
-            self._reset_batch()
-            return
-        assert self._valid is not None
-        idx = torch.tensor(keep, device=self._valid.device)
-        self._rows = [self._rows[b] for b in keep]
-        keys = [k.index_select(0, idx) for k in self._keys]
-        values = [v.index_select(0, idx) for v in self._values]
-        valid = self._valid.index_select(0, idx)
-        used = valid.any(dim=0)
-        if not bool(used.all()):  # e.g. the tail of a longer row that just left
-            cols = used.nonzero().squeeze(1)
-            keys = [k.index_select(2, cols) for k in keys]
-            values = [v.index_select(2, cols) for v in values]
-            valid = valid.index_select(1, cols)
-        counts = valid.sum(dim=1)
-        if int(counts.sum()) * 2 < valid.numel():
-            width = int(counts.max())
-            packed_k, packed_v = [], []
-            for k, v in zip(keys, values, strict=True):
-                nk = k.new_zeros(k.shape[0], k.shape[1], width, k.shape[3])
-                nv = v.new_zeros(nk.shape)
-                for b in range(len(keep)):
-                    n = int(counts[b])
-                    nk[b, :, :n] = k[b][:, valid[b]]
-                    nv[b, :, :n] = v[b][:, valid[b]]
-                packed_k.append(nk)
-                packed_v.append(nv)
-            keys, values = packed_k, packed_v
-            valid = torch.arange(width, device=counts.device)[None, :] < counts[:, None]
-            self.stats.compactions += 1
-        self._keys, self._values, self._valid = keys, values, valid
+    def _leave(self, gone: list[str]) -> None:
+        for rid in gone:
+            self._rows.pop(rid, None)
+        assert self._decoder is not None
+        before = self._decoder.compactions
+        self._decoder.drop(gone)
+        self.stats.compactions += self._decoder.compactions - before
 
     def _step(self) -> None:
         """One batched decode step: the last token of every row, each at its own position."""
-        if self._joining:
-            self._join()
+        assert self._decoder is not None
+        for req in self._joining:  # the decoder holds the only copy of the prompt KV from now on
+            self._decoder.join(req.id, req.prep.take_kv())
+            self._rows[req.id] = req
+        self._joining = []
         # Requests cancelled since the last step leave before spending a forward on them.
-        gone = [b for b, r in enumerate(self._rows) if r.cancelled]
-        for b in gone:
-            self._fail(self._rows[b], RequestCancelledError("cancelled while decoding"))
+        gone = [rid for rid, r in self._rows.items() if r.cancelled]
+        for rid in gone:
+            self._fail(self._rows[rid], RequestCancelledError("cancelled while decoding"))
         if gone:
             self._leave(gone)
         if not self._rows:
             return
         t0 = time.perf_counter()
-        lm = self.engine.lm
         batch = len(self._rows)
-        assert self._valid is not None
-        device = self._valid.device
-        input_ids = torch.tensor([[r.last_token] for r in self._rows], dtype=torch.long, device=device)
-        positions = torch.tensor([[r.next_pos] for r in self._rows], dtype=torch.long, device=device)
-        valid = torch.cat([self._valid, torch.ones(batch, 1, dtype=torch.bool, device=device)], dim=1)
-        mask_dtype = lm.model.dtype
-        mask = torch.where(valid, torch.zeros((), dtype=mask_dtype, device=device),
-                           torch.tensor(torch.finfo(mask_dtype).min, dtype=mask_dtype, device=device))[:, None, None, :]
-        cache = DynamicCache(ddp_cache_data=list(zip(self._keys, self._values, strict=True)))
         with self._lock():
-            out = lm.model(input_ids=input_ids, position_ids=positions, attention_mask=mask, cache=cache,
-                           use_cache=True, logits_to_keep=1)
-        self._keys = [layer.keys for layer in cache.layers]
-        self._values = [layer.values for layer in cache.layers]
-        self._valid = valid
-        next_tokens = out.logits[:, -1].float().argmax(dim=-1).tolist()
+            logits = self._decoder.step({rid: r.last_token for rid, r in self._rows.items()})
         self.stats.decode_steps += 1
         self.stats.decode_rows += batch
         self.stats.max_batch_seen = max(self.stats.max_batch_seen, batch)
         gone = []
-        for b, (req, tok) in enumerate(zip(self._rows, next_tokens, strict=True)):
-            req.next_pos += 1
+        for rid, req in list(self._rows.items()):
+            tok = int(torch.argmax(logits[rid]))
             if tok in self.stop_ids:
                 self._finish(req, "stop")
-                gone.append(b)
+                gone.append(rid)
                 continue
             req.last_token = tok
             self._emit_token(req, tok)
             if len(req.tokens) >= req.max_new_tokens:
                 self._finish(req, "length")
-                gone.append(b)
+                gone.append(rid)
         if gone:
             self._leave(gone)
         self.stats.decode_seconds += time.perf_counter() - t0
-
-
-class _NullLock:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-
-_NULL_LOCK = _NullLock()

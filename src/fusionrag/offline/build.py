@@ -1,0 +1,228 @@
+"""Building a knowledge base: create, ingest, add passages, fuse, delete.
+
+Everything that changes a store's contents lives here, so the questions "is this store
+fused, and with which settings?" and "which cached entries did this change make stale?"
+have one answer each:
+
+- **Fuse settings** (:class:`FuseSettings`: top-n, neighbour order, same-document) are
+  resolved by :func:`resolve_fuse_settings` (explicit argument > what the store recorded >
+  defaults) and recorded in the store's ``fuse`` setting by :func:`fuse` (``fusionrag store
+  info`` shows them). A store that was fused once stays fused: :func:`ingest` re-fuses
+  with the recorded settings, and says so in its report.
+- **Changed keys**: every mutation returns (or reports) the ``(chunk_id, kind)`` entries
+  it rewrote or removed; the online engine's ``invalidate`` drops cached copies of them.
+
+The store itself (:mod:`fusionrag.retrieval.knowledge`) is data and file access; the KV
+computations are the pure batch functions of :mod:`fusionrag.offline.preprocess`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from fusionrag.errors import FusionRAGError
+from fusionrag.execution.segments import system_kv as compute_system_kv
+from fusionrag.kvcache.kv import KV
+from fusionrag.kvcache.store import CHUNK_KINDS
+from fusionrag.models.registry import LoadedModel
+from fusionrag.offline.preprocess import (
+    DEFAULT_NEIGHBOUR_ORDER,
+    DEFAULT_TOP_N,
+    PreprocessReport,
+    compute_plain,
+    fuse_store,
+    prefix_order,
+)
+from fusionrag.retrieval.chunking import DEFAULT_CHUNK_TOKENS, Passage, Problem, dedup, expand_paths, make_chunks
+from fusionrag.retrieval.chunking import read_passages as read_file_passages
+from fusionrag.retrieval.embedder import Embedder
+from fusionrag.retrieval.knowledge import KnowledgeStore
+
+Key = tuple[int, str]
+
+
+@dataclass(frozen=True)
+class FuseSettings:
+    """How the offline stage fuses a chunk: what a fused entry depends on besides tokens, model and ``S``."""
+
+    top_n: int = DEFAULT_TOP_N
+    neighbour_order: str = DEFAULT_NEIGHBOUR_ORDER
+    same_document: bool = False
+
+    def __post_init__(self) -> None:
+        if int(self.top_n) < 0:
+            raise FusionRAGError(f"top-n must be >= 0, got {self.top_n}")
+        prefix_order([], self.neighbour_order)  # validates the name
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def recorded_fuse_settings(store: KnowledgeStore) -> FuseSettings | None:
+    """The settings the store was last fused with (None: never fused)."""
+    rec = store.settings.get("fuse")
+    if rec:
+        return FuseSettings(int(rec["top_n"]), rec["neighbour_order"], bool(rec["same_document"]))
+    if store.settings.get("top_n") is not None:  # stores written before the settings moved under "fuse"
+        return FuseSettings(int(store.settings["top_n"]),
+                            store.settings.get("neighbour_order") or DEFAULT_NEIGHBOUR_ORDER,
+                            bool(store.settings.get("same_document")))
+    return None
+
+
+def resolve_fuse_settings(store: KnowledgeStore, top_n: int | None = None, neighbour_order: str | None = None,
+                          same_document: bool | None = None) -> FuseSettings:
+    """The one place fuse settings are decided: explicit values, else the store's recorded ones, else defaults."""
+    base = recorded_fuse_settings(store) or FuseSettings()
+    return FuseSettings(
+        base.top_n if top_n is None else int(top_n),
+        neighbour_order or base.neighbour_order,
+        base.same_document if same_document is None else bool(same_document),
+    )
+
+
+@dataclass
+class IngestReport:
+    files: int = 0
+    passages: int = 0
+    chunks: int = 0  # chunks cut from the input, duplicates included
+    new_chunks: int = 0
+    duplicates: int = 0  # within the input or already in the store
+    new_ids: list[int] = field(default_factory=list)
+    problems: list[Problem] = field(default_factory=list)
+    plain_computed: int = 0
+    embed_seconds: float = 0.0
+    plain_seconds: float = 0.0
+    seconds: float = 0.0
+    fuse: dict[str, Any] | None = None  # the incremental re-fuse (a PreprocessReport + settings), if the store is fused
+    changed_keys: list[Key] = field(default_factory=list)  # fused entries rewritten by the re-fuse
+
+    @property
+    def plain_chunks_per_s(self) -> float:
+        return self.plain_computed / self.plain_seconds if self.plain_seconds > 0 else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        del d["changed_keys"]
+        d["problems"] = [str(p) for p in self.problems]
+        d["plain_chunks_per_s"] = round(self.plain_chunks_per_s, 3)
+        d["plain_s_per_chunk"] = round(self.plain_seconds / self.plain_computed, 4) if self.plain_computed else 0.0
+        for k in ("embed_seconds", "plain_seconds", "seconds"):
+            d[k] = round(d[k], 3)
+        if len(d["new_ids"]) > 50:
+            d["new_ids"] = [*d["new_ids"][:50], f"... {len(self.new_ids) - 50} more"]
+        return d
+
+
+def create_store(path: str | Path, lm: LoadedModel, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+                 kv_dtype: str = "float16", embedder: Embedder | None = None,
+                 model_source: str | None = None) -> KnowledgeStore:
+    """A new, empty store with ``S``'s KV computed."""
+    store = KnowledgeStore.create(path, lm, chunk_tokens=chunk_tokens, kv_dtype=kv_dtype, embedder=embedder,
+                                  model_source=model_source)
+    ensure_system_kv(store, lm)
+    return store
+
+
+def ensure_system_kv(store: KnowledgeStore, lm: LoadedModel) -> KV:
+    """``S``'s KV from the store, computed and stored first if it is missing."""
+    kv = store.load_system_kv()
+    if kv is None:
+        kv = compute_system_kv(lm, store.prompt.system_token_ids)
+        store.save_system_kv(kv)
+    return kv.to(lm.model.dtype)
+
+
+def ingest(store: KnowledgeStore, lm: LoadedModel, paths: Iterable[Path | str], progress: bool = True,
+           fuse: bool | None = None) -> IngestReport:
+    """Read, chunk, dedup, embed and index ``paths``; plain KV for new chunks; then re-fuse.
+
+    ``fuse`` None re-fuses a store that was fused before, with its recorded settings
+    (new chunks get fused KV; chunks whose neighbour lists now include a new chunk are
+    re-fused); True fuses even a never-fused store with the defaults; False never fuses.
+    """
+    t0 = time.perf_counter()
+    report = IngestReport()
+    store.kv.remove_temp_files()
+    files = expand_paths(paths, report.problems)
+    report.files = len(files)
+    passages: list[Passage] = []
+    for f in tqdm(files, unit="file", desc="read", disable=not progress or len(files) < 2):
+        passages.extend(read_file_passages(f, report.problems))
+    report.passages = len(passages)
+    chunks = make_chunks(store.prompt, passages, int(store.settings["chunk_tokens"]), report.problems)
+    report.chunks = len(chunks)
+    unique, dups = dedup(chunks)
+    new = [c for c in unique if store.find_by_hash(c.content_hash) is None]
+    report.duplicates = dups + len(unique) - len(new)
+    report.new_ids, report.embed_seconds = store.insert_chunks(new, progress)
+    report.new_chunks = len(new)
+    system = ensure_system_kv(store, lm)
+    # Every chunk lacking plain KV, not only the new ones: completes an interrupted ingest.
+    report.plain_computed, report.plain_seconds = compute_plain(store, lm, system, progress=progress)
+    settings = recorded_fuse_settings(store)
+    if fuse or (fuse is None and settings is not None):
+        pre = _fuse(store, lm, system, settings or FuseSettings(), None, progress, batch_size=4)
+        report.fuse = pre.to_dict()
+        report.changed_keys = pre.changed_keys
+    report.seconds = time.perf_counter() - t0
+    return report
+
+
+def add_passages(store: KnowledgeStore, lm: LoadedModel, passages: Sequence[dict], doc: str = "api",
+                 plain_kv: bool = True) -> list[int]:
+    """Add ``{title, text}`` passages (split if longer than a chunk); returns their chunk ids in order.
+
+    Duplicates map to the existing ids. New chunks get plain KV (unless ``plain_kv`` is
+    False: callers adding many small batches compute it once, with a progress bar, via
+    :func:`fuse` or :func:`compute_plain`), not fused KV (call :func:`fuse` for that).
+    New chunks have new ids, so no cached entry goes stale.
+    """
+    items = []
+    for i, p in enumerate(passages):
+        if not isinstance(p, dict) or not isinstance(p.get("text"), str):
+            raise FusionRAGError(f"passage {i} must be a dict with a 'text' string (and optionally 'title')")
+        items.append(Passage(str(p.get("title") or ""), p["text"], doc=str(p.get("doc") or doc)))
+    chunks = make_chunks(store.prompt, items, int(store.settings["chunk_tokens"]))
+    unique, _ = dedup(chunks)
+    store.insert_chunks([c for c in unique if store.find_by_hash(c.content_hash) is None])
+    ids = [store.find_by_hash(c.content_hash) for c in chunks]
+    if plain_kv:
+        compute_plain(store, lm, ensure_system_kv(store, lm),
+                      chunk_ids=[i for i in dict.fromkeys(ids) if i is not None], progress=False)
+    return [int(i) for i in ids if i is not None]
+
+
+def fuse(store: KnowledgeStore, lm: LoadedModel, top_n: int | None = None, *, neighbour_order: str | None = None,
+         same_document: bool | None = None, chunk_ids: Sequence[int] | None = None, progress: bool = True,
+         batch_size: int = 4, record: bool = True) -> PreprocessReport:
+    """The offline stage: fuse chunks (all by default) with their top-n neighbours; resumable.
+
+    Settings come from :func:`resolve_fuse_settings`. With ``record`` (the default) they
+    become the store's settings, so later ingests keep it fused the same way; a server
+    fusing only the chunks of one request without switching the store to fused mode passes
+    ``record=False``. The report's ``changed_keys`` are the entries rewritten.
+    """
+    settings = resolve_fuse_settings(store, top_n, neighbour_order, same_document)
+    if record:
+        store.update_settings(fuse=settings.to_dict())
+    store.kv.remove_temp_files()
+    return _fuse(store, lm, ensure_system_kv(store, lm), settings, chunk_ids, progress, batch_size)
+
+
+def _fuse(store: KnowledgeStore, lm: LoadedModel, system: KV, settings: FuseSettings,
+          chunk_ids: Sequence[int] | None, progress: bool, batch_size: int) -> PreprocessReport:
+    return fuse_store(store, lm, system, top_n=settings.top_n, neighbour_order=settings.neighbour_order,
+                      same_document=settings.same_document, chunk_ids=chunk_ids, progress=progress,
+                      batch_size=batch_size)
+
+
+def delete_document(store: KnowledgeStore, doc: str) -> list[Key]:
+    """Remove document ``doc``'s chunks; returns the entries removed (for the engine's ``invalidate``)."""
+    return [(cid, kind) for cid in store.delete_doc(doc) for kind in CHUNK_KINDS]
