@@ -9,7 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fusionrag.files import content_hash
-from fusionrag.kvcache.prefix_cache import AlternativePathCache, RadixPrefixCache, path_key
+from fusionrag.kvcache.prefix_cache import AlternativePathCache, path_key
+from fusionrag.kvcache.radix_cache import RadixPrefixCache
 
 S = "sys"
 

@@ -5,8 +5,8 @@ of its retrieved chunks, in prompt order. A chunk's cached KV is keyed by the ha
 ``(S, c_0, ..., c_{j-1}, c_j)``, i.e. the context it was computed in plus the chunk itself
 (chained like vLLM's block hashes, so a key is a fixed-size digest whatever the depth).
 
-- :class:`RadixPrefixCache` is the baseline: a trie over chunk hashes (SGLang's radix cache
-  with one chunk per edge). Chunk ``j`` hits only if chunks ``0..j`` are a cached path, and
+- :class:`~fusionrag.kvcache.radix_cache.RadixPrefixCache` is the baseline: a trie over
+  chunk hashes (SGLang's radix cache with one chunk per edge). Chunk ``j`` hits only if chunks ``0..j`` are a cached path, and
   every miss is stored under its full prefix, so the same chunk retrieved in a different
   order is recomputed and stored again: one replica per prefix.
 - :class:`AlternativePathCache` first takes the same longest exact prefix match; for each
@@ -30,11 +30,10 @@ reported by either structure alone.
 from __future__ import annotations
 
 import hashlib
-import heapq
 import threading
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 Source = Literal["prefix", "alt", "computed"]
@@ -128,7 +127,7 @@ class LookupResult:
 
 
 @dataclass
-class _Entry:
+class CacheEntry:
     key: Hashable
     system: str
     chunk: str
@@ -137,7 +136,7 @@ class _Entry:
     nbytes: int
 
 
-class _ChunkCache:
+class ChunkCache:
     """Shared bookkeeping: statistics, replica index, the plain-prefix shadow, the lock."""
 
     def __init__(self, max_bytes: int | None = None, *, track_plain_prefix: bool = True) -> None:
@@ -182,12 +181,12 @@ class _ChunkCache:
             s.repeat_recomputations += 1
         self._ever.add((system, chunk))
 
-    def _added(self, e: _Entry) -> None:
+    def _added(self, e: CacheEntry) -> None:
         self._replicas[(e.system, e.chunk)] += 1
         self._stats.entries += 1
         self._stats.bytes_stored += e.nbytes
 
-    def _removed(self, e: _Entry) -> None:
+    def _removed(self, e: CacheEntry) -> None:
         r = (e.system, e.chunk)
         self._replicas[r] -= 1
         if self._replicas[r] <= 0:
@@ -200,14 +199,14 @@ class _ChunkCache:
         return self.max_bytes is None or nbytes <= self.max_bytes
 
 
-def _nbytes(value: Any) -> int:
+def value_nbytes(value: Any) -> int:
     n = int(value.nbytes)
     if n < 0:
         raise ValueError("value.nbytes must be >= 0")
     return n
 
 
-class AlternativePathCache(_ChunkCache):
+class AlternativePathCache(ChunkCache):
     """Prefix cache with FusionRAG's alternative path: one replica per distinct chunk.
 
     A flat LRU map from path keys to entries (entries at depth > 1 can only come from
@@ -217,7 +216,7 @@ class AlternativePathCache(_ChunkCache):
 
     def __init__(self, max_bytes: int | None = None, *, track_plain_prefix: bool = True) -> None:
         super().__init__(max_bytes, track_plain_prefix=track_plain_prefix)
-        self._entries: OrderedDict[bytes, _Entry] = OrderedDict()
+        self._entries: OrderedDict[bytes, CacheEntry] = OrderedDict()
 
     def insert(self, system: str, path: Sequence[str], value: Any) -> bool:
         """Store ``value`` as the KV of ``path[-1]`` computed after ``system + path[:-1]``.
@@ -231,7 +230,7 @@ class AlternativePathCache(_ChunkCache):
         with self._lock:
             self._stats.preloaded += 1
             self._ever.add((system, path[-1]))
-            self._shadow(system, path, _nbytes(value))
+            self._shadow(system, path, value_nbytes(value))
             return self._put(system, path, value)
 
     def peek(self, system: str, chunks: Sequence[str]) -> list[Source | None]:
@@ -284,7 +283,7 @@ class AlternativePathCache(_ChunkCache):
                     results.append(ChunkResult(chunk, entry.value, src, ctx))  # type: ignore[arg-type]
                     continue
             value = compute(system, (), chunk)
-            nbytes = _nbytes(value)
+            nbytes = value_nbytes(value)
             with self._lock:
                 self._count_computed(system, chunk, nbytes)
                 self._shadow(system, chunks[: j + 1], nbytes)
@@ -295,7 +294,7 @@ class AlternativePathCache(_ChunkCache):
     # -- internals ------------------------------------------------------------------------
     def _match(
         self, system: str, chunks: Sequence[str], j: int, prefix_ok: bool, extra: set[bytes] | None = None
-    ) -> tuple[Source | None, _Entry | None]:
+    ) -> tuple[Source | None, CacheEntry | None]:
         """Longest context first: the full prefix (a prefix hit while the run is unbroken),
         then drop earlier chunks one at a time down to ``(S, c_j)``."""
         for i in range(j + 1):
@@ -306,7 +305,7 @@ class AlternativePathCache(_ChunkCache):
         return None, None
 
     def _put(self, system: str, path: tuple[str, ...], value: Any) -> bool:
-        nbytes = _nbytes(value)
+        nbytes = value_nbytes(value)
         key = path_key(system, path)
         old = self._entries.pop(key, None)
         if old is not None:
@@ -318,166 +317,7 @@ class AlternativePathCache(_ChunkCache):
             while self._entries and self._stats.bytes_stored + nbytes > self.max_bytes:
                 _, victim = self._entries.popitem(last=False)
                 self._removed(victim)
-        e = _Entry(key, system, path[-1], len(path) - 1, value, nbytes)
+        e = CacheEntry(key, system, path[-1], len(path) - 1, value, nbytes)
         self._entries[key] = e
         self._added(e)
         return True
-
-
-@dataclass(eq=False)
-class _Node:
-    """A trie node: the KV of ``chunk`` after its ancestors' chunks (the root holds none)."""
-
-    chunk: str
-    parent: _Node | None
-    entry: _Entry | None = None
-    children: dict[str, _Node] = field(default_factory=dict)
-    last_access: int = 0
-
-    def __lt__(self, other: _Node) -> bool:  # heap order for eviction: least recently used first
-        return self.last_access < other.last_access
-
-
-class RadixPrefixCache(_ChunkCache):
-    """The baseline: a trie over chunk hashes, one tree per system prompt (SGLang-style).
-
-    A node exists only if its whole path does, so a lookup walks down until the first
-    missing chunk and computes everything after it, each under its full prefix. Eviction
-    removes least-recently-used leaves (interior nodes are needed by their descendants),
-    never a node on the path of the request being served.
-    """
-
-    def __init__(self, max_bytes: int | None = None, *, track_plain_prefix: bool = True) -> None:
-        super().__init__(max_bytes, track_plain_prefix=track_plain_prefix)
-        self._roots: dict[str, _Node] = {}
-        self._tick = 0
-
-    def insert(self, system: str, path: Sequence[str], value: Any) -> bool:
-        """Store ``value`` as the KV of ``path[-1]`` after ``system + path[:-1]``.
-
-        The parent path must already be cached (a trie has no holes).
-        """
-        if not path:
-            raise ValueError("path must name at least the chunk itself")
-        path = tuple(path)
-        with self._lock:
-            parent = self._walk(system, path[:-1])
-            if parent is None:
-                raise KeyError("parent path is not cached")
-            self._stats.preloaded += 1
-            self._ever.add((system, path[-1]))
-            self._shadow(system, path, _nbytes(value))
-            return self._add_child(system, parent, path, value, protected=set()) is not None
-
-    def peek(self, system: str, chunks: Sequence[str]) -> list[Source | None]:
-        """``"prefix"`` for the leading cached path, ``None`` for the rest; no side effects."""
-        with self._lock:
-            node = self._roots.get(system)
-            out: list[Source | None] = []
-            for chunk in chunks:
-                node = node.children.get(chunk) if node is not None else None
-                out.append("prefix" if node is not None else None)
-            return out
-
-    def lookup(self, system: str, chunks: Sequence[str], compute: Compute) -> LookupResult:
-        """Longest cached path, then compute and insert every remaining chunk under its prefix."""
-        chunks = tuple(chunks)
-        results: list[ChunkResult] = []
-        with self._lock:
-            self._stats.requests += 1
-            node: _Node | None = self._root(system)
-            on_path: set[int] = {id(node)}
-        matching = True
-        for j, chunk in enumerate(chunks):
-            with self._lock:
-                self._stats.lookups += 1
-                child = node.children.get(chunk) if (matching and node is not None) else None
-                if child is not None and child.entry is not None:
-                    self._touch(child)
-                    on_path.add(id(child))
-                    self._stats.prefix_hits += 1
-                    self._stats.bytes_reused += child.entry.nbytes
-                    self._shadow(system, chunks[: j + 1], child.entry.nbytes)
-                    results.append(ChunkResult(chunk, child.entry.value, "prefix", chunks[:j]))
-                    node = child
-                    continue
-                matching = False
-            value = compute(system, chunks[:j], chunk)
-            nbytes = _nbytes(value)
-            with self._lock:
-                self._count_computed(system, chunk, nbytes)
-                self._shadow(system, chunks[: j + 1], nbytes)
-                if node is not None and self._attached(node):
-                    node = self._add_child(system, node, chunks[: j + 1], value, protected=on_path)
-                    if node is not None:
-                        on_path.add(id(node))
-                else:
-                    node = None  # the path could not be kept; later chunks are computed uncached
-            results.append(ChunkResult(chunk, value, "computed", chunks[:j]))
-        return LookupResult(results)
-
-    # -- internals ------------------------------------------------------------------------
-    def _root(self, system: str) -> _Node:
-        root = self._roots.get(system)
-        if root is None:
-            root = self._roots[system] = _Node(chunk="", parent=None)
-        return root
-
-    def _walk(self, system: str, path: Sequence[str]) -> _Node | None:
-        node: _Node | None = self._root(system)
-        for chunk in path:
-            node = node.children.get(chunk) if node is not None else None
-        return node
-
-    def _attached(self, node: _Node) -> bool:
-        """False once an ancestor (or the node) was evicted while we computed outside the lock."""
-        while node.parent is not None:
-            if node.parent.children.get(node.chunk) is not node:
-                return False
-            node = node.parent
-        return True
-
-    def _touch(self, node: _Node) -> None:
-        self._tick += 1
-        node.last_access = self._tick
-
-    def _add_child(
-        self, system: str, parent: _Node, path: tuple[str, ...], value: Any, protected: set[int]
-    ) -> _Node | None:
-        nbytes = _nbytes(value)
-        old = parent.children.get(path[-1])
-        if old is not None and old.entry is not None:  # a concurrent request computed it too: replace value
-            self._stats.bytes_stored += nbytes - old.entry.nbytes
-            old.entry = _Entry(old.entry.key, system, path[-1], len(path) - 1, value, nbytes)
-            self._touch(old)
-            return old
-        if not self._fits_at_all(nbytes) or not self._make_room(nbytes, protected):
-            return None
-        node = _Node(chunk=path[-1], parent=parent)
-        node.entry = _Entry(path_key(system, path), system, path[-1], len(path) - 1, value, nbytes)
-        parent.children[path[-1]] = node
-        self._touch(node)
-        self._added(node.entry)
-        return node
-
-    def _make_room(self, nbytes: int, protected: set[int]) -> bool:
-        if self.max_bytes is None or self._stats.bytes_stored + nbytes <= self.max_bytes:
-            return True
-        leaves = [n for n in self._iter_nodes() if not n.children and id(n) not in protected]
-        heapq.heapify(leaves)
-        while leaves and self._stats.bytes_stored + nbytes > self.max_bytes:
-            victim = heapq.heappop(leaves)
-            parent = victim.parent
-            assert parent is not None and victim.entry is not None
-            del parent.children[victim.chunk]
-            self._removed(victim.entry)
-            if parent.parent is not None and not parent.children and id(parent) not in protected:
-                heapq.heappush(leaves, parent)
-        return self._stats.bytes_stored + nbytes <= self.max_bytes
-
-    def _iter_nodes(self):
-        stack = [c for r in self._roots.values() for c in r.children.values()]
-        while stack:
-            n = stack.pop()
-            yield n
-            stack.extend(n.children.values())
