@@ -7,8 +7,9 @@ of its retrieved chunks, in prompt order. A chunk's cached KV is keyed by the ha
 
 - :class:`~fusionrag.kvcache.radix_cache.RadixPrefixCache` is the baseline: a trie over
   chunk hashes (SGLang's radix cache with one chunk per edge). Chunk ``j`` hits only if
-  chunks ``0..j`` are a cached path, and every miss is stored under its full prefix, so the same chunk retrieved in a different
-  order is recomputed and stored again: one replica per prefix.
+  chunks ``0..j`` are a cached path, and every miss is stored under its full prefix, so
+  the same chunk retrieved in a different order is recomputed and stored again: one
+  replica per prefix.
 - :class:`AlternativePathCache` first takes the same longest exact prefix match; for each
   remaining chunk it backs off by dropping earlier chunks, ``(S, c_i..c_j)`` for
   ``i = 0..j``, down to ``(S, c_j)`` alone. Misses are computed once and stored under
