@@ -52,13 +52,13 @@ def sparse_recompute(
     positions = torch.cat([idx, torch.arange(total, total + suffix_ids.numel())])
     res = forward(lm, torch.cat([context_ids[idx], suffix_ids]), positions, context, past_hidden=stale)
     r = idx.numel()
-    keys = context.keys.to(torch.float32).clone()
-    values = context.values.to(torch.float32).clone()
-    keys[:, :, idx] = res.keys[:, :, :r]
-    values[:, :, idx] = res.values[:, :, :r]
-    kv = KV(
-        torch.cat([keys, res.keys[:, :, r:]], dim=2),
-        torch.cat([values, res.values[:, :, r:]], dim=2),
-        0,
-    )
-    return RecomputeResult(kv, res.logits[-1], r)
+    # The request's own prompt KV, written once: reused context, fresh KV in place of the stale
+    # slots, the question after it (the shared ``context`` is never modified).
+    out = []
+    for reused, fresh in ((context.keys, res.keys), (context.values, res.values)):
+        t = reused.new_empty((*reused.shape[:2], total + suffix_ids.numel(), reused.shape[3]), dtype=torch.float32)
+        t[:, :, :total] = reused
+        t[:, :, idx] = fresh[:, :, :r].to(torch.float32)
+        t[:, :, total:] = fresh[:, :, r:].to(torch.float32)
+        out.append(t)
+    return RecomputeResult(KV(out[0], out[1], 0), res.logits[-1], r)
