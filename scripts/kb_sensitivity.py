@@ -16,7 +16,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from fusionrag.eval.bench_quality import COMPARE_METRICS
+from fusionrag.eval.aggregate import COMPARE_METRICS
 from fusionrag.eval.metrics import bootstrap_diff_ci
 from fusionrag.eval.report import diff_cell
 

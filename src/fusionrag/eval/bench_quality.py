@@ -14,31 +14,35 @@ more questions without invalidating earlier records. Every record of a cell that
 store (fused KV, Cache-Craft's stored scores) names the store it used (``kb``); records made
 with another knowledge base are moved aside to ``records.superseded.jsonl`` and recomputed,
 never mixed in.
+
+This module is the driver (the matrix of cells and running them); what it keeps on disk is in
+:mod:`~fusionrag.eval.records`, the stores it reads in :mod:`~fusionrag.eval.kb_stores`, and the
+statistics of the report in :mod:`~fusionrag.eval.aggregate`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
-import json
-import os
-import re
-import shutil
-import statistics
 import time
-from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
 from fusionrag.errors import FusionRAGError
 from fusionrag.eval import metrics
+from fusionrag.eval.aggregate import aggregate, all_comparisons, knowledge_base_stores
 from fusionrag.eval.datasets import QAExample, load_questions
-from fusionrag.files import atomic_write, atomic_write_with
+from fusionrag.eval.kb_stores import kb_size, open_store, reads_store, store_name
+from fusionrag.eval.records import (
+    FullCache,
+    append_record,
+    example_sha,
+    read_records,
+    refuse_other_files,
+    supersede_other_kb_records,
+)
 from fusionrag.offline.preprocess import DEFAULT_NEIGHBOUR_ORDER
 
 POLICY_METHODS = ("cacheblend", "cachecraft", "epic", "random")
@@ -48,6 +52,8 @@ DEFAULT_RATIOS = (0.0, 0.05, 0.1, 0.15, 0.3)
 
 @dataclass
 class QualitySpec:
+    """One ``bench quality`` invocation: the data, the matrix of cells and the offline settings."""
+
     data: list[Path]
     out: Path
     model: str = "qwen2.5-0.5b"
@@ -89,11 +95,6 @@ class Run:
         return reads_store(self.method, self.kv)
 
 
-def reads_store(method: str, kv: str) -> bool:
-    """Plain KV is a function of the chunk alone; fused KV and Cache-Craft's scores depend on its neighbours."""
-    return kv == "fused" or method == "cachecraft"
-
-
 def plan_runs(spec: QualitySpec) -> list[Run]:
     """The matrix, without duplicates: ratio-independent methods once, ratio 0 = Full Reuse."""
     runs: list[Run] = []
@@ -126,208 +127,6 @@ def plan_runs(spec: QualitySpec) -> list[Run]:
     return unique
 
 
-class FullCache:
-    """Full Attention answer + first-token logits per (model, dataset, question), on disk (safetensors)."""
-
-    def __init__(self, root: Path, model: str) -> None:
-        self.root = root / "full" / model.replace("/", "_")
-
-    def _path(self, dataset: str, qid: str, max_new_tokens: int) -> Path:
-        safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in qid)
-        return self.root / dataset / f"{safe}.t{max_new_tokens}.safetensors"
-
-    def get(self, dataset: str, qid: str, max_new_tokens: int,
-            input_sha: str | None = None) -> tuple[str, torch.Tensor, dict] | None:
-        """The cached result, or None; also None when it was made for other input (same id, other file)."""
-        p = self._path(dataset, qid, max_new_tokens)
-        if not p.is_file():
-            return None
-        from safetensors import safe_open
-
-        with safe_open(str(p), "pt") as f:
-            meta = f.metadata() or {}
-        info = json.loads(meta.get("info", "{}"))
-        if input_sha is not None and info.get("input_sha") not in (None, input_sha):  # older entries: no hash
-            return None
-        return meta.get("answer", ""), load_file(str(p))["first_logits"], info
-
-    def put(self, dataset: str, qid: str, max_new_tokens: int, answer: str, logits: torch.Tensor, info: dict) -> None:
-        p = self._path(dataset, qid, max_new_tokens)
-        atomic_write_with(p, lambda tmp: save_file({"first_logits": logits.float().contiguous()}, str(tmp),
-                                                   metadata={"answer": answer, "info": json.dumps(info)}))
-
-
-@contextlib.contextmanager
-def _records_lock(path: Path):
-    """Serialise appends and rewrites of ``records.jsonl`` between concurrent runs (study lanes)."""
-    try:
-        import fcntl
-    except ImportError:  # not POSIX: one run per folder
-        yield
-        return
-    with open(path.with_name(path.name + ".lock"), "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
-def _append_record(path: Path, rec: dict) -> None:
-    # Opened per record (not held): another lane may have replaced the file meanwhile.
-    with _records_lock(path), open(path, "a", encoding="utf-8") as f:
-        f.write(json.dumps(rec) + "\n")
-
-
-def supersede_other_kb_records(path: Path, spec: QualitySpec, dataset: str) -> int:
-    """Move ``dataset``'s store-reading records made with another knowledge base aside; returns how many.
-
-    They go to ``records.superseded.jsonl`` (kept, not deleted) and ``records.jsonl`` is
-    rewritten atomically, so the cells are recomputed and the report never mixes knowledge bases.
-    """
-    with _records_lock(path):
-        if not path.is_file():
-            return 0
-        keep, stale = [], []
-        for line in path.read_text(encoding="utf-8").splitlines():
-            try:
-                r = json.loads(line)
-            except ValueError:
-                continue
-            mismatch = (r.get("dataset") == dataset and reads_store(r["method"], r["kv"])
-                        and r.get("kb") != store_name(spec, dataset, int(r.get("top_n", 0))))
-            (stale if mismatch else keep).append(line)
-        if not stale:
-            return 0
-        with open(path.with_name("records.superseded.jsonl"), "a", encoding="utf-8") as f:
-            f.write("".join(line + "\n" for line in stale))
-        atomic_write(path, "".join(line + "\n" for line in keep))
-    return len(stale)
-
-
-def _refuse_other_files(rec_path: Path, done: dict, dataset: str, data_file: Path, in_file: set[str]) -> None:
-    """Results are grouped by dataset name: two files of one dataset must not share a records file."""
-    foreign = {qid for ds, qid, _ in done if ds == dataset} - in_file
-    if foreign:
-        raise FusionRAGError(
-            f"{rec_path} already has {len(foreign)} '{dataset}' questions that are not in {data_file}: two files "
-            "would be reported as one dataset; use another --out for this file"
-        )
-
-
-def _records(path: Path) -> dict[tuple[str, str, str], dict]:
-    done: dict[tuple[str, str, str], dict] = {}
-    if path.is_file():
-        with open(path, encoding="utf-8") as f:
-            for line in f:
-                try:
-                    r = json.loads(line)
-                except ValueError:
-                    continue  # a line cut by an interruption: that cell is simply redone
-                done[(r["dataset"], r["qid"], r["run"])] = r
-    return done
-
-
-def kb_size(spec: QualitySpec) -> int | None:
-    """How many questions' passages form the knowledge base (never fewer than are evaluated)."""
-    if spec.kb_limit is None:
-        return spec.limit
-    if spec.limit is None or spec.kb_limit < spec.limit:
-        raise FusionRAGError(
-            f"--kb-limit ({spec.kb_limit}) must be >= --limit ({spec.limit}): every evaluated question's "
-            "passages must be in the knowledge base"
-        )
-    return spec.kb_limit
-
-
-def store_name(spec: QualitySpec, dataset: str, top_n: int) -> str:
-    """The store (= knowledge base and offline settings) a cell of ``dataset`` at ``top_n`` reads."""
-    variant = f"-{spec.neighbour_order}" + ("-samedoc" if spec.same_document else "")
-    return f"{spec.model}-{dataset}-n{kb_size(spec)}-top{top_n}" + variant
-
-
-def _seed_from_smaller_store(path: Path) -> Path | None:
-    """Copy the largest store of the same model/dataset/offline settings built on fewer questions.
-
-    The first N questions of a file are a prefix of the first M > N, chunk ids are assigned
-    by content in insertion order, and every fused entry records the neighbour ids and the
-    tokens it was made with, so the copy keeps all plain KV and the fused KV of chunks whose
-    neighbour lists do not change; ``preprocess`` re-fuses only the rest.
-    """
-    m = re.fullmatch(r"(.+)-n(\d+)(-top.+)", path.name)
-    if m is None:
-        return None
-    prefix, n, suffix = m.group(1), int(m.group(2)), m.group(3)
-    smaller = []
-    for p in path.parent.glob(f"{prefix}-n*{suffix}"):
-        mm = re.fullmatch(re.escape(prefix) + r"-n(\d+)" + re.escape(suffix), p.name)
-        if mm and int(mm.group(1)) < n and (p / "store.sqlite").is_file():
-            smaller.append((int(mm.group(1)), p))
-    if not smaller:
-        return None
-    source = max(smaller)[1]
-    tmp = path.with_name(path.name + ".seeding")
-    shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(source, tmp)
-    os.replace(tmp, path)
-    return source
-
-
-def _fill_store(spec: QualitySpec, path: Path, dataset: str, examples: list[QAExample], lm):
-    """Open or create the store at ``path`` and add the run's passages; None if it holds any other chunk."""
-    from fusionrag.retrieval.knowledge import KnowledgeStore
-
-    if (path / "store.sqlite").exists():
-        store = KnowledgeStore.open(path, lm=lm, embedder=spec.embedder)
-    else:
-        store = KnowledgeStore.create(path, lm, chunk_tokens=100_000, kv_dtype="float16", embedder=spec.embedder,
-                                      model_source=spec.model)
-    # The knowledge base is the union of all questions' passages; each passage's document is the
-    # first question that retrieves it, so --same-document means "neighbours among co-retrieved passages".
-    seen: set = set()
-    ids: set[int] = set()
-    for ex in examples:
-        fresh = [p for p in ex.passages if p not in seen]
-        seen.update(fresh)
-        if fresh:
-            ids.update(store.add_passages([{"title": p.title, "text": p.text} for p in fresh],
-                                          doc=f"{dataset}:{ex.id}", plain_kv=False))
-    if set(store.chunk_ids()) - ids:
-        store.close()
-        return None
-    return store
-
-
-def _open_store(spec: QualitySpec, dataset: str, examples: list[QAExample], top_n: int, lm, fused: bool = True):
-    """The run's store with plain KV for every chunk, and fused KV too when ``fused`` (the slow part).
-
-    Cells on plain KV never read fused entries, so a run of only those skips the offline stage: on
-    MuSiQue's 942-chunk knowledge base that is most of an hour of one core.
-    """
-    from fusionrag.offline.preprocess import run_plain
-
-    # Stores hold gigabytes of KV: they live in the cache folder, never next to the report.
-    path = (spec.cache_dir or spec.out / "cache") / "stores" / store_name(spec, dataset, top_n)
-    seeded = not path.exists() and (source := _seed_from_smaller_store(path)) is not None
-    if seeded:
-        print(f"[bench quality] {path.name}: seeded from {source.name} (its plain KV and still-current fused KV)")
-    store = _fill_store(spec, path, dataset, examples, lm)
-    if store is None and seeded:  # the smaller store came from another file of the same dataset name
-        print(f"[bench quality] {path.name}: the seed holds passages of other questions; building from scratch")
-        shutil.rmtree(path)
-        store = _fill_store(spec, path, dataset, examples, lm)
-    if store is None:
-        raise FusionRAGError(
-            f"{path} holds chunks that are not passages of this run's questions (another data file with the "
-            f"dataset name '{dataset}'?): the knowledge base would be wrong; remove it or use another --cache-dir"
-        )
-    run_plain(store, progress=spec.progress)  # once for the whole knowledge base, with a progress bar
-    if fused and top_n > 0:
-        store.preprocess(top_n=top_n, progress=spec.progress, neighbour_order=spec.neighbour_order,
-                         same_document=spec.same_document)
-    return store
-
-
 def run_quality(spec: QualitySpec) -> list[dict]:
     """Run the matrix, append per-question records, aggregate and write the report."""
     from fusionrag.eval.report import write_quality_report
@@ -355,13 +154,13 @@ def run_quality(spec: QualitySpec) -> list[dict]:
         if moved:
             print(f"[bench quality] {dataset}: {moved} records were made with another knowledge base; "
                   "moved to records.superseded.jsonl, recomputing them")
-        done = _records(rec_path)  # re-read: another lane may have added records since
-        _refuse_other_files(rec_path, done, dataset, data_file, {ex.id for ex in in_file})
+        done = read_records(rec_path)  # re-read: another lane may have added records since
+        refuse_other_files(rec_path, done, dataset, data_file, {ex.id for ex in in_file})
         todo = [(ex, run) for ex in examples for run in runs if (dataset, ex.id, run.key) not in done]
         # One store per offline top-n; plain KV is the same in all of them, so plain runs use the first
         # (and build no fused KV when no cell reads it). Nothing left to compute: no store is opened at all.
         needed = {r.top_n for _, r in todo if r.reads_store}
-        engines = {n: Engine(_open_store(spec, dataset, kb_examples, n, lm, fused=n in needed))
+        engines = {n: Engine(open_store(spec, dataset, kb_examples, n, lm, fused=n in needed))
                    for n in sorted(needed or {spec.top_n[0]})} if todo else {}
         print(
             f"[bench quality] {dataset}: {len(examples)} questions x {len(runs)} runs (knowledge base: the "
@@ -373,13 +172,13 @@ def run_quality(spec: QualitySpec) -> list[dict]:
         cells_start = time.perf_counter()  # after the store is built: the estimate is for the cells only
         for ex, run in bar:
             rec = _run_cell(engines, full_cache, spec, dataset, ex, run)
-            _append_record(rec_path, rec)
+            append_record(rec_path, rec)
             done[(dataset, ex.id, run.key)] = rec
             if not estimated and bar.n >= min(len(runs), len(todo)) - 1 and bar.n > 0:
                 per_cell = (time.perf_counter() - cells_start) / (bar.n + 1)
                 print(f"[bench quality] estimated {per_cell * len(todo) / 60:.1f} min wall for {dataset}'s cells")
                 estimated = True
-    done = _records(rec_path)
+    done = read_records(rec_path)
     mine = [r for r in done.values() if r["dataset"] in _datasets_of(spec)]
     rows = aggregate(mine)
     cpu, wall = time.process_time() - t_start, time.perf_counter() - wall_start
@@ -425,15 +224,8 @@ class _CachedFull:
         return self.context_tokens  # Full Attention computes every context token
 
 
-def example_sha(ex: QAExample) -> str:
-    """What a Full Attention result depends on besides the model: the question and its passages."""
-    h = hashlib.sha256(ex.question.encode())
-    for p in ex.passages:
-        h.update(b"\0" + p.title.encode() + b"\0" + p.text.encode())
-    return h.hexdigest()
-
-
 def _run_cell(engines, full_cache: FullCache, spec: QualitySpec, dataset: str, ex: QAExample, run: Run) -> dict:
+    """One question in one cell, scored against Full Attention (computed once per question, then cached)."""
     chunks = [{"title": p.title, "text": p.text} for p in ex.passages]
     engine = engines.get(run.top_n) or next(iter(engines.values()))
     input_sha = example_sha(ex)
@@ -483,88 +275,6 @@ def _run_cell(engines, full_cache: FullCache, spec: QualitySpec, dataset: str, e
     }
 
 
-def aggregate(records: Iterable[dict]) -> list[dict]:
-    """Per (dataset, method, kv, ratio, top_n): means with bootstrap CIs and normalised scores."""
-    groups: dict[tuple, list[dict]] = defaultdict(list)
-    for r in records:
-        groups[(r["dataset"], r["method"], r["kv"], r["ratio"], r.get("top_n", 0))].append(r)
-    rows = []
-    for (dataset, method, kv, ratio, top_n), recs in sorted(groups.items(), key=lambda kv_: str(kv_[0])):
-        row = {"dataset": dataset, "method": method, "kv": kv, "ratio": ratio, "top_n": top_n, "n": len(recs)}
-        for m in ("f1", "em", "contains", "agree_f1", "kl_first", "top1_agree"):
-            mean, lo, hi = metrics.bootstrap_ci([r.get(m) for r in recs])
-            row[m], row[f"{m}_ci"] = mean, [lo, hi]
-        row["ctx_tokens"] = statistics.fmean(r["ctx_tokens"] for r in recs)
-        row["recomputed_tokens"] = statistics.fmean(r["recomputed_tokens"] for r in recs)
-        ttfts = [r["ttft_ms"] for r in recs if r.get("ttft_ms") is not None]
-        row["ttft_ms_median"] = statistics.median(ttfts) if ttfts else None
-        row["ttft_n"] = len(ttfts)
-        for part in ("retrieve", "load", "select", "recompute", "first_token"):
-            vals = [r["ttft_breakdown_ms"][part] for r in recs if part in r.get("ttft_breakdown_ms", {})]
-            row[f"{part}_ms_median"] = statistics.median(vals) if vals else None
-        rows.append(row)
-    # normalisation against Full Attention and plain Full Reuse of the same dataset
-    by = {(r["dataset"], r["method"], r["kv"]): r for r in rows if r["method"] in ("full", "reuse")}
-    for row in rows:
-        full, reuse = by.get((row["dataset"], "full", "none")), by.get((row["dataset"], "reuse", "plain"))
-        row["norm_f1"] = metrics.normalised_score(row["f1"], reuse and reuse["f1"], full and full["f1"])
-        row["norm_agree"] = metrics.normalised_agreement(row["agree_f1"], reuse and reuse["agree_f1"])
-    return rows
-
-
-#: Fidelity metrics compared question by question between FusionRAG and each baseline.
-COMPARE_METRICS = ("agree_f1", "kl_first", "top1_agree")
-
-
-def paired_comparisons(records: Iterable[dict], method: str = "fusionrag", kv: str = "fused") -> list[dict]:
-    """``method`` on ``kv`` minus each baseline, paired by question, with bootstrap CIs.
-
-    The per-method intervals of :func:`aggregate` are wide because questions differ a lot
-    in difficulty; every method answers the same questions, so resampling *questions* and
-    looking at the difference removes that shared variance (``metrics.bootstrap_diff_ci``).
-    Baselines: every other method at the same ratio and Full Reuse (ratio 0, plain and fused);
-    only questions both sides answered are paired. Full Attention is the reference, not a baseline.
-    """
-    cells: dict[tuple, dict[str, dict]] = defaultdict(dict)
-    for r in records:
-        cells[(r["dataset"], r["method"], r["kv"], r["ratio"], r.get("top_n", 0))][r["qid"]] = r
-    out = []
-    ordered = sorted(cells.items(), key=lambda kv_: str(kv_[0]))
-    for (ds, m, k, ratio, top_n), mine in ordered:
-        if (m, k) != (method, kv):
-            continue
-        for (ds2, m2, k2, ratio2, top_n2), theirs in ordered:
-            if ds2 != ds or m2 == "full" or (m2, k2) == (method, kv) or (m2 != "reuse" and ratio2 != ratio):
-                continue
-            if k2 == kv == "fused" and top_n2 != top_n:  # top-n sweep: compare within one offline setting
-                continue
-            qids = sorted(set(mine) & set(theirs))
-            if not qids:
-                continue
-            row = {"dataset": ds, "method": m, "kv": k, "ratio": ratio, "top_n": top_n, "baseline": m2,
-                   "baseline_kv": k2, "baseline_ratio": ratio2, "baseline_top_n": top_n2, "n": len(qids)}
-            for metric in COMPARE_METRICS:
-                diff, lo, hi = metrics.bootstrap_diff_ci([mine[q].get(metric) for q in qids],
-                                                         [theirs[q].get(metric) for q in qids])
-                row[f"{metric}_diff"], row[f"{metric}_diff_ci"] = diff, [lo, hi]
-            out.append(row)
-    return out
-
-
-def all_comparisons(records: Sequence[dict]) -> list[dict]:
-    """FusionRAG against every baseline, then the offline stage alone (Full Reuse on fused vs plain KV)."""
-    return paired_comparisons(records) + paired_comparisons(records, method="reuse", kv="fused")
-
-
-def knowledge_base_stores(records: Sequence[dict]) -> dict[str, list[str]]:
-    """Per dataset, the stores (knowledge base + offline settings) its store-reading records used."""
-    stores: dict[str, set[str]] = defaultdict(set)
-    for r in records:
-        if r.get("kb"):
-            stores[r["dataset"]].add(r["kb"])
-    return {d: sorted(v) for d, v in sorted(stores.items())}
-
-
 def report_from_records(out: Path, command: str | None = None, data_files: Sequence[Path] = (),
                         model: str | None = None) -> list[dict]:
     """Re-aggregate every record in ``out/records.jsonl`` (all datasets, all runs) into the report.
@@ -574,7 +284,7 @@ def report_from_records(out: Path, command: str | None = None, data_files: Seque
     """
     from fusionrag.eval.report import read_results, write_quality_report
 
-    records = list(_records(out / "records.jsonl").values())
+    records = list(read_records(out / "records.jsonl").values())
     if not records:
         raise FusionRAGError(f"no records in {out / 'records.jsonl'}; run 'fusionrag bench quality' first")
     rows = aggregate(records)

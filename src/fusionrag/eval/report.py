@@ -1,22 +1,13 @@
-"""Write bench results: ``results.json`` with provenance, a Markdown table and plots.
+"""Write bench results: ``results.json`` with provenance, Markdown tables, and the plots of :mod:`.plots`.
 
 A result is only trustworthy if it can be traced and regenerated, so every JSON
 file carries a ``meta`` block (command, model, data files with their SHA-256,
 machine, library versions, time). Files are written atomically (temp file +
 ``os.replace``) so an interrupted run never leaves a truncated report that a later
-run would read back. Plots use matplotlib's object API on the Agg canvas, without
-pyplot's global state, so they work headless and never switch the caller's backend.
-
-Quality rows (one per dataset x method x KV kind x ratio) have the keys::
-
-    dataset, method, kv ("plain"/"fused"), ratio, n, f1, em, contains, norm_f1,
-    agree_f1, norm_agree, kl_first, top1_agree, ctx_tokens, recomputed_tokens,
-    ttft_ms_median, and optional CIs as ``<metric>_ci = [lo, hi]``.
-
-TTFT rows (one per method x ratio x context length x tier) have the keys::
-
-    method, ratio, context_tokens, tier ("memory"/"disk"), ttft_ms, load_ms,
-    select_ms, recompute_ms, speedup_vs_full, and optionally kv, first_token_ms.
+run would read back (through :mod:`fusionrag.files`). The plots are drawn by
+:mod:`fusionrag.eval.plots`, which imports matplotlib only when a figure is drawn, so
+reading or tabulating results never loads it. The rows' keys are described in
+:mod:`fusionrag.eval.rows`.
 """
 
 from __future__ import annotations
@@ -27,7 +18,6 @@ import math
 import os
 import platform
 import shlex
-import statistics
 import sys
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import UTC, datetime
@@ -36,12 +26,10 @@ from typing import Any
 
 import numpy as np
 
-from fusionrag.files import atomic_write, atomic_write_with, file_sha256
+from fusionrag.eval.plots import plot_fidelity_at_ratio, plot_metric_vs_ratio, plot_ttft
+from fusionrag.eval.rows import dataset_names, is_number, series_label, with_first_token
+from fusionrag.files import atomic_write, file_sha256
 from fusionrag.files import write_json_atomic as _write_json
-
-#: Methods drawn as horizontal reference lines in ratio plots: their quality does
-#: not depend on the recompute ratio.
-REFERENCE_METHODS = ("full", "reuse")
 
 #: Markdown columns of the quality table: (row key, header, format).
 QUALITY_COLUMNS: tuple[tuple[str, str, str], ...] = (
@@ -77,15 +65,6 @@ TTFT_COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("recompute_ms", "recompute", ".1f"),
     ("first_token_ms", "first token", ".1f"),
     ("speedup_vs_full", "speed-up vs full", "x"),
-)
-
-#: Stacked TTFT components, bottom to top: (row key, legend label, colour).
-TTFT_PARTS: tuple[tuple[str, str, str], ...] = (
-    ("retrieve_ms", "retrieve", "#8172b3"),
-    ("load_ms", "load KV", "#4c72b0"),
-    ("select_ms", "select tokens", "#dd8452"),
-    ("recompute_ms", "recompute", "#c44e52"),
-    ("first_token_ms", "first token", "#55a868"),
 )
 
 _MISSING = "n/a"
@@ -209,16 +188,12 @@ def build_meta(
 # --------------------------------------------------------------------------- Markdown
 
 
-def _is_number(v: Any) -> bool:
-    return isinstance(v, int | float | np.number) and not isinstance(v, bool) and math.isfinite(float(v))
-
-
 def _fmt(value: Any, spec: str) -> str:
     if value is None or (isinstance(value, float) and not math.isfinite(value)):
         return _MISSING
     if spec == "s":
         return str(value)
-    if not _is_number(value):
+    if not is_number(value):
         return str(value)
     if spec == "pct":
         return f"{float(value) * 100:g}%"
@@ -232,7 +207,7 @@ def _fmt(value: Any, spec: str) -> str:
 def _fmt_cell(row: Mapping[str, Any], key: str, spec: str) -> str:
     text = _fmt(row.get(key), spec)
     ci = row.get(f"{key}_ci")
-    if text != _MISSING and isinstance(ci, Sequence) and len(ci) == 2 and all(_is_number(c) for c in ci):
+    if text != _MISSING and isinstance(ci, Sequence) and len(ci) == 2 and all(is_number(c) for c in ci):
         text += f" [{_fmt(ci[0], spec)}, {_fmt(ci[1], spec)}]"
     return text
 
@@ -243,10 +218,6 @@ def markdown_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[tuple[st
     sep = "|" + "|".join("---" for _ in columns) + "|"
     body = ["| " + " | ".join(_fmt_cell(r, k, s).replace("|", "\\|") for k, _, s in columns) + " |" for r in rows]
     return "\n".join([header, sep, *body]) + "\n"
-
-
-def _datasets(rows: Sequence[Mapping[str, Any]]) -> list[str]:
-    return list(dict.fromkeys(str(r.get("dataset", "all")) for r in rows))
 
 
 def quality_markdown(rows: Sequence[Mapping[str, Any]], meta: Mapping[str, Any] | None = None) -> str:
@@ -268,7 +239,7 @@ def quality_markdown(rows: Sequence[Mapping[str, Any]], meta: Mapping[str, Any] 
     ]
     columns = [c for c in QUALITY_COLUMNS if any(c[0] in r for r in rows)]
     stores = (meta or {}).get("knowledge_base_stores") or {}
-    for ds in _datasets(rows):
+    for ds in dataset_names(rows):
         ds_rows = [r for r in rows if str(r.get("dataset", "all")) == ds]
         lines += [f"## {ds}", ""]
         if stores.get(ds):  # which knowledge base (offline store) the fused-KV rows read
@@ -288,10 +259,10 @@ COMPARISON_COLUMNS: tuple[tuple[str, str], ...] = (
 def diff_cell(row: Mapping[str, Any], metric: str, digits: int = 3) -> str:
     """``row[metric_diff]`` with its interval, bold where the interval excludes 0."""
     value, ci = row.get(f"{metric}_diff"), row.get(f"{metric}_diff_ci")
-    if not _is_number(value):
+    if not is_number(value):
         return _MISSING
     text = f"{float(value):+.{digits}f}"
-    if isinstance(ci, Sequence) and len(ci) == 2 and all(_is_number(x) for x in ci):
+    if isinstance(ci, Sequence) and len(ci) == 2 and all(is_number(x) for x in ci):
         lo, hi = float(ci[0]), float(ci[1])
         text += f" [{lo:+.{digits}f}, {hi:+.{digits}f}]"
         if lo > 0 or hi < 0:  # the interval excludes 0: a difference these questions support
@@ -320,7 +291,7 @@ def comparisons_markdown(comparisons: Sequence[Mapping[str, Any]]) -> str:
             "|---" * (4 + sweep + len(COMPARISON_COLUMNS)) + "|",
         ]
         for c in sorted(rows, key=lambda c: (str(c.get("dataset")), c.get("top_n") or 0)) if sweep else rows:
-            base = _series_label(str(c.get("baseline")), c.get("baseline_kv"), c.get("baseline_ratio"))
+            base = series_label(str(c.get("baseline")), c.get("baseline_kv"), c.get("baseline_ratio"))
             top_n = f"{c.get('top_n')} | " if sweep else ""
             lines.append(
                 f"| {c.get('dataset')} | {top_n}{_fmt(c.get('ratio'), 'pct')} | {base} | {c.get('n')} | "
@@ -343,7 +314,7 @@ def ttft_markdown(rows: Sequence[Mapping[str, Any]], meta: Mapping[str, Any] | N
         "the method's, measured in the same run.",
         "",
     ]
-    rows = [{**_with_first_token(r), "tier": r.get("tier") or "-"} for r in rows]
+    rows = [{**with_first_token(r), "tier": r.get("tier") or "-"} for r in rows]
     columns = [c for c in TTFT_COLUMNS if any(c[0] in r for r in rows)]
     ordered = sorted(
         rows,
@@ -356,309 +327,6 @@ def ttft_markdown(rows: Sequence[Mapping[str, Any]], meta: Mapping[str, Any] | N
     )
     lines.append(markdown_table(ordered, columns))
     return "\n".join(lines)
-
-
-# --------------------------------------------------------------------------- plots
-
-
-def _figure(nrows: int, ncols: int, width: float, height: float) -> tuple[Any, np.ndarray]:
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(width * ncols, height * nrows), layout="constrained")
-    axes = fig.subplots(nrows, ncols, squeeze=False)
-    return fig, axes
-
-
-def _save_png(fig: Any, path: str | Path) -> Path:
-    return atomic_write_with(path, lambda tmp: fig.savefig(tmp, format="png", dpi=120, bbox_inches="tight"))
-
-
-def _series_label(method: str, kv: Any, ratio: Any = None) -> str:
-    label = str(method)
-    if kv == "fused":
-        label += " (fused KV)"
-    if ratio is not None and method != "full":  # Full Attention has no recompute ratio to show
-        label += f" {float(ratio) * 100:g}%"
-    return label
-
-
-def _method_colours(methods: Iterable[str]) -> dict[str, Any]:
-    from matplotlib import colormaps
-
-    cmap = colormaps["tab10"]
-    return {m: cmap(i % 10) for i, m in enumerate(dict.fromkeys(methods))}
-
-
-def plot_metric_vs_ratio(
-    rows: Sequence[Mapping[str, Any]],
-    metric: str,
-    path: str | Path,
-    *,
-    ylabel: str | None = None,
-    title: str | None = None,
-    ci_key: str | None = None,
-    hlines: Sequence[float] = (),
-) -> Path:
-    """``metric`` vs recompute ratio: one subplot per dataset, one line per method and KV kind.
-
-    Like the paper's Figure 13. Methods whose quality does not depend on the ratio
-    (:data:`REFERENCE_METHODS`) are horizontal dotted lines; fused-KV variants are
-    dashed in their method's colour; ``<metric>_ci`` (or ``ci_key``) gives error bars.
-    Rows with several ``top_n`` values (the offline-stage ablation) get one line per
-    ``top_n``, so variants are never averaged into one zigzag line. Missing
-    (undefined) values are left out rather than plotted as 0.
-    """
-    ci_key = ci_key or f"{metric}_ci"
-    datasets = _datasets(rows) or ["all"]
-    colours = _method_colours(str(r.get("method")) for r in rows)
-    fig, axes = _figure(1, len(datasets), 4.2, 3.4)
-    handles: dict[str, Any] = {}
-    for ax, ds in zip(axes[0], datasets, strict=True):
-        ds_rows = [r for r in rows if str(r.get("dataset", "all")) == ds]
-        vary_top_n = len({r.get("top_n") for r in ds_rows if r.get("kv") == "fused"}) > 1
-        series: dict[tuple[str, str, Any], list[Mapping[str, Any]]] = {}
-        for r in ds_rows:
-            kv = str(r.get("kv", "plain"))
-            top_n = r.get("top_n") if vary_top_n and kv == "fused" else None
-            series.setdefault((str(r.get("method")), kv, top_n), []).append(r)
-        plotted = False
-        markers = {n: "osD^vP*X"[i % 8] for i, n in enumerate(dict.fromkeys(k[2] for k in series))}
-        for (method, kv, top_n), srows in series.items():
-            pts = [r for r in srows if _is_number(r.get(metric))]
-            if not pts:
-                continue
-            label = _series_label(method, kv) + (f" top-{top_n}" if top_n is not None else "")
-            style = "--" if kv == "fused" else "-"
-            colour = colours[method]
-            if method in REFERENCE_METHODS or all(r.get("ratio") is None for r in pts):
-                value = float(np.mean([float(r[metric]) for r in pts]))
-                handles[label] = ax.axhline(value, color=colour, linestyle=":", linewidth=1.5, label=label)
-                continue
-            plotted = True
-            pts = sorted((r for r in pts if _is_number(r.get("ratio"))), key=lambda r: float(r["ratio"]))
-            x = np.array([float(r["ratio"]) * 100 for r in pts])
-            y = np.array([float(r[metric]) for r in pts])
-            err = None
-            cis = [r.get(ci_key) for r in pts]
-            if all(isinstance(c, Sequence) and len(c) == 2 and all(_is_number(v) for v in c) for c in cis):
-                lo = np.array([float(c[0]) for c in cis])
-                hi = np.array([float(c[1]) for c in cis])
-                err = np.vstack([np.clip(y - lo, 0, None), np.clip(hi - y, 0, None)])
-            handles[label] = ax.errorbar(
-                x,
-                y,
-                yerr=err,
-                color=colour,
-                linestyle=style,
-                marker=markers[top_n],
-                markersize=4,
-                capsize=3,
-                label=label,
-            )
-        for h in hlines:
-            ax.axhline(h, color="0.6", linewidth=0.8, zorder=0)
-        ratios = sorted(
-            {
-                float(r["ratio"]) * 100
-                for r in ds_rows
-                if r.get("method") not in REFERENCE_METHODS and _is_number(r.get("ratio"))
-            }
-        )
-        if ratios:
-            ax.set_xticks(ratios, [f"{x:g}" for x in ratios])
-        if not plotted:
-            # E.g. normalised F1 when Full Attention and Full Reuse score the same: say so, don't draw nothing.
-            ax.text(
-                0.5, 0.5, f"{metric}: no defined values", ha="center", va="center", transform=ax.transAxes, color="0.4"
-            )
-        ax.set_title(ds)
-        ax.set_xlabel("recompute ratio (%)")
-        ax.set_ylabel(ylabel or metric)
-        ax.grid(True, alpha=0.3)
-    if handles:
-        fig.legend(list(handles.values()), list(handles.keys()), loc="outside lower center", ncols=min(4, len(handles)))
-    if title:
-        fig.suptitle(title)
-    return _save_png(fig, path)
-
-
-def _with_first_token(row: Mapping[str, Any]) -> dict[str, Any]:
-    """Fill ``first_token_ms`` as what TTFT leaves after the other parts, if not measured."""
-    out = dict(row)
-    if not _is_number(out.get("first_token_ms")) and _is_number(out.get("ttft_ms")):
-        parts = sum(float(out[k]) for k, _, _ in TTFT_PARTS if k != "first_token_ms" and _is_number(out.get(k)))
-        out["first_token_ms"] = max(0.0, float(out["ttft_ms"]) - parts)
-    return out
-
-
-def _median_or_none(values: Iterable[Any]) -> float | None:
-    nums = [float(v) for v in values if _is_number(v)]
-    return statistics.median(nums) if nums else None
-
-
-def plot_ttft(rows: Sequence[Mapping[str, Any]], path: str | Path, *, title: str | None = None) -> Path:
-    """TTFT vs context length (top) and its stacked breakdown with speed-ups (bottom), per KV tier.
-
-    Like the paper's Figures 14a and 19. Full Attention loads no stored KV, so its
-    rows (and rows without a tier) appear in every tier's column as its baseline.
-    Rows are grouped by ``target_tokens`` (the requested size) when present, else by
-    ``context_tokens``; repeated measurements of one configuration give their median.
-    Breakdown parts absent from every row (e.g. ``retrieve_ms``) are left out.
-    """
-    rows = [_with_first_token(r) for r in rows]
-    for r in rows:
-        r["_ctx"] = next((int(r[k]) for k in ("target_tokens", "context_tokens") if _is_number(r.get(k))), None)
-    parts = [p for p in TTFT_PARTS if any(_is_number(r.get(p[0])) for r in rows)]
-    tiers = list(dict.fromkeys(str(r["tier"]) for r in rows if r.get("tier"))) or ["all"]
-    contexts = sorted({r["_ctx"] for r in rows if r["_ctx"] is not None})
-    colours = _method_colours(str(r.get("method")) for r in rows)
-    fig, axes = _figure(2, len(tiers), 5.5, 3.6)
-    line_handles: dict[str, Any] = {}
-    for col, tier in enumerate(tiers):
-        own_full = any(r.get("method") == "full" and str(r.get("tier")) == tier for r in rows)
-        tier_rows = [
-            r
-            for r in rows
-            if tier == "all"
-            or not r.get("tier")
-            or str(r["tier"]) == tier
-            or (r.get("method") == "full" and not own_full)
-        ]
-        keys = list(dict.fromkeys((str(r.get("method")), r.get("kv"), r.get("ratio")) for r in tier_rows))
-        table: dict[tuple[Any, ...], dict[str, float | None]] = {}
-        for key in keys:
-            for ctx in contexts:
-                group = [
-                    r
-                    for r in tier_rows
-                    if (str(r.get("method")), r.get("kv"), r.get("ratio")) == key and r["_ctx"] == ctx
-                ]
-                if group:
-                    fields = ("ttft_ms", "speedup_vs_full", *(p for p, _, _ in parts))
-                    table[(*key, ctx)] = {f: _median_or_none(r.get(f) for r in group) for f in fields}
-
-        ax_line, ax_bar = axes[0][col], axes[1][col]
-        for i, key in enumerate(keys):
-            method, kv, ratio = key
-            xs = [c for c in contexts if (*key, c) in table and table[(*key, c)]["ttft_ms"] is not None]
-            if not xs:
-                continue
-            ys = [table[(*key, c)]["ttft_ms"] for c in xs]
-            label = _series_label(method, kv, ratio)
-            line_handles[label] = ax_line.plot(
-                xs, ys, marker="o", color=colours[method], linestyle=("--", "-", ":", "-.")[i % 4], label=label
-            )[0]
-        ax_line.set_xscale("log", base=2)
-        ax_line.set_yscale("log")
-        if contexts:
-            ax_line.set_xticks(contexts, [str(c) for c in contexts])
-        ax_line.set_xlabel("context tokens")
-        ax_line.set_ylabel("TTFT (ms)")
-        ax_line.set_title(f"KV tier: {tier}")
-        ax_line.grid(True, which="both", alpha=0.3)
-
-        width = 0.8 / max(1, len(keys))
-        for i, key in enumerate(keys):
-            for j, ctx in enumerate(contexts):
-                cell = table.get((*key, ctx))
-                if cell is None:
-                    continue
-                x = j - 0.4 + width * (i + 0.5)
-                bottom = 0.0
-                for part, _, colour in parts:
-                    h = cell.get(part) or 0.0
-                    ax_bar.bar(x, h, width * 0.9, bottom=bottom, color=colour, edgecolor="white", linewidth=0.3)
-                    bottom += h
-                top = cell["ttft_ms"] if cell["ttft_ms"] is not None else bottom
-                speedup = cell.get("speedup_vs_full")
-                note = f"{speedup:.1f}x" if speedup is not None and key[0] != "full" else ""
-                ax_bar.text(
-                    x, top, f"{_series_label(*key)}\n{note}".strip(), ha="center", va="bottom", fontsize=5, rotation=90
-                )
-        ax_bar.set_xticks(range(len(contexts)), [str(c) for c in contexts])
-        ax_bar.set_xlabel("context tokens")
-        ax_bar.set_ylabel("TTFT breakdown (ms)")
-        ax_bar.margins(y=0.35)
-        ax_bar.grid(True, axis="y", alpha=0.3)
-
-    from matplotlib.patches import Patch
-
-    part_handles = [Patch(color=c, label=lbl) for _, lbl, c in parts]
-    handles = list(line_handles.values()) + part_handles
-    labels = list(line_handles.keys()) + [p.get_label() for p in part_handles]
-    fig.legend(handles, labels, loc="outside lower center", ncols=min(4, len(handles)))
-    if title:
-        fig.suptitle(title)
-    return _save_png(fig, path)
-
-
-#: Panels of :func:`plot_fidelity_at_ratio`: (metric, axis label); lower is better only for KL.
-FIDELITY_PANELS: tuple[tuple[str, str], ...] = (
-    ("agree_f1", "agreement F1 with FA (higher = better)"),
-    ("kl_first", "first-token KL(FA || method) (lower = better)"),
-    ("top1_agree", "first-token top-1 agreement (higher = better)"),
-)
-
-
-def plot_fidelity_at_ratio(rows: Sequence[Mapping[str, Any]], ratio: float, path: str | Path,
-                           *, title: str | None = None) -> Path | None:
-    """Fidelity of every method at one recompute ratio, with 95% intervals, one column per dataset.
-
-    The study's headline picture: where the ratio curve has a single point (the usual
-    case on a CPU budget), bars with error bars say more than a line plot. Full Reuse
-    (ratio 0) is drawn as the floor every method should beat; Full Attention is left out
-    (it is the reference: agreement 1, KL 0). Returns None when no row has ``ratio``.
-    """
-    def wanted(r: Mapping[str, Any]) -> bool:
-        if r.get("method") == "full" or not _is_number(r.get("ratio")):
-            return False
-        return r.get("method") == "reuse" or abs(float(r["ratio"]) - ratio) < 1e-9
-
-    picked = [r for r in rows if wanted(r)]
-    if not any(r.get("method") != "reuse" for r in picked):
-        return None
-    datasets = _datasets(picked)
-    colours = _method_colours(str(r.get("method")) for r in picked)
-    vary_top_n = len({r.get("top_n") for r in picked if r.get("kv") == "fused"}) > 1
-
-    def key(r: Mapping[str, Any]) -> tuple[str, str, Any]:
-        return str(r["method"]), str(r.get("kv")), r.get("top_n") if vary_top_n and r.get("kv") == "fused" else None
-
-    # One shared y axis: the same bar means the same series in every column (missing = no bar).
-    order = {"reuse": 0, "fusionrag": 2}
-    keys = sorted(dict.fromkeys(key(r) for r in picked),
-                  key=lambda k: (order.get(k[0], 1), k[0], k[1] == "fused", -1 if k[2] is None else k[2]))
-    labels = [_series_label(m, kv) + (f" top-{n}" if n is not None else "") for m, kv, n in keys]
-    ys = np.arange(len(keys))
-    fig, axes = _figure(len(FIDELITY_PANELS), len(datasets), 3.6, 0.9 + 0.28 * len(keys))
-    for col, ds in enumerate(datasets):
-        by_key = {key(r): r for r in picked if str(r.get("dataset")) == ds}
-        n = max((int(r.get("n", 0)) for r in by_key.values()), default=0)
-        for row_i, (metric, label) in enumerate(FIDELITY_PANELS):
-            ax = axes[row_i][col]
-            cells = [by_key.get(k, {}) for k in keys]
-            vals = np.array([float(c[metric]) if _is_number(c.get(metric)) else np.nan for c in cells])
-            err = np.zeros((2, len(keys)))
-            for i, (v, c) in enumerate(zip(vals, cells, strict=True)):
-                ci = c.get(f"{metric}_ci")
-                if isinstance(ci, Sequence) and len(ci) == 2 and all(_is_number(x) for x in ci):
-                    err[:, i] = [max(0.0, v - float(ci[0])), max(0.0, float(ci[1]) - v)]
-            bars = ax.barh(ys, np.nan_to_num(vals), xerr=err, capsize=2, alpha=0.85,
-                           color=[colours[k[0]] for k in keys])
-            for bar, k, v in zip(bars, keys, vals, strict=True):
-                if k[1] == "fused":  # same colour as the method, hatched: the offline stage's KV
-                    bar.set_hatch("//")
-                if np.isnan(v):
-                    bar.set_visible(False)
-            ax.set_yticks(ys, labels if col == 0 else [""] * len(ys), fontsize=7)
-            ax.set_ylim(len(keys) - 0.5, -0.5)
-            ax.grid(True, axis="x", alpha=0.3)
-            ax.set_xlabel(label, fontsize=7)
-            if row_i == 0:
-                ax.set_title(f"{ds} (n={n}, {ratio * 100:g}%)", fontsize=9)
-    if title:
-        fig.suptitle(title)
-    return _save_png(fig, path)
 
 
 # --------------------------------------------------------------------------- whole reports
@@ -729,7 +397,7 @@ def write_ttft_report(
     """
     out = Path(out_dir)
     full_meta = build_meta(command, model, (), extra=meta)
-    rows = [_with_first_token(r) for r in rows]
+    rows = [with_first_token(r) for r in rows]
     written = {
         "json": write_json_atomic(out / f"{stem}.json", {"meta": full_meta, "rows": rows}),
         "md": write_text_atomic(out / f"{stem}.md", ttft_markdown(rows, full_meta)),

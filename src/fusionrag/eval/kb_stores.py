@@ -1,0 +1,141 @@
+"""The knowledge-base stores a quality study reads, kept apart from the driver that fills them in.
+
+A store is the knowledge base (the passages of the first ``kb_limit`` questions) plus its
+offline settings; its name is what records carry (``kb``) to say which store they read, so
+a changed knowledge base is detected and its cells recomputed rather than mixed in.
+Building one is the expensive offline part: a larger store is seeded from the largest
+smaller one of the same settings, and a store holding other passages is refused.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Protocol
+
+from fusionrag.errors import FusionRAGError
+from fusionrag.eval.datasets import QAExample
+
+
+class StoreSettings(Protocol):
+    """What the store functions read of a study's settings; ``bench_quality.QualitySpec`` has them all.
+
+    A protocol rather than the spec itself, so this module does not import the driver that imports it.
+    """
+
+    model: str
+    limit: int | None
+    kb_limit: int | None
+    neighbour_order: str
+    same_document: bool
+    embedder: object | None
+    cache_dir: Path | None
+    out: Path
+    progress: bool
+
+
+def reads_store(method: str, kv: str) -> bool:
+    """Plain KV is a function of the chunk alone; fused KV and Cache-Craft's scores depend on its neighbours."""
+    return kv == "fused" or method == "cachecraft"
+
+
+def kb_size(spec: StoreSettings) -> int | None:
+    """How many questions' passages form the knowledge base (never fewer than are evaluated)."""
+    if spec.kb_limit is None:
+        return spec.limit
+    if spec.limit is None or spec.kb_limit < spec.limit:
+        raise FusionRAGError(
+            f"--kb-limit ({spec.kb_limit}) must be >= --limit ({spec.limit}): every evaluated question's "
+            "passages must be in the knowledge base"
+        )
+    return spec.kb_limit
+
+
+def store_name(spec: StoreSettings, dataset: str, top_n: int) -> str:
+    """The store (= knowledge base and offline settings) a cell of ``dataset`` at ``top_n`` reads."""
+    variant = f"-{spec.neighbour_order}" + ("-samedoc" if spec.same_document else "")
+    return f"{spec.model}-{dataset}-n{kb_size(spec)}-top{top_n}" + variant
+
+
+def _seed_from_smaller_store(path: Path) -> Path | None:
+    """Copy the largest store of the same model/dataset/offline settings built on fewer questions.
+
+    The first N questions of a file are a prefix of the first M > N, chunk ids are assigned
+    by content in insertion order, and every fused entry records the neighbour ids and the
+    tokens it was made with, so the copy keeps all plain KV and the fused KV of chunks whose
+    neighbour lists do not change; ``preprocess`` re-fuses only the rest.
+    """
+    m = re.fullmatch(r"(.+)-n(\d+)(-top.+)", path.name)
+    if m is None:
+        return None
+    prefix, n, suffix = m.group(1), int(m.group(2)), m.group(3)
+    smaller = []
+    for p in path.parent.glob(f"{prefix}-n*{suffix}"):
+        mm = re.fullmatch(re.escape(prefix) + r"-n(\d+)" + re.escape(suffix), p.name)
+        if mm and int(mm.group(1)) < n and (p / "store.sqlite").is_file():
+            smaller.append((int(mm.group(1)), p))
+    if not smaller:
+        return None
+    source = max(smaller)[1]
+    tmp = path.with_name(path.name + ".seeding")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(source, tmp)
+    os.replace(tmp, path)
+    return source
+
+
+def _fill_store(spec: StoreSettings, path: Path, dataset: str, examples: list[QAExample], lm):
+    """Open or create the store at ``path`` and add the run's passages; None if it holds any other chunk."""
+    from fusionrag.retrieval.knowledge import KnowledgeStore
+
+    if (path / "store.sqlite").exists():
+        store = KnowledgeStore.open(path, lm=lm, embedder=spec.embedder)
+    else:
+        store = KnowledgeStore.create(path, lm, chunk_tokens=100_000, kv_dtype="float16", embedder=spec.embedder,
+                                      model_source=spec.model)
+    # The knowledge base is the union of all questions' passages; each passage's document is the
+    # first question that retrieves it, so --same-document means "neighbours among co-retrieved passages".
+    seen: set = set()
+    ids: set[int] = set()
+    for ex in examples:
+        fresh = [p for p in ex.passages if p not in seen]
+        seen.update(fresh)
+        if fresh:
+            ids.update(store.add_passages([{"title": p.title, "text": p.text} for p in fresh],
+                                          doc=f"{dataset}:{ex.id}", plain_kv=False))
+    if set(store.chunk_ids()) - ids:
+        store.close()
+        return None
+    return store
+
+
+def open_store(spec: StoreSettings, dataset: str, examples: list[QAExample], top_n: int, lm, fused: bool = True):
+    """The run's store with plain KV for every chunk, and fused KV too when ``fused`` (the slow part).
+
+    Cells on plain KV never read fused entries, so a run of only those skips the offline stage: on
+    MuSiQue's 942-chunk knowledge base that is most of an hour of one core.
+    """
+    from fusionrag.offline.preprocess import run_plain
+
+    # Stores hold gigabytes of KV: they live in the cache folder, never next to the report.
+    path = (spec.cache_dir or spec.out / "cache") / "stores" / store_name(spec, dataset, top_n)
+    seeded = not path.exists() and (source := _seed_from_smaller_store(path)) is not None
+    if seeded:
+        print(f"[bench quality] {path.name}: seeded from {source.name} (its plain KV and still-current fused KV)")
+    store = _fill_store(spec, path, dataset, examples, lm)
+    if store is None and seeded:  # the smaller store came from another file of the same dataset name
+        print(f"[bench quality] {path.name}: the seed holds passages of other questions; building from scratch")
+        shutil.rmtree(path)
+        store = _fill_store(spec, path, dataset, examples, lm)
+    if store is None:
+        raise FusionRAGError(
+            f"{path} holds chunks that are not passages of this run's questions (another data file with the "
+            f"dataset name '{dataset}'?): the knowledge base would be wrong; remove it or use another --cache-dir"
+        )
+    run_plain(store, progress=spec.progress)  # once for the whole knowledge base, with a progress bar
+    if fused and top_n > 0:
+        store.preprocess(top_n=top_n, progress=spec.progress, neighbour_order=spec.neighbour_order,
+                         same_document=spec.same_document)
+    return store
