@@ -160,7 +160,7 @@ def run_quality(spec: QualitySpec) -> list[dict]:
         # One store per offline top-n; plain KV is the same in all of them, so plain runs use the first
         # (and build no fused KV when no cell reads it). Nothing left to compute: no store is opened at all.
         needed = {r.top_n for _, r in todo if r.reads_store}
-        engines = {n: Engine(open_store(spec, dataset, kb_examples, n, lm, fused=n in needed))
+        engines = {n: Engine(open_store(spec, dataset, kb_examples, n, lm, fused=n in needed), lm)
                    for n in sorted(needed or {spec.top_n[0]})} if todo else {}
         print(
             f"[bench quality] {dataset}: {len(examples)} questions x {len(runs)} runs (knowledge base: the "

@@ -17,6 +17,9 @@ from typing import Protocol
 
 from fusionrag.errors import FusionRAGError
 from fusionrag.eval.datasets import QAExample
+from fusionrag.offline import build
+from fusionrag.offline.preprocess import compute_plain
+from fusionrag.retrieval.knowledge import KnowledgeStore
 
 
 class StoreSettings(Protocol):
@@ -88,13 +91,11 @@ def _seed_from_smaller_store(path: Path) -> Path | None:
 
 def _fill_store(spec: StoreSettings, path: Path, dataset: str, examples: list[QAExample], lm):
     """Open or create the store at ``path`` and add the run's passages; None if it holds any other chunk."""
-    from fusionrag.retrieval.knowledge import KnowledgeStore
-
     if (path / "store.sqlite").exists():
         store = KnowledgeStore.open(path, lm=lm, embedder=spec.embedder)
     else:
-        store = KnowledgeStore.create(path, lm, chunk_tokens=100_000, kv_dtype="float16", embedder=spec.embedder,
-                                      model_source=spec.model)
+        store = build.create_store(path, lm, chunk_tokens=100_000, kv_dtype="float16", embedder=spec.embedder,
+                                   model_source=spec.model)
     # The knowledge base is the union of all questions' passages; each passage's document is the
     # first question that retrieves it, so --same-document means "neighbours among co-retrieved passages".
     seen: set = set()
@@ -103,7 +104,7 @@ def _fill_store(spec: StoreSettings, path: Path, dataset: str, examples: list[QA
         fresh = [p for p in ex.passages if p not in seen]
         seen.update(fresh)
         if fresh:
-            ids.update(store.add_passages([{"title": p.title, "text": p.text} for p in fresh],
+            ids.update(build.add_passages(store, lm, [{"title": p.title, "text": p.text} for p in fresh],
                                           doc=f"{dataset}:{ex.id}", plain_kv=False))
     if set(store.chunk_ids()) - ids:
         store.close()
@@ -117,8 +118,6 @@ def open_store(spec: StoreSettings, dataset: str, examples: list[QAExample], top
     Cells on plain KV never read fused entries, so a run of only those skips the offline stage: on
     MuSiQue's 942-chunk knowledge base that is most of an hour of one core.
     """
-    from fusionrag.offline.preprocess import run_plain
-
     # Stores hold gigabytes of KV: they live in the cache folder, never next to the report.
     path = (spec.cache_dir or spec.out / "cache") / "stores" / store_name(spec, dataset, top_n)
     seeded = not path.exists() and (source := _seed_from_smaller_store(path)) is not None
@@ -134,8 +133,9 @@ def open_store(spec: StoreSettings, dataset: str, examples: list[QAExample], top
             f"{path} holds chunks that are not passages of this run's questions (another data file with the "
             f"dataset name '{dataset}'?): the knowledge base would be wrong; remove it or use another --cache-dir"
         )
-    run_plain(store, progress=spec.progress)  # once for the whole knowledge base, with a progress bar
+    # Plain KV once for the whole knowledge base, with a progress bar.
+    compute_plain(store, lm, build.ensure_system_kv(store, lm), progress=spec.progress)
     if fused and top_n > 0:
-        store.preprocess(top_n=top_n, progress=spec.progress, neighbour_order=spec.neighbour_order,
-                         same_document=spec.same_document)
+        build.fuse(store, lm, top_n=top_n, progress=spec.progress, neighbour_order=spec.neighbour_order,
+                   same_document=spec.same_document)
     return store
