@@ -1,4 +1,4 @@
-"""``fusionrag bench quality|ttft``: the evaluation harness on the command line."""
+"""``fusionrag bench quality|report|ttft|serve``: the evaluation harness on the command line."""
 
 from __future__ import annotations
 
@@ -89,6 +89,75 @@ def _cmd_ttft(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    import json
+
+    from fusionrag.errors import FusionRAGError
+    from fusionrag.eval.bench_serve import ingest_documents, question_items, run_load_test
+
+    questions = question_items(args.data, limit=args.limit, with_documents=args.mode == "documents",
+                               max_passages=args.max_passages)
+    if args.mode == "retrieval":
+        for q in questions:
+            q.pop("documents", None)
+    rates = [float(r) for r in args.rates.split(",") if r.strip()]
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    meta = {"data": str(args.data), "mode": args.mode, "store": args.store, "model": args.model}
+
+    def run(base_url: str) -> dict:
+        if args.ingest:
+            docs = question_items(args.data, limit=args.limit, with_documents=True, max_passages=args.max_passages)
+            ids = ingest_documents(base_url, docs, api_key=args.api_key)
+            meta["ingested_chunks"] = len(set(ids))
+        return run_load_test(base_url, questions, rates=rates, methods=methods, duration_s=args.duration,
+                             n_requests=args.n_requests, out_dir=args.out, max_tokens=args.max_tokens,
+                             top_k=args.top_k, api_key=args.api_key, timeout_s=args.timeout, meta=meta)
+
+    if args.url:
+        report = run(args.url)
+    elif args.store:
+        from fusionrag.serve.launch import build_app
+        from fusionrag.serve.server_thread import ServerThread
+
+        args.host, args.port = "127.0.0.1", 0
+        app, _ = build_app(args)
+        with ServerThread(app) as server:
+            report = run(server.base_url)
+    else:
+        raise FusionRAGError("give --url of a running server or --store to start one in-process")
+    for c in report["cells"]:
+        print(json.dumps({k: c[k] for k in ("label", "rate", "sent", "ok", "ttft_ms_p50", "ttft_ms_p95",
+                                             "throughput_rps", "throughput_tok_s")}))
+    if args.out:
+        print(f"fusionrag: wrote {args.out}/loadtest.json, loadtest.md, loadtest.png", file=sys.stderr)
+    return 0
+
+
+def _add_serve(bsub: argparse._SubParsersAction) -> None:
+    from fusionrag.online.policies import METHODS
+    from fusionrag.serve.launch import add_server_args
+
+    p = bsub.add_parser("serve", help="load test: TTFT p50/p95 and throughput vs request rate per method")
+    add_server_args(p)
+    p.add_argument("--url", default=None, help="a running server on loopback (else --store starts one in-process)")
+    p.add_argument("--data", required=True, help="questions JSONL (../shared/data/...)")
+    p.add_argument("--limit", type=int, default=50, help="questions to use (default 50)")
+    p.add_argument("--mode", choices=["documents", "retrieval"], default="documents",
+                   help="send each question's passages as request documents, or retrieve from the store")
+    p.add_argument("--max-passages", type=int, default=None, help="passages per question (default all)")
+    p.add_argument("--ingest", action="store_true", help="add the questions' passages to the store first")
+    p.add_argument("--rates", default="0.5,1,2,4", help="request rates in req/s, comma-separated")
+    p.add_argument("--methods", default="full,cacheblend:0.15,fusionrag:0.15",
+                   help=f"method[:ratio], comma-separated ({', '.join(METHODS)})")
+    p.add_argument("--n-requests", type=int, default=None, help="requests per (method, rate) cell")
+    p.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals per cell (default 30)")
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for a cell's requests")
+    p.add_argument("--out", default="docs/results/serve", help="output folder (JSON, Markdown, PNG)")
+    p.set_defaults(func=_cmd_serve, log_level="warning")
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     bench = sub.add_parser("bench", help="benchmarks: quality, ttft, serve")
     bsub = bench.add_subparsers(dest="bench_command", required=True)
@@ -142,6 +211,4 @@ def register(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--out", required=True)
     t.set_defaults(func=_cmd_ttft)
 
-    from fusionrag.serve.cli import add_bench_serve
-
-    add_bench_serve(bsub)
+    _add_serve(bsub)

@@ -1,5 +1,7 @@
-"""Serving: the paper's system parts around the engine (prefix-cache simulation, server, load test).
+"""Serving: the OpenAI-compatible HTTP server around the engine, with continuous batching.
 
-Data flows one way: ``serve`` calls the engine and the KV-cache structures
-(:mod:`fusionrag.kvcache.prefix_cache`, :mod:`fusionrag.kvcache.tiers`), never the reverse.
+``app`` (routes) uses ``protocol`` (wire format), ``metrics``, ``documents`` (background
+jobs) and ``batching`` (the model thread); ``launch`` builds a server from CLI options and
+``server_thread`` runs one in-process. Data flows one way: ``serve`` calls the engine and
+the KV-cache structures, never the reverse; the benchmarks against it live in ``eval``.
 """

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from fusionrag.serve.simulate import PAPER, SimParams, main, make_queries, run_simulation
+from fusionrag.eval.prefix_sim import PAPER, SimParams, main, make_queries, run_simulation
 
 SMALL = {"num_queries": 100, "kb_size": 300, "shared_pool_size": 150, "seed": 3}
 

@@ -31,13 +31,12 @@ What we assumed (not in the paper):
 Because the paper leaves the shared pool's size and popularity open and the hit rate
 depends on them directly, :func:`run_sweep` repeats the run over pool sizes.
 
-Run: ``python -m fusionrag.serve.simulate --out docs/results/prefix_cache_sim``.
+Run: ``python -m fusionrag.eval.prefix_sim --out docs/results/prefix_cache_sim``.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
@@ -46,8 +45,9 @@ from typing import Any
 
 import numpy as np
 
-from fusionrag.files import content_hash
-from fusionrag.kvcache.prefix_cache import AlternativePathCache, RadixPrefixCache
+from fusionrag.files import atomic_write, atomic_write_with, content_hash, write_json_atomic
+from fusionrag.kvcache.prefix_cache import AlternativePathCache
+from fusionrag.kvcache.radix_cache import RadixPrefixCache
 
 PAPER = {"storage_reduction_pct": 71.0, "redundant_recompute_reduction_pct": 82.0, "hit_rate_pct": 77.9}
 # Qwen2.5-0.5B: 24 layers, 2 KV heads, head_dim 64, K and V, fp16.
@@ -270,7 +270,7 @@ def to_markdown(res: dict[str, Any], sweep: list[dict[str, Any]] | None = None) 
         "- The hit rate counts chunk lookups; KB chunks are all pre-cached, so at a 60% KB share the alternative "
         "path's hit rate is at least 60% plus the repeat share of the shared documents.",
         "- Assumed (not in the paper): KB size and popularity, shared-pool size and popularity, chunk length, "
-        "uniformly random chunk order, one system prompt, no eviction. See `fusionrag.serve.simulate`.",
+        "uniformly random chunk order, one system prompt, no eviction. See `fusionrag.eval.prefix_sim`.",
     ]
     if sweep:
         lines += [
@@ -343,7 +343,7 @@ def plot(res: dict[str, Any], path: Path) -> None:
         f"{p['frac_kb']:.0%}/{p['frac_shared']:.0%}/{p['frac_unique']:.0%} KB/shared/unique, seed {p['seed']}"
     )
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    atomic_write_with(path, lambda tmp: fig.savefig(tmp, format="png", dpi=120))
     plt.close(fig)
 
 
@@ -352,10 +352,9 @@ DEFAULT_SWEEP = (250, 500, 1000, 2000, 4000)
 
 def write_outputs(out_dir: Path, res: dict[str, Any], sweep: list[dict[str, Any]] | None = None) -> dict[str, Path]:
     """``results.json``, ``results.md`` and ``prefix_cache_sim.png`` under ``out_dir``."""
-    out_dir.mkdir(parents=True, exist_ok=True)
     paths = {"json": out_dir / "results.json", "md": out_dir / "results.md", "png": out_dir / "prefix_cache_sim.png"}
-    paths["json"].write_text(json.dumps({**res, "sweep_shared_pool_size": sweep or []}, indent=2) + "\n")
-    paths["md"].write_text(to_markdown(res, sweep))
+    write_json_atomic(paths["json"], {**res, "sweep_shared_pool_size": sweep or []})
+    atomic_write(paths["md"], to_markdown(res, sweep))
     plot(res, paths["png"])
     return paths
 

@@ -8,8 +8,8 @@ includes queueing, prefill and transport. Throughput is completed requests (and
 generated tokens, from the streamed ``usage``) per second of the cell's wall time.
 
 :func:`run_load_test` writes ``loadtest.json``, ``loadtest.md`` and ``loadtest.png``.
-:class:`ServerThread` runs the app on a free loopback port in-process (for tests and
-``fusionrag bench-serve --store``).
+``fusionrag bench serve --store`` starts the server in-process
+(:class:`fusionrag.serve.server_thread.ServerThread`); ``--url`` targets a running one.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import asyncio
 import json
 import math
 import random
-import threading
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
@@ -27,6 +26,8 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from fusionrag.errors import FusionRAGError
+from fusionrag.eval.datasets import load_questions
+from fusionrag.files import atomic_write, atomic_write_with, write_json_atomic
 from fusionrag.online.policies import METHODS
 
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
@@ -69,28 +70,21 @@ def check_loopback(base_url: str) -> None:
         raise FusionRAGError(f"the load test only targets loopback (127.0.0.1/localhost), not '{host or base_url}'")
 
 
-def load_questions(path: str | Path, limit: int | None = None, with_documents: bool = True,
+def question_items(path: str | Path, limit: int | None = None, with_documents: bool = True,
                    max_passages: int | None = None) -> list[dict]:
-    """Questions from a ``../shared/data`` JSONL file, each with its passages as ``documents`` if asked."""
-    path = Path(path)
-    if not path.is_file():
-        raise FusionRAGError(f"no question file at {path}")
+    """Questions of a ``../shared/data`` JSONL file as request items, each with its passages as ``documents``.
+
+    Read by :func:`fusionrag.eval.datasets.load_questions` (one parser, one validation for
+    every benchmark); the items are the ``{"question", "documents"?}`` dicts that
+    :func:`run_load_test` and :func:`ingest_documents` send.
+    """
     out = []
-    with path.open(encoding="utf-8") as fh:
-        for line_no, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise FusionRAGError(f"{path}:{line_no}: not JSON ({exc})") from None
-            item: dict[str, Any] = {"question": str(row["question"])}
-            if with_documents and row.get("passages"):
-                passages = row["passages"][:max_passages] if max_passages else row["passages"]
-                item["documents"] = [{"title": p.get("title", ""), "text": p["text"]} for p in passages]
-            out.append(item)
-            if limit and len(out) >= limit:
-                break
+    for ex in load_questions(path, limit=limit or None):
+        item: dict[str, Any] = {"question": ex.question}
+        if with_documents and ex.passages:
+            passages = ex.passages[:max_passages] if max_passages else ex.passages
+            item["documents"] = [{"title": p.title, "text": p.text} for p in passages]
+        out.append(item)
     if not out:
         raise FusionRAGError(f"{path} has no questions")
     return out
@@ -235,7 +229,7 @@ def run_load_test(
     Each (method, rate) cell sends ``n_requests`` requests, or as many as arrive within
     ``duration_s`` (whichever bound is hit first; at least one bound is required, and
     :data:`MAX_REQUESTS_PER_CELL` caps it), then waits at most ``timeout_s`` for them.
-    ``questions`` are strings or ``{"question", "documents"?}`` dicts (see :func:`load_questions`).
+    ``questions`` are strings or ``{"question", "documents"?}`` dicts (see :func:`question_items`).
     """
     check_loopback(base_url)
     if duration_s is None and n_requests is None:
@@ -336,16 +330,16 @@ def plot_report(report: dict[str, Any], path: str | Path) -> None:
     ax2.set_title("Throughput")
     ax2.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    atomic_write_with(path, lambda tmp: fig.savefig(tmp, format="png", dpi=120))
     plt.close(fig)
 
 
 def write_report(report: dict[str, Any], out_dir: str | Path) -> dict[str, Path]:
+    """``loadtest.json``, ``loadtest.md`` and ``loadtest.png`` under ``out_dir``, each written atomically."""
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     paths = {"json": out / "loadtest.json", "md": out / "loadtest.md", "png": out / "loadtest.png"}
-    paths["json"].write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-    paths["md"].write_text(render_markdown(report), encoding="utf-8")
+    write_json_atomic(paths["json"], report)
+    atomic_write(paths["md"], render_markdown(report))
     plot_report(report, paths["png"])
     return paths
 
@@ -389,37 +383,3 @@ def ingest_documents(base_url: str, questions: Sequence[dict], api_key: str | No
                     raise FusionRAGError(f"document job {jid} not ready after {timeout_s} s")
                 time.sleep(0.2)
     return chunk_ids
-
-
-class ServerThread:
-    """Run an ASGI app with uvicorn on a loopback port (0 = a free one) in a background thread."""
-
-    def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning",
-                 lifespan: str = "on") -> None:
-        import uvicorn
-
-        self.host = host
-        config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan=lifespan, access_log=False)
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, name="fusionrag-uvicorn", daemon=True)
-        self.port = port
-
-    def __enter__(self) -> ServerThread:
-        self.thread.start()
-        deadline = time.monotonic() + 30.0
-        while not self.server.started:
-            if not self.thread.is_alive() or time.monotonic() > deadline:
-                raise FusionRAGError(f"the server did not start on {self.host}:{self.port}")
-            time.sleep(0.02)
-        sockets = [s for srv in self.server.servers for s in srv.sockets]
-        if sockets:
-            self.port = sockets[0].getsockname()[1]
-        return self
-
-    @property
-    def base_url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
-    def __exit__(self, *exc: object) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=30.0)

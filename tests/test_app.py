@@ -1,13 +1,12 @@
-"""The HTTP server: OpenAI-compatible chat (plain and streamed), documents, metrics, limits and errors.
+"""The routes: OpenAI-compatible chat (plain and streamed), documents, metrics, health, limits and errors.
 
 A tiny random model answers (the text is gibberish; what is checked is the protocol, the
-status codes, and that the server returns what ``engine.answer`` would). The engine is
-built by a factory on the model thread, as ``fusionrag serve`` does.
+status codes, and that the server returns what ``engine.answer`` would). Request
+validation has its own tests (``test_protocol.py``).
 """
 
 from __future__ import annotations
 
-import json
 import re
 import threading
 import time
@@ -17,70 +16,18 @@ import pytest
 from fastapi.testclient import TestClient
 
 from fusionrag.errors import FusionRAGError
-from fusionrag.models import load_model
-from fusionrag.online.engine import Engine
-from fusionrag.serve.app import ServerSettings, create_app
-from fusionrag.serve.loadtest import ServerThread, check_loopback, parse_method, run_load_test
-
-PASSAGES = [
-    {"title": "Polonium", "text": "Polonium was discovered by Marie Curie and Pierre Curie in 1898."},
-    {"title": "Paris", "text": "Paris is the capital of France and hosts the Curie Institute."},
-    {"title": "Warsaw", "text": "Warsaw, where Marie Curie was born, is the capital of Poland."},
-    {"title": "Nobel", "text": "Marie Curie won the Nobel Prize in Physics in 1903 and in Chemistry in 1911."},
-    {"title": "Seine", "text": "The Seine flows through Paris before reaching the English Channel."},
-]
-USER = [{"role": "user", "content": "Who discovered polonium?"}]
-
-
-def store_factory(path, fuse: bool = True):
-    def make() -> Engine:
-        from fusionrag.retrieval.embedder import HashingEmbedder
-        from fusionrag.retrieval.knowledge import KnowledgeStore
-
-        store = KnowledgeStore.create(path, load_model("tiny-llama"), chunk_tokens=64, embedder=HashingEmbedder())
-        store.add_passages(PASSAGES)
-        if fuse:
-            store.preprocess(top_n=2, progress=False)
-        return Engine(store)
-
-    return make
+from serve_helpers import PASSAGES, USER, error_of, live_server, serial, small_limits_app, sse_events
 
 
 @pytest.fixture(scope="module")
 def app(tmp_path_factory):
-    settings = ServerSettings(default_max_tokens=8, max_documents=4, max_document_chars=2000, max_top_k=8)
-    app = create_app(store_factory(tmp_path_factory.mktemp("kb") / "kb"), settings)
-    app.state.scheduler.wait_ready(120)
-    return app
+    return small_limits_app(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
 def client(app):
     with TestClient(app, raise_server_exceptions=False) as c:
         yield c
-
-
-def serial(app, question: str, max_new_tokens: int, **kwargs):
-    sched = app.state.scheduler
-    return sched.run_task(lambda: sched.engine.answer(question, max_new_tokens=max_new_tokens, **kwargs)).result(60)
-
-
-def sse_events(lines) -> list:
-    out = []
-    for line in lines:
-        if line.startswith("data: "):
-            data = line[len("data: "):]
-            out.append(data if data == "[DONE]" else json.loads(data))
-    return out
-
-
-def error_of(resp: httpx.Response, status: int, code: str | None = None) -> dict:
-    assert resp.status_code == status, resp.text
-    err = resp.json()["error"]
-    assert isinstance(err["message"], str) and err["message"] and "type" in err
-    if code is not None:
-        assert err["code"] == code
-    return err
 
 
 # ------------------------------------------------------------------------------- happy paths
@@ -142,20 +89,38 @@ def test_request_documents_bypass_retrieval(app, client):
 def test_concurrent_requests_share_the_batch(app, client):
     questions = ["Who discovered polonium?", "Capital of France?", "Where was Marie Curie born?",
                  "Which river flows through Paris?"]
+    methods = ["fusionrag", "full", "reuse", "cacheblend"]
+    sched = app.state.scheduler
     results: dict[int, dict] = {}
 
     def ask(i: int) -> None:
         results[i] = client.post("/v1/chat/completions", json={
             "messages": [{"role": "user", "content": questions[i]}], "max_tokens": 12, "top_k": 1 + i % 3,
-            "method": ["fusionrag", "full", "reuse", "cacheblend"][i]}).json()
+            "method": methods[i]}).json()
 
+    # Hold the model thread until every request is queued, so they are admitted together
+    # rather than one by one as they happen to arrive.
+    gate, started = threading.Event(), threading.Event()
+    sched.run_task(lambda: (started.set(), gate.wait(30)))
+    assert started.wait(30)
+    # Decode steps that carried more than one row add more rows than steps.
+    shared_before = sched.stats.decode_rows - sched.stats.decode_steps
     threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(questions))]
-    for t in threads:
-        t.start()
+    try:
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 30
+        while sched.queue_length < len(questions) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert sched.queue_length == len(questions)
+    finally:
+        gate.set()
     for t in threads:
         t.join(60)
+    assert sched.stats.decode_rows - sched.stats.decode_steps > shared_before, sched.stats
+    assert sched.stats.max_batch_seen >= 2
     for i, q in enumerate(questions):
-        ref = serial(app, q, 12, top_k=1 + i % 3, method=["fusionrag", "full", "reuse", "cacheblend"][i])
+        ref = serial(app, q, 12, top_k=1 + i % 3, method=methods[i])
         assert results[i]["choices"][0]["message"]["content"] == ref.text
 
 
@@ -215,58 +180,6 @@ def test_health_and_models(client):
 
 
 # ------------------------------------------------------------------------------- errors
-
-
-@pytest.mark.parametrize(("content", "code"), [(b"{not json", "invalid_json"), (b"", "invalid_json"),
-                                               (b"\xff\xfe", "invalid_json"), (b"[" * 200_000, "invalid_json")])
-def test_malformed_json_is_400(client, content, code):
-    error_of(client.post("/v1/chat/completions", content=content,
-                         headers={"content-type": "application/json"}), 400, code)
-
-
-@pytest.mark.parametrize(("body", "code"), [
-    ({"messages": USER, "method": "nope"}, "unknown_method"),
-    ({"messages": USER, "ratio": 1.5}, "invalid_ratio"),
-    ({"messages": USER, "ratio": "a lot"}, "invalid_ratio"),
-    ({"messages": [{"role": "user", "content": "   "}]}, "empty_question"),
-    ({"messages": [{"role": "system", "content": "hi"}]}, "invalid_value"),
-    ({"messages": []}, "invalid_value"),
-    ({"messages": "hello"}, "invalid_value"),
-    ({"messages": USER, "max_tokens": 0}, "invalid_value"),
-    ({"messages": USER, "max_tokens": 10**9}, "invalid_value"),
-    ({"messages": USER, "top_k": 0}, "invalid_value"),
-    ({"messages": USER, "kv": "warm"}, "invalid_value"),
-    ({"messages": USER, "n": 3}, "invalid_value"),
-    ({"messages": USER, "stop": ["\n"]}, "unsupported"),
-    ({"messages": USER, "documents": "text"}, "invalid_value"),
-    ({"messages": USER, "documents": [{"title": "no text"}]}, "invalid_value"),
-    ([1, 2, 3], None),
-])
-def test_invalid_requests_are_400(client, body, code):
-    error_of(client.post("/v1/chat/completions", json=body), 400, code)
-
-
-def test_document_limits_are_413(client):
-    many = [{"text": f"passage {i}"} for i in range(5)]
-    error_of(client.post("/v1/chat/completions", json={"messages": USER, "documents": many}), 413,
-             "too_many_documents")
-    error_of(client.post("/v1/documents", json=many), 413, "too_many_documents")
-    error_of(client.post("/v1/documents", json=[{"text": "x" * 2001}]), 413, "document_too_large")
-    error_of(client.post("/v1/documents", json={"documents": []}), 400)
-
-
-def test_oversize_body_is_413(app, client, monkeypatch):
-    monkeypatch.setattr(app.state.settings, "max_body_bytes", 200)
-    big = {"messages": [{"role": "user", "content": "x" * 500}]}
-    error_of(client.post("/v1/chat/completions", json=big), 413, "body_too_large")
-
-    def chunks():  # no Content-Length: refused while reading
-        yield b'{"messages": [{"role": "user", "content": "'
-        for _ in range(10):
-            yield b"y" * 100
-        yield b'"}]}'
-
-    error_of(client.post("/v1/chat/completions", content=chunks()), 413, "body_too_large")
 
 
 def test_prompt_token_limit_is_400(app, client, monkeypatch):
@@ -336,12 +249,8 @@ def test_unknown_route_and_method(client):
 
 @pytest.fixture(scope="module")
 def live(tmp_path_factory):
-    """A real uvicorn server on a free loopback port, with an API key, over a store never preprocessed."""
-    app = create_app(store_factory(tmp_path_factory.mktemp("kb-live") / "kb", fuse=False),
-                     ServerSettings(api_key="test-key", default_max_tokens=8, preprocess_top_n=2))
-    app.state.scheduler.wait_ready(120)
-    with ServerThread(app) as server:
-        yield app, server.base_url
+    with live_server(tmp_path_factory) as pair:
+        yield pair
 
 
 def test_openai_client_round_trip(live):
@@ -393,50 +302,3 @@ def test_documents_on_an_unfused_store_fuse_only_the_new_chunks(live):
     assert all(store.has_kv(c, "fused") for c in job["chunk_ids"])
 
 
-def test_load_test_reports_ttft_and_throughput(live, tmp_path):
-    _, base_url = live
-    report = run_load_test(base_url, ["Who discovered polonium?", {"question": "Capital of France?",
-                                                                      "documents": PASSAGES[1:3]}],
-                           rates=[20.0, 40.0], methods=["full", "fusionrag:0.15"], n_requests=3, duration_s=5,
-                           out_dir=tmp_path, max_tokens=4, api_key="test-key", timeout_s=60, warmup=1)
-    assert len(report["cells"]) == 4
-    for cell in report["cells"]:
-        assert cell["ok"] == cell["sent"] == 3, cell
-        assert 0 < cell["ttft_ms_p50"] <= cell["ttft_ms_p95"]
-        assert cell["throughput_rps"] > 0 and cell["throughput_tok_s"] > 0
-    assert json.loads((tmp_path / "loadtest.json").read_text())["cells"] == report["cells"]
-    assert "TTFT p50" in (tmp_path / "loadtest.md").read_text()
-    assert (tmp_path / "loadtest.png").stat().st_size > 1000
-
-
-def test_load_test_stays_on_loopback():
-    with pytest.raises(FusionRAGError, match="loopback"):
-        check_loopback("http://example.com:8000")
-    check_loopback("http://127.0.0.1:8000")
-    assert parse_method("cacheblend:0.15").ratio == 0.15 and parse_method("full").ratio == 1.0
-    with pytest.raises(FusionRAGError):
-        parse_method("nope")
-
-
-def test_metrics_include_kv_tiers_when_the_engine_has_them():
-    from types import SimpleNamespace
-
-    from fusionrag.kvcache.prefix_cache import AlternativePathCache
-    from fusionrag.kvcache.tiers import TierStats
-    from fusionrag.serve.app import Metrics
-    from fusionrag.serve.batching import SchedulerStats
-
-    engine = SimpleNamespace(tier_stats=lambda: {"host": TierStats(memory_hits=3, disk_hits=1, memory_bytes=4096)},
-                             adhoc_entries=1, prefix_cache=AlternativePathCache())
-    engine.prefix_cache.lookup("S", ["a", "b"], lambda *_: SimpleNamespace(nbytes=10))
-    engine.prefix_cache.lookup("S", ["b", "a"], lambda *_: SimpleNamespace(nbytes=10))
-    sched = SimpleNamespace(queue_length=2, active=1, stats=SchedulerStats(), engine=engine)
-    text = Metrics().render(sched, {"ready": 1})
-    assert 'fusionrag_kv_tier_hits_total{tier="host",source="memory"} 3' in text
-    assert 'fusionrag_kv_tier_hits_total{tier="host",source="disk"} 1' in text
-    assert 'fusionrag_kv_tier_bytes{tier="host"} 4096' in text
-    assert "fusionrag_queue_length 2" in text and "fusionrag_adhoc_kv_entries 1" in text
-    assert 'fusionrag_document_jobs{status="ready"} 1' in text
-    assert 'fusionrag_prefix_cache_lookups_total{result="computed"} 2' in text
-    assert 'fusionrag_prefix_cache_lookups_total{result="alt_path_hit"} 1' in text  # "a" after "b"
-    assert 'fusionrag_prefix_cache_lookups_total{result="prefix_hit"} 1' in text  # "b" first
