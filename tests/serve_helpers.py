@@ -31,7 +31,7 @@ PASSAGES = [
 USER = [{"role": "user", "content": "Who discovered polonium?"}]
 
 
-def store_factory(path, fuse: bool = True):
+def store_factory(path, fuse: bool = True, memory_budget_bytes: int | None = None):
     """Builds the store and its engine when called (on the model thread, which then owns the SQLite connection)."""
 
     def make() -> Engine:
@@ -43,7 +43,7 @@ def store_factory(path, fuse: bool = True):
         build.add_passages(store, lm, PASSAGES)
         if fuse:
             build.fuse(store, lm, top_n=2, progress=False)
-        return Engine(store, lm)
+        return Engine(store, lm, memory_budget_bytes=memory_budget_bytes)
 
     return make
 

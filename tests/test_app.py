@@ -13,10 +13,20 @@ import time
 
 import httpx
 import pytest
+import torch
 from fastapi.testclient import TestClient
 
 from fusionrag.errors import FusionRAGError
-from serve_helpers import PASSAGES, USER, error_of, live_server, serial, small_limits_app, sse_events
+from serve_helpers import (
+    PASSAGES,
+    USER,
+    error_of,
+    live_server,
+    serial,
+    small_limits_app,
+    sse_events,
+    store_factory,
+)
 
 
 @pytest.fixture(scope="module")
@@ -302,3 +312,35 @@ def test_documents_on_an_unfused_store_fuse_only_the_new_chunks(live):
     assert all(store.has_kv(c, "fused") for c in job["chunk_ids"])
 
 
+
+
+def test_posted_documents_never_leave_stale_kv_in_the_memory_tier(tmp_path):
+    """Regression: after POST /v1/documents re-fused chunks, the memory tier served their old fused KV."""
+    from fusionrag.serve.app import create_app
+
+    app = create_app(store_factory(tmp_path / "kb", memory_budget_bytes=64 << 20))
+    sched = app.state.scheduler
+    sched.wait_ready(120)
+    try:
+        with TestClient(app) as client:
+            store = sched.engine.store
+            keys = [(c, "fused") for c in store.chunk_ids()]
+            # Every chunk's fused KV read through the engine's tier by real requests.
+            r = client.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 2, "top_k": len(keys)})
+            assert r.status_code == 200, r.text
+            assert sched.engine.stats()["tiers"]["host"].memory_items == len(keys)
+            before = {k: store.load_entry(*k).kv.keys.clone() for k in keys}
+            near = [{"title": p["title"], "text": p["text"] + " (copy)"} for p in PASSAGES]
+            job = client.post("/v1/documents", json={"documents": near}).json()
+            deadline = time.monotonic() + 60
+            while job["status"] in ("pending", "running") and time.monotonic() < deadline:
+                time.sleep(0.05)
+                job = client.get(f"/v1/documents/{job['id']}").json()
+            assert job["status"] == "ready", job
+            changed = [k for k in keys if not torch.equal(store.load_entry(*k).kv.keys, before[k])]
+            assert changed, "near-duplicates must change some chunks' neighbour lists"
+            served = sched.run_task(lambda: sched.engine.kv_source.get_many(keys)).result(60)
+            for key, entry in zip(keys, served, strict=True):
+                assert torch.equal(entry.kv.keys, store.load_entry(*key).kv.keys), key
+    finally:
+        sched.close()

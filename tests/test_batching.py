@@ -16,7 +16,8 @@ import torch
 from fusionrag.errors import FusionRAGError
 from fusionrag.models import load_model
 from fusionrag.online.engine import Engine
-from fusionrag.serve.batching import BatchScheduler, QueueFullError, RequestCancelledError
+from fusionrag.serve.batching import BatchScheduler
+from fusionrag.serve.requests import QueueFullError, RequestCancelledError
 
 PASSAGES = [
     {"title": "Polonium", "text": "Polonium was discovered by Marie Curie and Pierre Curie in 1898."},
@@ -261,11 +262,11 @@ def test_queued_requests_are_prefetched_by_the_asynchronous_loader(tmp_path):
         gate = hold(s)
         req = s.submit(question, max_new_tokens=4, method="fusionrag", top_k=2)
         deadline = time.monotonic() + 30
-        while s.engine.stats()["host"].prefetches == 0 and time.monotonic() < deadline:
+        while s.engine.stats()["tiers"]["host"].prefetches == 0 and time.monotonic() < deadline:
             time.sleep(0.01)
         gate.set()
         tokens = req.result(60).token_ids
-        stats = s.engine.stats()["host"]
+        stats = s.engine.stats()["tiers"]["host"]
         assert stats.prefetches >= 2 and stats.disk_hits == 0  # every KV came from the loader, none read on demand
         assert tokens == serial(s, question, 4, method="fusionrag", top_k=2)
     finally:

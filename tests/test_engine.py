@@ -136,7 +136,7 @@ def test_memory_tier_and_prefetch_give_identical_answers(store_dir):
     again = tiered.answer(QUESTION, method="fusionrag", top_k=3, max_new_tokens=3)
     assert first.token_ids == again.token_ids == ref.token_ids
     assert torch.equal(first.first_logits, ref.first_logits)
-    stats = tiered.stats()["host"]
+    stats = tiered.stats()["tiers"]["host"]
     assert stats.loads == 3  # each chunk read from disk once (by the prefetch), then served from memory
     assert stats.memory_hits + stats.inflight_hits >= 3
 
@@ -152,7 +152,7 @@ def test_memory_tier_never_serves_kv_that_a_re_fuse_replaced(tmp_path):
     engine = Engine(store, lm, memory_budget_bytes=64 << 20)
     keys = [(c, "fused") for c in dict.fromkeys(ids)]
     before = engine.kv_source.get_many(keys)  # now resident in the memory tier
-    assert engine.stats()["host"].memory_items == len(keys)
+    assert engine.stats()["tiers"]["host"].memory_items == len(keys)
 
     build.add_passages(store, lm, [{"title": p["title"], "text": p["text"] + " Again."} for p in passages], doc="more")
     report = build.fuse(store, lm, progress=False)

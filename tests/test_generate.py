@@ -9,7 +9,8 @@ from fusionrag.prompt import PromptBuilder
 
 def test_full_attention_matches_transformers_generate(tiny_lm):
     pb = PromptBuilder(tiny_lm.tokenizer)
-    chunks = [pb.chunk_token_ids("Paris", "Paris is the capital of France."), pb.chunk_token_ids("Rome", "Rome is in Italy.")]
+    chunks = [pb.chunk_token_ids("Paris", "Paris is the capital of France."),
+              pb.chunk_token_ids("Rome", "Rome is in Italy.")]
     question = pb.question_token_ids("What is the capital of France?")
     full = prefill_full(tiny_lm, pb.system_token_ids, chunks, question)
     ours = list(greedy_tokens(tiny_lm, full.kv, full.last_logits, max_new_tokens=24, stop_ids=[]))
@@ -24,7 +25,8 @@ def test_full_attention_matches_transformers_generate(tiny_lm):
 
 def test_stop_tokens_end_generation(tiny_llama):
     pb = PromptBuilder(tiny_llama.tokenizer)
-    full = prefill_full(tiny_llama, pb.system_token_ids, [pb.chunk_token_ids("t", "some text")], pb.question_token_ids("q?"))
+    full = prefill_full(tiny_llama, pb.system_token_ids, [pb.chunk_token_ids("t", "some text")],
+                        pb.question_token_ids("q?"))
     free = list(greedy_tokens(tiny_llama, full.kv, full.last_logits, max_new_tokens=10, stop_ids=[]))
     assert len(free) == 10
     stopped = list(greedy_tokens(tiny_llama, full.kv, full.last_logits, max_new_tokens=10, stop_ids=[free[3]]))

@@ -6,6 +6,7 @@ import torch
 from fusionrag.errors import FusionRAGError
 from fusionrag.execution.attention import prefill_with_context_attention
 from fusionrag.execution.forward import prefill
+from fusionrag.execution.segments import chunk_kv_plain
 from fusionrag.online.policies import (
     EPIC_MAX_PER_CHUNK,
     METHODS,
@@ -18,7 +19,6 @@ from fusionrag.online.policies import (
     question_attention,
     select,
 )
-from fusionrag.execution.segments import chunk_kv_plain
 from fusionrag.online.prefill import assemble_context, prefill_full, prefill_reused
 
 GEN = torch.Generator().manual_seed(7)

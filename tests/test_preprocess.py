@@ -9,8 +9,8 @@ import torch
 
 import fusionrag.offline.preprocess as pre
 from fusionrag.execution.forward import prefill
-from fusionrag.kvcache.kv import KV
 from fusionrag.models import load_model
+from fusionrag.offline import build
 from fusionrag.offline.preprocess import (
     DEFAULT_NEIGHBOUR_ORDER,
     compute_neighbours,
@@ -19,7 +19,6 @@ from fusionrag.offline.preprocess import (
     prefix_order,
 )
 from fusionrag.retrieval.embedder import HashingEmbedder
-from fusionrag.offline import build
 from fusionrag.retrieval.knowledge import KnowledgeStore
 
 DOC_A = [

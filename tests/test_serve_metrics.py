@@ -6,15 +6,17 @@ from types import SimpleNamespace
 
 from fusionrag.kvcache.prefix_cache import AlternativePathCache
 from fusionrag.kvcache.tiers import TierStats
-from fusionrag.serve.batching import SchedulerStats
 from fusionrag.serve.metrics import Metrics
+from fusionrag.serve.requests import SchedulerStats
 
 
 def test_metrics_include_kv_tiers_when_the_engine_has_them():
-    engine = SimpleNamespace(tier_stats=lambda: {"host": TierStats(memory_hits=3, disk_hits=1, memory_bytes=4096)},
-                             adhoc_entries=1, prefix_cache=AlternativePathCache())
-    engine.prefix_cache.lookup("S", ["a", "b"], lambda *_: SimpleNamespace(nbytes=10))
-    engine.prefix_cache.lookup("S", ["b", "a"], lambda *_: SimpleNamespace(nbytes=10))
+    prefix_cache = AlternativePathCache()
+    prefix_cache.lookup("S", ["a", "b"], lambda *_: SimpleNamespace(nbytes=10))
+    prefix_cache.lookup("S", ["b", "a"], lambda *_: SimpleNamespace(nbytes=10))
+    engine = SimpleNamespace(stats=lambda: {
+        "tiers": {"host": TierStats(memory_hits=3, disk_hits=1, memory_bytes=4096)},
+        "prefix_cache": prefix_cache.stats(), "adhoc_entries": 1})
     sched = SimpleNamespace(queue_length=2, active=1, stats=SchedulerStats(), engine=engine)
     text = Metrics().render(sched, {"ready": 1})
     assert 'fusionrag_kv_tier_hits_total{tier="host",source="memory"} 3' in text

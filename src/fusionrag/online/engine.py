@@ -291,15 +291,11 @@ class Engine:
         self.kv_source.invalidate(list(keys))
 
     def stats(self) -> dict[str, Any]:
-        """``{tier: TierStats}`` of the KV tiers (empty without a caching tier)."""
-        return dict(self.kv_source.stats())
-
-    tier_stats = stats
-
-    @property
-    def adhoc_entries(self) -> int:
-        """Number of cached KVs of request-supplied passages."""
-        return len(self.prefix_cache)
+        """What ``/metrics`` and benchmarks report: ``tiers`` (``{tier: TierStats}``, empty without a
+        caching tier), ``prefix_cache`` (PrefixCacheStats of request-supplied passages) and
+        ``adhoc_entries`` (how many such KVs are cached)."""
+        return {"tiers": dict(self.kv_source.stats()), "prefix_cache": self.prefix_cache.stats(),
+                "adhoc_entries": len(self.prefix_cache)}
 
     # -- internals --------------------------------------------------------------------
 

@@ -39,8 +39,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from fusionrag.serve.batching import BatchScheduler, Event
-from fusionrag.serve.documents import DocumentJob, DocumentJobs, run_document_job
+from fusionrag.serve.batching import BatchScheduler
+from fusionrag.serve.documents import DocumentJob, DocumentJobs, delete_document_job, run_document_job
 from fusionrag.serve.metrics import Metrics
 from fusionrag.serve.protocol import (
     APIError,
@@ -52,6 +52,7 @@ from fusionrag.serve.protocol import (
     read_json,
     sse_stream,
 )
+from fusionrag.serve.requests import Event
 from fusionrag.serve.settings import ServerSettings
 
 
@@ -83,8 +84,7 @@ def create_app(engine: Any, settings: ServerSettings | None = None,
     def model_name() -> str:
         if s.model_name:
             return s.model_name
-        eng = sched.engine
-        return getattr(getattr(eng, "lm", None), "name", None) or "fusionrag"
+        return sched.engine.lm.name if sched.engine is not None else "fusionrag"
 
     # -- cross-cutting --------------------------------------------------------------------
 
@@ -222,7 +222,7 @@ def create_app(engine: Any, settings: ServerSettings | None = None,
             if job.status == "deleted":
                 return JSONResponse(job.to_json())
             if job.status == "ready":
-                await asyncio.wrap_future(sched.run_task(sched.engine.store.delete_doc, f"api:{job.id}"))
+                await asyncio.wrap_future(sched.run_task(delete_document_job, sched.engine, job))
             job.status = "deleted"
             return JSONResponse(job.to_json())
         except Exception as exc:

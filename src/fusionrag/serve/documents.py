@@ -6,15 +6,16 @@ the model are used by one thread at a time; clients poll ``GET /v1/documents/{id
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
 from collections import Counter, OrderedDict
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 from fusionrag.errors import FusionRAGError
+from fusionrag.offline import build
+from fusionrag.online.engine import Engine
 from fusionrag.serve.settings import ServerSettings
 
 log = logging.getLogger(__name__)
@@ -47,44 +48,30 @@ class DocumentJob:
         }
 
 
-def _report_dict(report: Any) -> dict[str, Any] | None:
-    if report is None:
-        return None
-    if hasattr(report, "to_dict"):
-        return report.to_dict()
-    with contextlib.suppress(TypeError):
-        return asdict(report)
-    return {"report": str(report)}
-
-
-def run_document_job(engine: Any, job: DocumentJob, settings: ServerSettings) -> None:
+def run_document_job(engine: Engine, job: DocumentJob, settings: ServerSettings) -> None:
     """Add ``job``'s documents to ``engine``'s store and fuse their KV; the outcome is recorded on ``job``.
 
     Runs on the model thread (the store and the model are used by one thread at a time).
-    Never raises: a failure marks the job failed with its reason.
+    A fused store is re-fused incrementally with its recorded settings (new chunks get fused
+    KV; chunks whose neighbour lists now include a new chunk are re-fused, as ``fusionrag
+    ingest`` does); a never-fused store with ``--preprocess-top-n`` fuses only the new chunks,
+    without switching the whole store to fused mode. Every entry the fuse rewrote is
+    invalidated in the engine's KV tiers, so no request reuses the old KV. Never raises:
+    a failure marks the job failed with its reason.
     """
     job.status = "running"
     try:
-        store = engine.store
-        if not hasattr(store, "add_passages"):
-            raise FusionRAGError("this knowledge store cannot add documents (no add_passages)")
-        job.chunk_ids = [int(c) for c in store.add_passages(job.documents, doc=f"api:{job.id}")]
-        store_top_n = store.settings.get("top_n") if hasattr(store, "settings") else None
-        if store_top_n is not None and hasattr(store, "preprocess"):
-            # A preprocessed store: incremental over the whole store, with the store's own
-            # settings; new chunks get fused KV, and chunks whose neighbour lists now include
-            # a new chunk are re-fused (as 'fusionrag ingest' does).
-            job.preprocess = _report_dict(store.preprocess(top_n=int(store_top_n), progress=False))
-        elif settings.preprocess_top_n is not None and hasattr(store, "settings"):
-            # Never preprocessed: fuse only the new chunks, without switching the whole store
-            # to fused mode (store.preprocess would record top_n and fuse everything).
-            from fusionrag.offline.preprocess import DEFAULT_NEIGHBOUR_ORDER, run_preprocess
-
-            job.preprocess = _report_dict(run_preprocess(
-                store, top_n=int(settings.preprocess_top_n),
-                neighbour_order=store.settings.get("neighbour_order") or DEFAULT_NEIGHBOUR_ORDER,
-                same_document=bool(store.settings.get("same_document")), chunk_ids=job.chunk_ids,
-                progress=False))
+        store, lm = engine.store, engine.lm
+        job.chunk_ids = [int(c) for c in build.add_passages(store, lm, job.documents, doc=f"api:{job.id}")]
+        report = None
+        if build.recorded_fuse_settings(store) is not None:
+            report = build.fuse(store, lm, progress=False)
+        elif settings.preprocess_top_n is not None:
+            report = build.fuse(store, lm, top_n=int(settings.preprocess_top_n), chunk_ids=job.chunk_ids,
+                                progress=False, record=False)
+        if report is not None:
+            engine.invalidate(report.changed_keys)
+            job.preprocess = report.to_dict()
         job.status = "ready"
     except Exception as exc:
         log.warning("document job %s failed: %s", job.id, exc)
@@ -92,6 +79,11 @@ def run_document_job(engine: Any, job: DocumentJob, settings: ServerSettings) ->
         job.status = "failed"
     finally:
         job.finished = time.time()
+
+
+def delete_document_job(engine: Engine, job: DocumentJob) -> None:
+    """Remove a finished job's chunks from the store and their KV from the engine's tiers (model thread)."""
+    engine.invalidate(build.delete_document(engine.store, f"api:{job.id}"))
 
 
 class DocumentJobs:

@@ -13,7 +13,8 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
-from fusionrag.serve.batching import BatchScheduler, DecodeRequest
+from fusionrag.serve.batching import BatchScheduler
+from fusionrag.serve.requests import DecodeRequest
 
 log = logging.getLogger(__name__)
 
@@ -134,13 +135,16 @@ class Metrics:
                [(f'{{status="{s}"}}', n) for s, n in sorted(jobs.items())])
         engine = scheduler.engine
         if engine is not None:
-            adhoc = getattr(engine, "adhoc_entries", None)
-            if isinstance(adhoc, int):
+            try:
+                es = engine.stats()
+            except Exception:  # metrics must never fail a scrape
+                log.debug("engine statistics unavailable", exc_info=True)
+                es = {}
+            if "adhoc_entries" in es:
                 metric("fusionrag_adhoc_kv_entries", "gauge", "Cached KVs of request-supplied passages.",
-                       [("", adhoc)])
-            prefix = getattr(engine, "prefix_cache", None)
-            if prefix is not None:
-                st = prefix.stats()
+                       [("", es["adhoc_entries"])])
+            if es.get("prefix_cache") is not None:
+                st = es["prefix_cache"]
                 metric("fusionrag_prefix_cache_lookups_total", "counter", "Request-supplied passage lookups.",
                        [('{result="prefix_hit"}', st.prefix_hits), ('{result="alt_path_hit"}', st.alt_hits),
                         ('{result="computed"}', st.recomputations)])
@@ -148,7 +152,7 @@ class Metrics:
                        [("", st.bytes_stored)])
                 metric("fusionrag_prefix_cache_bytes_saved", "gauge",
                        "Bytes a plain prefix cache would hold beyond the alternative path.", [("", st.bytes_saved)])
-            tiers = tier_stats(engine)
+            tiers = {str(k): _stats_dict(v) for k, v in es.get("tiers", {}).items()}
             if tiers:
                 hits = []
                 for tier, s in sorted(tiers.items()):
@@ -165,29 +169,6 @@ class Metrics:
                     metric(name, kind, f"KV tier {key.replace('_', ' ')}.",
                            [(f'{{tier="{_escape(t)}"}}', s[key]) for t, s in sorted(tiers.items()) if key in s])
         return "\n".join(lines) + "\n"
-
-
-def tier_stats(engine: Any) -> dict[str, dict[str, Any]]:
-    """KV tier statistics from the engine or its store, whichever exposes them (``{tier: stats dict}``).
-
-    Looked up by duck typing (``tier_stats()`` or a ``tiers`` mapping/object with ``stats()``)
-    so the server keeps working whether or not the engine has the tiered cache wired in.
-    """
-    for obj in (engine, getattr(engine, "store", None)):
-        if obj is None:
-            continue
-        try:
-            fn = getattr(obj, "tier_stats", None)
-            if callable(fn):
-                return {str(k): _stats_dict(v) for k, v in dict(fn()).items()}
-            tiers = getattr(obj, "tiers", None)
-            if isinstance(tiers, dict):
-                return {str(k): _stats_dict(t.stats()) for k, t in tiers.items()}
-            if tiers is not None and hasattr(tiers, "stats"):
-                return {"memory": _stats_dict(tiers.stats())}
-        except Exception:  # metrics must never fail a scrape
-            log.debug("tier statistics unavailable", exc_info=True)
-    return {}
 
 
 def _stats_dict(s: Any) -> dict[str, Any]:

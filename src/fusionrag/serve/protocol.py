@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse
 
 from fusionrag.errors import FusionRAGError
 from fusionrag.online.policies import METHODS
-from fusionrag.serve.batching import (
+from fusionrag.serve.requests import (
     DecodeRequest,
     Event,
     PromptTooLongError,
