@@ -1,6 +1,7 @@
-"""Evaluation building blocks: datasets, answer metrics and reports.
+"""Evaluation: datasets, answer metrics, the quality study, TTFT and serving benchmarks, reports.
 
-Kept free of the engine on purpose (data flows engine -> eval, never back): the
-metrics work on answer *text* and logits, the loader on JSONL files, the report on
-plain result rows, so each can be tested without a model and reused by any bench.
+The top layer (``tests/test_architecture.py``): eval calls the engine, the offline builder
+and the server, and nothing calls eval. Its building blocks stay model-free where they can
+(``metrics`` on answer text and logits, ``datasets`` on JSONL files, ``report``/``plots`` on
+result rows) so each is tested without a model and reused by every benchmark.
 """
