@@ -9,7 +9,7 @@ from fusionrag.models import load_model
 from fusionrag.offline import build
 from fusionrag.offline.build import FuseSettings, recorded_fuse_settings, resolve_fuse_settings
 from fusionrag.retrieval.embedder import HashingEmbedder
-from fusionrag.retrieval.knowledge import store_info
+from fusionrag.retrieval.store_info import store_info
 
 PASSAGES = [{"title": t, "text": f"{t} is a word about {t.lower()} and more text."} for t in
             ("Alpha", "Beta", "Gamma", "Delta", "Epsilon")]

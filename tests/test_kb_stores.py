@@ -98,7 +98,7 @@ def test_kb_limit_below_limit_is_a_clear_error(tmp_path):
 
 
 def test_plain_only_cells_build_no_fused_kv_and_a_later_fused_run_adds_it(tmp_path):
-    from fusionrag.retrieval.knowledge import store_info
+    from fusionrag.retrieval.store_info import store_info
 
     sample_data(tmp_path)
     spec = _kb_spec(tmp_path, limit=2)

@@ -15,7 +15,8 @@ from fusionrag.models import load_model
 from fusionrag.offline import build
 from fusionrag.prompt import chunk_text, passage_hash
 from fusionrag.retrieval.embedder import HashingEmbedder
-from fusionrag.retrieval.knowledge import KnowledgeStore, UnknownChunkError, stored_model
+from fusionrag.retrieval.knowledge import KnowledgeStore, UnknownChunkError
+from fusionrag.retrieval.store_info import store_info, stored_model
 
 PASSAGES = [
     {"title": "Paris", "text": "Paris is the capital of France. It lies on the Seine river."},
@@ -79,7 +80,7 @@ def test_store_lifecycle(tmp_path, lm):
     again = build.ingest(ks, lm, [tmp_path / "c.jsonl"], progress=False)
     assert again.new_chunks == 0 and again.duplicates == 5 and again.plain_computed == 0
 
-    info = ks.info()
+    info = store_info(ks.path)
     assert info["chunks"] == 6 and info["plain_kv"] == 6 and info["fused_kv"] == 0 and info["model"] == "tiny-llama"
     assert info["bytes_on_disk"] > info["plain_kv_bytes"] > 0 and info["settings"]["kv_dtype"] == "float32"
     ks.close()

@@ -122,4 +122,4 @@ def test_fp16_overflow_is_refused(tmp_path):
     with pytest.raises(FusionRAGError, match="float32"):
         KVStore(tmp_path, "fp", "s", "float16").save(1, "plain", big, [1, 2, 3, 4, 5])
     with pytest.raises(FusionRAGError, match="unsupported KV storage dtype"):
-        KVStore(tmp_path, "fp", "s", "int8")
+        KVStore(tmp_path, "fp", "s", "int4")

@@ -39,8 +39,8 @@ class KVSource(Protocol):
         """Start fetching ``keys`` in the background (a no-op for sources without a cache)."""
         ...
 
-    def invalidate(self, keys: Iterable[Key]) -> None:
-        """Forget every cached copy of ``keys`` (the store changed them)."""
+    def invalidate(self, keys: Iterable[Key] | None) -> None:
+        """Forget every cached copy of ``keys`` (the store changed them); ``None``: of everything."""
         ...
 
     def stats(self) -> dict[str, Any]:
@@ -65,7 +65,7 @@ class DiskSource:
     def prefetch(self, keys: Iterable[Key]) -> None:
         return None
 
-    def invalidate(self, keys: Iterable[Key]) -> None:
+    def invalidate(self, keys: Iterable[Key] | None) -> None:
         return None  # nothing cached: the next read sees the new file
 
     def stats(self) -> dict[str, Any]:
@@ -99,8 +99,8 @@ class PreloadedSource:
     def prefetch(self, keys: Iterable[Key]) -> None:
         return None
 
-    def invalidate(self, keys: Iterable[Key]) -> None:
-        for k in keys:
+    def invalidate(self, keys: Iterable[Key] | None) -> None:
+        for k in list(self._entries) if keys is None else keys:
             self._entries.pop(k, None)
 
     def stats(self) -> dict[str, Any]:
@@ -125,7 +125,11 @@ class MemoryTier:
     def prefetch(self, keys: Iterable[Key]) -> None:
         self.cache.prefetch(keys)
 
-    def invalidate(self, keys: Iterable[Key]) -> None:
+    def invalidate(self, keys: Iterable[Key] | None) -> None:
+        if keys is None:
+            self.cache.clear()
+            self.lower.invalidate(None)
+            return
         keys = list(keys)
         self.cache.invalidate(keys)
         self.lower.invalidate(keys)

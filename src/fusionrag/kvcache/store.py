@@ -11,6 +11,13 @@ the final name, so an interrupted write leaves either the old entry or none.
 Tensors: ``keys``/``values`` ``[L, H, T, D]`` (as :class:`~fusionrag.kvcache.kv.KV`) in the
 storage dtype (fp16 halves the disk and memory; re-rotation always happens in fp32 in
 ``KV.moved_to`` / ``assemble``), and optionally ``scores`` ``[T]`` fp32. No pickles.
+
+int8 entries (``dtype`` int8, :mod:`fusionrag.kvcache.quant`) store int8 codes plus
+``key_scales``/``value_scales`` and record the scheme in the header (``quant``); they use
+their own ``format`` string, so a reader that predates int8 refuses them instead of reading
+codes as KV. Loading dequantises them to fp16; the checksum covers codes and scales alike.
+The entry's bytes are self-verifying, which is what lets a shared tier (Redis) hold the same
+bytes as the disk: :func:`decode_entry` checks them wherever they came from.
 """
 
 from __future__ import annotations
@@ -29,18 +36,24 @@ from safetensors.torch import save as st_save
 from fusionrag.errors import CacheIntegrityError, FusionRAGError
 from fusionrag.files import atomic_write, remove_temp_files
 from fusionrag.kvcache.kv import KV
+from fusionrag.kvcache.quant import INT8_SCHEME, dequantize_kv, quantize_kv
 
 FORMAT = "fusionrag-kv/1"
+FORMAT_INT8 = "fusionrag-kv/1+int8"
+FORMATS = (FORMAT, FORMAT_INT8)
 KINDS = ("plain", "fused", "system")
 CHUNK_KINDS = ("plain", "fused")
-DTYPES = {"float16": torch.float16, "fp16": torch.float16, "float32": torch.float32, "fp32": torch.float32}
+DTYPES = {"float16": torch.float16, "fp16": torch.float16, "float32": torch.float32, "fp32": torch.float32,
+          "int8": torch.int8}
+#: Storage dtypes a store can be created with (what ``--kv-dtype`` offers).
+STORAGE_DTYPES = ("float16", "float32", "int8")
 _MAX_HEADER = 16 << 20
 
 
 def canonical_dtype(name: str) -> str:
-    """``float16`` or ``float32`` (accepting ``fp16``/``fp32``); anything else is a user error."""
+    """``float16``, ``float32`` or ``int8`` (accepting ``fp16``/``fp32``); anything else is a user error."""
     if name not in DTYPES:
-        raise FusionRAGError(f"unsupported KV storage dtype '{name}' (choose float16 or float32)")
+        raise FusionRAGError(f"unsupported KV storage dtype '{name}' (choose float16, float32 or int8)")
     return str(DTYPES[name]).removeprefix("torch.")
 
 
@@ -101,23 +114,29 @@ class KVStore:
         if len(kv) != len(token_ids):
             raise ValueError(f"KV has {len(kv)} tokens but {len(token_ids)} token ids were given")
         dtype = canonical_dtype(dtype or self.dtype)
-        tdtype = DTYPES[dtype]
-        tensors = {
-            "keys": kv.keys.detach().to(tdtype).contiguous(),
-            "values": kv.values.detach().to(tdtype).contiguous(),
-        }
+        if dtype == "int8":
+            for name, t in (("keys", kv.keys), ("values", kv.values)):
+                if not torch.isfinite(t).all():
+                    raise FusionRAGError(f"chunk {chunk_id}: KV {name} are not finite")
+            tensors = quantize_kv(kv.keys, kv.values)
+        else:
+            tdtype = DTYPES[dtype]
+            tensors = {
+                "keys": kv.keys.detach().to(tdtype).contiguous(),
+                "values": kv.values.detach().to(tdtype).contiguous(),
+            }
+            for name in ("keys", "values"):
+                if not torch.isfinite(tensors[name]).all():
+                    raise FusionRAGError(
+                        f"chunk {chunk_id}: KV {name} are not finite in {dtype} (values beyond the fp16 range?); "
+                        "store this knowledge base with kv dtype float32"
+                    )
         if scores is not None:
             tensors["scores"] = scores.detach().to(torch.float32).reshape(-1).contiguous()
             if tensors["scores"].numel() != len(kv):
                 raise ValueError(f"{tensors['scores'].numel()} scores for {len(kv)} tokens")
-        for name in ("keys", "values"):
-            if not torch.isfinite(tensors[name]).all():
-                raise FusionRAGError(
-                    f"chunk {chunk_id}: KV {name} are not finite in {dtype} (values beyond the fp16 range?); "
-                    "store this knowledge base with kv dtype float32"
-                )
         meta = {
-            "format": FORMAT,
+            "format": FORMAT_INT8 if dtype == "int8" else FORMAT,
             "kind": kind,
             "chunk_id": "" if chunk_id is None else str(int(chunk_id)),
             "fingerprint": self.fingerprint,
@@ -128,12 +147,21 @@ class KVStore:
             "dtype": dtype,
             "extra": json.dumps(extra or {}, sort_keys=True),
         }
+        if dtype == "int8":
+            meta["quant"] = INT8_SCHEME
         meta["checksum"] = _checksum(tensors, meta)
         data = st_save(tensors, metadata=meta)
         path = self.path(chunk_id, kind)
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write(path, data)
         return path
+
+    def remove(self, chunk_id: int, kind: str) -> bool:
+        """Delete one entry (e.g. plain KV of a fused-only store); whether it existed."""
+        path = self.path(chunk_id, kind)
+        existed = path.is_file()
+        path.unlink(missing_ok=True)
+        return existed
 
     # ------------------------------------------------------------ read
 
@@ -153,54 +181,83 @@ class KVStore:
             return None
         return meta if isinstance(meta, dict) else None
 
+    def read_bytes(self, chunk_id: int | None, kind: str) -> bytes:
+        """The entry's file as stored (what a shared tier copies); :class:`CacheIntegrityError` if unreadable."""
+        path = self.path(chunk_id, kind)
+        try:
+            return path.read_bytes()
+        except FileNotFoundError:
+            raise CacheIntegrityError(f"{_what(chunk_id, kind)} is missing ({path})") from None
+        except OSError as exc:
+            raise CacheIntegrityError(f"{_what(chunk_id, kind)}: cannot read {path}: {exc}") from exc
+
     def load(self, chunk_id: int | None, kind: str, token_ids=None) -> KVEntry:
         """Read and verify one entry; :class:`CacheIntegrityError` says what is wrong."""
-        path = self.path(chunk_id, kind)
-        what = "system prompt KV" if kind == "system" else f"{kind} KV of chunk {chunk_id}"
-        try:
-            data = path.read_bytes()
-        except FileNotFoundError:
-            raise CacheIntegrityError(f"{what} is missing ({path})") from None
-        except OSError as exc:
-            raise CacheIntegrityError(f"{what}: cannot read {path}: {exc}") from exc
-        try:
-            n = int.from_bytes(data[:8], "little")
-            if len(data) < 8 or n <= 0 or n > min(_MAX_HEADER, len(data) - 8):
-                raise ValueError("header length out of range")
-            meta = json.loads(data[8:8 + n]).get("__metadata__") or {}
-            tensors = st_load(data)
-        except (SafetensorError, ValueError, AttributeError, RuntimeError) as exc:
-            raise CacheIntegrityError(
-                f"{what} is truncated or corrupted ({path}: {exc}); delete it and re-run ingest/preprocess"
-            ) from exc
-        if meta.get("format") != FORMAT or "keys" not in tensors or "values" not in tensors:
-            raise CacheIntegrityError(f"{what}: {path} is not a fusionrag KV entry")
-        if _checksum(tensors, meta) != meta.get("checksum"):
-            raise CacheIntegrityError(
-                f"{what}: checksum mismatch in {path} (the file was corrupted or modified); "
-                "delete it and re-run ingest/preprocess"
-            )
-        if meta.get("fingerprint") != self.fingerprint:
-            raise CacheIntegrityError(
-                f"{what} was computed by model {meta.get('fingerprint')}, not by the loaded model "
-                f"{self.fingerprint}; refusing to reuse it"
-            )
-        if meta.get("system_hash") != self.system_hash:
-            raise CacheIntegrityError(
-                f"{what} was computed after another system prompt ({meta.get('system_hash')} != "
-                f"{self.system_hash}); refusing to reuse it"
-            )
-        if token_ids is not None and meta.get("tokens_sha256") != tokens_hash(token_ids):
-            raise CacheIntegrityError(f"{what} was computed for other tokens than the chunk's; refusing to reuse it")
-        if meta.get("kind") != kind or (chunk_id is not None and meta.get("chunk_id") != str(int(chunk_id))):
-            raise CacheIntegrityError(f"{what}: {path} holds {meta.get('kind')} KV of chunk {meta.get('chunk_id')}")
-        try:
-            kv = KV(tensors["keys"], tensors["values"], int(meta["base_position"]))
-        except (ValueError, KeyError) as exc:
-            raise CacheIntegrityError(f"{what}: malformed entry {path}: {exc}") from exc
-        if str(len(kv)) != meta.get("n_tokens"):
-            raise CacheIntegrityError(f"{what}: {path} has {len(kv)} tokens, header says {meta.get('n_tokens')}")
-        return KVEntry(kv, tensors.get("scores"), meta)
+        data = self.read_bytes(chunk_id, kind)
+        return self.decode(data, chunk_id, kind, token_ids, where=str(self.path(chunk_id, kind)))
+
+    def decode(self, data: bytes, chunk_id: int | None, kind: str, token_ids=None, where: str = "") -> KVEntry:
+        """Verify an entry's bytes (from disk or a shared tier) against this store's model, ``S`` and tokens."""
+        return decode_entry(data, chunk_id, kind, self.fingerprint, self.system_hash, token_ids, where)
+
+
+def _what(chunk_id: int | None, kind: str) -> str:
+    return "system prompt KV" if kind == "system" else f"{kind} KV of chunk {chunk_id}"
+
+
+def decode_entry(data: bytes, chunk_id: int | None, kind: str, fingerprint: str, system_hash: str,
+                 token_ids=None, where: str = "") -> KVEntry:
+    """Parse and verify one entry's bytes; :class:`CacheIntegrityError` says what is wrong.
+
+    Checks, in order: safetensors framing, format, checksum (tensors and metadata), model
+    fingerprint, ``S`` hash, token hash, kind/chunk id, shape. int8 entries are dequantised
+    to fp16 after verification.
+    """
+    what, path = _what(chunk_id, kind), where or "<bytes>"
+    try:
+        n = int.from_bytes(data[:8], "little")
+        if len(data) < 8 or n <= 0 or n > min(_MAX_HEADER, len(data) - 8):
+            raise ValueError("header length out of range")
+        meta = json.loads(data[8:8 + n]).get("__metadata__") or {}
+        tensors = st_load(data)
+    except (SafetensorError, ValueError, AttributeError, RuntimeError) as exc:
+        raise CacheIntegrityError(
+            f"{what} is truncated or corrupted ({path}: {exc}); delete it and re-run ingest/preprocess"
+        ) from exc
+    if meta.get("format") not in FORMATS or "keys" not in tensors or "values" not in tensors:
+        raise CacheIntegrityError(f"{what}: {path} is not a fusionrag KV entry")
+    if _checksum(tensors, meta) != meta.get("checksum"):
+        raise CacheIntegrityError(
+            f"{what}: checksum mismatch in {path} (the file was corrupted or modified); "
+            "delete it and re-run ingest/preprocess"
+        )
+    if meta.get("fingerprint") != fingerprint:
+        raise CacheIntegrityError(
+            f"{what} was computed by model {meta.get('fingerprint')}, not by the loaded model "
+            f"{fingerprint}; refusing to reuse it"
+        )
+    if meta.get("system_hash") != system_hash:
+        raise CacheIntegrityError(
+            f"{what} was computed after another system prompt ({meta.get('system_hash')} != "
+            f"{system_hash}); refusing to reuse it"
+        )
+    if token_ids is not None and meta.get("tokens_sha256") != tokens_hash(token_ids):
+        raise CacheIntegrityError(f"{what} was computed for other tokens than the chunk's; refusing to reuse it")
+    if meta.get("kind") != kind or (chunk_id is not None and meta.get("chunk_id") != str(int(chunk_id))):
+        raise CacheIntegrityError(f"{what}: {path} holds {meta.get('kind')} KV of chunk {meta.get('chunk_id')}")
+    try:
+        if meta["format"] == FORMAT_INT8:
+            if meta.get("quant") != INT8_SCHEME:
+                raise ValueError(f"unknown int8 scheme {meta.get('quant')!r}")
+            keys, values = dequantize_kv(tensors)
+        else:
+            keys, values = tensors["keys"], tensors["values"]
+        kv = KV(keys, values, int(meta["base_position"]))
+    except (ValueError, KeyError) as exc:
+        raise CacheIntegrityError(f"{what}: malformed entry {path}: {exc}") from exc
+    if str(len(kv)) != meta.get("n_tokens"):
+        raise CacheIntegrityError(f"{what}: {path} has {len(kv)} tokens, header says {meta.get('n_tokens')}")
+    return KVEntry(kv, tensors.get("scores"), meta)
 
 
 def _checksum(tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> str:

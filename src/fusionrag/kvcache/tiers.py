@@ -203,6 +203,12 @@ class TieredKVCache(Generic[K, V]):
                 if k in self._inflight:
                     self._stale_inflight.add(k)
 
+    def clear(self) -> None:
+        """Forget every value (the slower tier changed in ways nobody listed, e.g. another process wrote)."""
+        with self._lock:
+            keys = [*self._mem, *self._staged, *self._inflight]
+        self.invalidate(keys)
+
     def contains(self, key: K) -> bool:
         """Whether ``key`` is resident in the memory tier."""
         with self._lock:

@@ -18,11 +18,12 @@ computations are the pure batch functions of :mod:`fusionrag.offline.preprocess`
 
 from __future__ import annotations
 
+import functools
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from tqdm.auto import tqdm
 
@@ -31,6 +32,7 @@ from fusionrag.execution.segments import system_kv as compute_system_kv
 from fusionrag.kvcache.kv import KV
 from fusionrag.kvcache.store import CHUNK_KINDS
 from fusionrag.models.registry import LoadedModel
+from fusionrag.offline.compact import after_fuse, keeps_plain
 from fusionrag.offline.preprocess import (
     DEFAULT_NEIGHBOUR_ORDER,
     DEFAULT_TOP_N,
@@ -45,6 +47,18 @@ from fusionrag.retrieval.embedder import Embedder
 from fusionrag.retrieval.knowledge import KnowledgeStore
 
 Key = tuple[int, str]
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _writes(fn: F) -> F:
+    """Run a mutation under the store's writer lock (one writing process; the generation bumps after)."""
+
+    @functools.wraps(fn)
+    def wrapper(store: KnowledgeStore, *args: Any, **kwargs: Any) -> Any:
+        with store.writer():
+            return fn(store, *args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
 
 
 @dataclass(frozen=True)
@@ -126,7 +140,8 @@ def create_store(path: str | Path, lm: LoadedModel, chunk_tokens: int = DEFAULT_
     """A new, empty store with ``S``'s KV computed."""
     store = KnowledgeStore.create(path, lm, chunk_tokens=chunk_tokens, kv_dtype=kv_dtype, embedder=embedder,
                                   model_source=model_source)
-    ensure_system_kv(store, lm)
+    with store.writer():
+        ensure_system_kv(store, lm)
     return store
 
 
@@ -139,6 +154,7 @@ def ensure_system_kv(store: KnowledgeStore, lm: LoadedModel) -> KV:
     return kv.to(lm.model.dtype)
 
 
+@_writes
 def ingest(store: KnowledgeStore, lm: LoadedModel, paths: Iterable[Path | str], progress: bool = True,
            fuse: bool | None = None) -> IngestReport:
     """Read, chunk, dedup, embed and index ``paths``; plain KV for new chunks; then re-fuse.
@@ -162,10 +178,14 @@ def ingest(store: KnowledgeStore, lm: LoadedModel, paths: Iterable[Path | str], 
     new = [c for c in unique if store.find_by_hash(c.content_hash) is None]
     report.duplicates = dups + len(unique) - len(new)
     report.new_ids, report.embed_seconds = store.insert_chunks(new, progress)
+    for c in chunks:  # a passage another document already brought in is referenced by this one too
+        store.add_refs([store.find_by_hash(c.content_hash)], c.doc)
     report.new_chunks = len(new)
     system = ensure_system_kv(store, lm)
     # Every chunk lacking plain KV, not only the new ones: completes an interrupted ingest.
-    report.plain_computed, report.plain_seconds = compute_plain(store, lm, system, progress=progress)
+    # A store that drops plain KV (offline.compact) computes only what the re-fuse reads, in the re-fuse.
+    report.plain_computed, report.plain_seconds = compute_plain(
+        store, lm, system, progress=progress, chunk_ids=None if keeps_plain(store) else [])
     settings = recorded_fuse_settings(store)
     if fuse or (fuse is None and settings is not None):
         pre = _fuse(store, lm, system, settings or FuseSettings(), None, progress, batch_size=4)
@@ -175,6 +195,7 @@ def ingest(store: KnowledgeStore, lm: LoadedModel, paths: Iterable[Path | str], 
     return report
 
 
+@_writes
 def add_passages(store: KnowledgeStore, lm: LoadedModel, passages: Sequence[dict], doc: str = "api",
                  plain_kv: bool = True) -> list[int]:
     """Add ``{title, text}`` passages (split if longer than a chunk); returns their chunk ids in order.
@@ -193,12 +214,16 @@ def add_passages(store: KnowledgeStore, lm: LoadedModel, passages: Sequence[dict
     unique, _ = dedup(chunks)
     store.insert_chunks([c for c in unique if store.find_by_hash(c.content_hash) is None])
     ids = [store.find_by_hash(c.content_hash) for c in chunks]
+    for c, cid in zip(chunks, ids, strict=True):  # passages already stored are used by this document too
+        if cid is not None:
+            store.add_refs([cid], c.doc)
     if plain_kv:
         compute_plain(store, lm, ensure_system_kv(store, lm),
                       chunk_ids=[i for i in dict.fromkeys(ids) if i is not None], progress=False)
     return [int(i) for i in ids if i is not None]
 
 
+@_writes
 def fuse(store: KnowledgeStore, lm: LoadedModel, top_n: int | None = None, *, neighbour_order: str | None = None,
          same_document: bool | None = None, chunk_ids: Sequence[int] | None = None, progress: bool = True,
          batch_size: int = 4, record: bool = True) -> PreprocessReport:
@@ -218,11 +243,14 @@ def fuse(store: KnowledgeStore, lm: LoadedModel, top_n: int | None = None, *, ne
 
 def _fuse(store: KnowledgeStore, lm: LoadedModel, system: KV, settings: FuseSettings,
           chunk_ids: Sequence[int] | None, progress: bool, batch_size: int) -> PreprocessReport:
-    return fuse_store(store, lm, system, top_n=settings.top_n, neighbour_order=settings.neighbour_order,
-                      same_document=settings.same_document, chunk_ids=chunk_ids, progress=progress,
-                      batch_size=batch_size)
+    report = fuse_store(store, lm, system, top_n=settings.top_n, neighbour_order=settings.neighbour_order,
+                        same_document=settings.same_document, chunk_ids=chunk_ids, progress=progress,
+                        batch_size=batch_size)
+    report.removed_keys.extend(after_fuse(store))  # a fused-only store drops the plain KV fusing re-created
+    return report
 
 
+@_writes
 def delete_document(store: KnowledgeStore, doc: str) -> list[Key]:
     """Remove document ``doc``'s chunks; returns the entries removed (for the engine's ``invalidate``)."""
     return [(cid, kind) for cid in store.delete_doc(doc) for kind in CHUNK_KINDS]

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from fusionrag.errors import FusionRAGError
+from fusionrag.kvcache.store import STORAGE_DTYPES
 from fusionrag.offline.preprocess import DEFAULT_TOP_N, NEIGHBOUR_ORDERS
 
 _MODEL_HELP = (
@@ -23,7 +24,8 @@ _MODEL_HELP = (
 def _open(store_dir: Path, model: str | None, embedder=None):
     """The store and the model it was built with (``model`` overrides where the weights are read from)."""
     from fusionrag.models import load_model
-    from fusionrag.retrieval.knowledge import KnowledgeStore, stored_model
+    from fusionrag.retrieval.knowledge import KnowledgeStore
+    from fusionrag.retrieval.store_info import stored_model
 
     lm = load_model(model or stored_model(store_dir))
     return KnowledgeStore.open(store_dir, lm=lm, embedder=embedder), lm
@@ -33,7 +35,7 @@ def cmd_ingest(args: argparse.Namespace) -> int:
     from fusionrag.models import DEFAULT_MODEL, load_model
     from fusionrag.offline import build
     from fusionrag.retrieval.embedder import get_embedder
-    from fusionrag.retrieval.knowledge import DB_NAME
+    from fusionrag.retrieval.store_info import DB_NAME
 
     store_dir = Path(args.store)
     if (store_dir / DB_NAME).is_file():
@@ -71,23 +73,54 @@ def _same_dtype(a: str, b: str) -> bool:
 
 
 def cmd_preprocess(args: argparse.Namespace) -> int:
-    from fusionrag.offline import build
+    from fusionrag.offline import build, compact
 
     store, lm = _open(Path(args.store), args.model)
     try:
+        converted = compact.convert_kv_dtype(store, args.kv_dtype) if args.kv_dtype else []
+        if args.plain_kv == "keep":
+            compact.set_plain_kv(store, "keep")
         report = build.fuse(store, lm, top_n=args.top_n, progress=not args.quiet,
                             neighbour_order=args.neighbour_order, same_document=True if args.same_document else None)
+        if args.plain_kv == "drop":
+            compact.set_plain_kv(store, "drop")
+            report.removed_keys.extend(compact.drop_plain(store))
     finally:
         store.close()
-    print(json.dumps(report.to_dict(), indent=2))
+    print(json.dumps({**report.to_dict(), "kv_converted": len(converted)}, indent=2))
     return 0
 
 
 def cmd_store_info(args: argparse.Namespace) -> int:
-    from fusionrag.retrieval.knowledge import store_info
+    from fusionrag.retrieval.store_info import store_info
 
     print(json.dumps(store_info(Path(args.store)), indent=2))
     return 0
+
+
+def cmd_store_verify(args: argparse.Namespace) -> int:
+    """Check every file of the store; with --repair, remove or recompute what is broken. Exit 1 if not ok."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from fusionrag.offline.verify import verify_store
+
+    store, lm = _open(Path(args.store), args.model)
+    try:
+        report = verify_store(store, lm, repair=args.repair, progress=not args.quiet)
+    finally:
+        store.close()
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=2))
+    else:
+        table = Table(title=f"store verify {args.store}: {report.chunks} chunks, {report.entries_checked} KV entries "
+                            f"checked, {'ok' if report.ok else 'PROBLEMS'}")
+        for col in ("kind", "what", "problem", "repair"):
+            table.add_column(col, overflow="fold")
+        for p in report.problems:
+            table.add_row(p.kind, p.what, p.why, p.repaired or ("-" if args.repair else "run with --repair"))
+        Console().print(table)
+    return 0 if report.ok else 1
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -97,8 +130,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--store", required=True, help="knowledge-base folder (created if missing)")
     p.add_argument("--model", default=None, help=_MODEL_HELP)
     p.add_argument("--chunk-tokens", type=int, default=None, help="max tokens per chunk, title included (default 256)")
-    p.add_argument("--kv-dtype", choices=["float16", "float32"], default=None,
-                   help="KV storage dtype (default float16; rotation is always fp32)")
+    p.add_argument("--kv-dtype", choices=list(STORAGE_DTYPES), default=None,
+                   help="KV storage dtype of a new store (default float16; int8: codes + scales, ~half of fp16; "
+                        "rotation is always fp32)")
     p.add_argument("--embedder", default=None,
                    help="embedding model for a new store: all-MiniLM-L6-v2 (default) or hashing-<dim> (tests)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -112,12 +146,29 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="where the most similar neighbour goes: first, right after S (nearest_first, the default) "
                         "or right before the chunk (nearest_last); default: the store's recorded setting")
     p.add_argument("--same-document", action="store_true", help="take neighbours only from the chunk's document")
+    p.add_argument("--kv-dtype", choices=list(STORAGE_DTYPES), default=None,
+                   help="convert the store's KV to this storage dtype first (re-encoded, no model run)")
+    plain = p.add_mutually_exclusive_group()
+    plain.add_argument("--drop-plain", dest="plain_kv", action="store_const", const="drop",
+                       help="after fusing, keep only fused KV (what FusionRAG and policies on fused KV read); "
+                            "incremental updates re-create the neighbours' plain KV they need")
+    plain.add_argument("--keep-plain", dest="plain_kv", action="store_const", const="keep",
+                       help="keep (re-create) every chunk's plain KV again")
     p.add_argument("--model", default=None, help="load the store's model from here (must be the same weights)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
-    p.set_defaults(func=cmd_preprocess)
+    p.set_defaults(func=cmd_preprocess, plain_kv=None)
 
     p = sub.add_parser("store", help="knowledge-base maintenance")
     store_sub = p.add_subparsers(dest="store_command", required=True)
     q = store_sub.add_parser("info", help="print a store's model, counts, sizes and settings as JSON")
     q.add_argument("--store", required=True, help="knowledge-base folder")
     q.set_defaults(func=cmd_store_info)
+    q = store_sub.add_parser("verify", help="check every store file (metadata, index, KV entries, orphans); "
+                                            "--repair removes or recomputes what is broken")
+    q.add_argument("--store", required=True, help="knowledge-base folder")
+    q.add_argument("--repair", action="store_true", help="remove bad entries and orphans, rebuild the index, "
+                                                         "recompute missing KV")
+    q.add_argument("--model", default=None, help="load the store's model from here (must be the same weights)")
+    q.add_argument("--json", action="store_true", help="print the report as JSON")
+    q.add_argument("--quiet", action="store_true", help="no progress bars")
+    q.set_defaults(func=cmd_store_verify)

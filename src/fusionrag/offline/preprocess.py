@@ -31,12 +31,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from tqdm.auto import tqdm
 
-from fusionrag.errors import FusionRAGError
+from fusionrag.errors import CacheIntegrityError, FusionRAGError
 from fusionrag.execution.attention import prefill_with_context_attention
 from fusionrag.execution.segments import chunk_kv_plain
 from fusionrag.kvcache.kv import KV, assemble
 from fusionrag.kvcache.store import tokens_hash
 from fusionrag.models.registry import LoadedModel
+from fusionrag.offline.compact import keeps_plain, plain_needed
 
 if TYPE_CHECKING:
     from fusionrag.retrieval.knowledge import KnowledgeStore
@@ -142,11 +143,12 @@ class PreprocessReport:
     neighbour_changes: list[int] = field(default_factory=list)  # ids re-fused (not new)
 
     changed: list[int] = field(default_factory=list)  # every chunk whose fused entry was (re)written
+    removed_keys: list[tuple[int, str]] = field(default_factory=list)  # plain KV dropped afterwards (offline.compact)
 
     @property
     def changed_keys(self) -> list[tuple[int, str]]:
-        """The store entries this run rewrote: online tiers must drop their copies."""
-        return [(c, "fused") for c in self.changed]
+        """The store entries this run rewrote or removed: online tiers must drop their copies."""
+        return [(c, "fused") for c in self.changed] + list(self.removed_keys)
 
     @property
     def chunks_per_s(self) -> float:
@@ -159,6 +161,7 @@ class PreprocessReport:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         del d["changed"]
+        d["plain_dropped"] = len(d.pop("removed_keys"))
         d["chunks_per_s"] = round(self.chunks_per_s, 3)
         d["s_per_chunk"] = round(self.s_per_chunk, 4)
         d["seconds"] = round(self.seconds, 3)
@@ -170,11 +173,18 @@ def fuse_key(neighbours: Sequence[int], neighbour_order: str) -> dict[str, Any]:
     return {"neighbours": [int(n) for n in neighbours], "neighbour_order": neighbour_order}
 
 
-def entry_is_current(store: KnowledgeStore, chunk_id: int, key: dict[str, Any]) -> tuple[bool, bool]:
-    """``(exists, current)`` for the chunk's fused entry, from its header only."""
-    meta = store.kv.header(chunk_id, "fused")
+def entry_is_current(store: KnowledgeStore, chunk_id: int, key: dict[str, Any],
+                     kind: str = "fused") -> tuple[bool, bool]:
+    """``(exists, current)`` for one of the chunk's entries.
+
+    Current means: made by this model after this ``S`` for the chunk's tokens, with the
+    settings in ``key`` (fused: neighbours and order), *and* it passes full verification:
+    a truncated or bit-flipped file whose header still looks right is rebuilt, never
+    skipped forever. An entry left by another store (same id, other tokens) is not current.
+    """
+    meta = store.kv.header(chunk_id, kind)
     if meta is None:
-        return False, False
+        return store.kv.path(chunk_id, kind).exists(), False
     try:
         extra = json.loads(meta.get("extra", "{}"))
     except ValueError:
@@ -186,18 +196,23 @@ def entry_is_current(store: KnowledgeStore, chunk_id: int, key: dict[str, Any]) 
         and meta.get("tokens_sha256") == tokens_hash(store.chunk(chunk_id).token_ids)
         and {k: extra.get(k) for k in key} == key
     )
+    if current:
+        try:
+            store.load_entry(chunk_id, kind)
+        except CacheIntegrityError:
+            return True, False
     return True, current
 
 
 def compute_plain(store: KnowledgeStore, lm: LoadedModel, system_kv: KV, chunk_ids: Sequence[int] | None = None,
                   progress: bool = True, batch_size: int = 8) -> tuple[int, float]:
-    """Compute and store the plain KV of every chunk (of ``chunk_ids``) lacking one.
+    """Compute and store the plain KV of every chunk (of ``chunk_ids``) lacking a current one.
 
-    Resumable: existing entries are skipped, each entry is written atomically.
-    Returns ``(computed, seconds)``.
+    Resumable: current, verified entries are skipped (missing, corrupted or foreign ones are
+    recomputed), each entry is written atomically. Returns ``(computed, seconds)``.
     """
     ids = store.chunk_ids() if chunk_ids is None else list(chunk_ids)
-    todo = [c for c in ids if not store.has_kv(c, "plain")]
+    todo = [c for c in ids if not entry_is_current(store, c, {}, "plain")[1]]
     if not todo:
         return 0, 0.0
     t0 = time.perf_counter()
@@ -228,7 +243,6 @@ def fuse_store(store: KnowledgeStore, lm: LoadedModel, system_kv: KV, top_n: int
     report.chunks = len(ids)
     if not ids:
         return report
-    compute_plain(store, lm, system_kv, progress=progress)  # neighbours need plain KV (completes an interrupted ingest)
     neighbours = compute_neighbours(store, ids, top_n, same_document)
     todo, replaced = [], set()
     for cid in ids:
@@ -239,6 +253,10 @@ def fuse_store(store: KnowledgeStore, lm: LoadedModel, system_kv: KV, top_n: int
             todo.append(cid)
             if exists:
                 replaced.add(cid)
+    # Neighbours need plain KV: every chunk's (completes an interrupted ingest), or on a store that
+    # drops plain KV only what this run reads (offline.compact).
+    compute_plain(store, lm, system_kv, progress=progress,
+                  chunk_ids=None if keeps_plain(store) else plain_needed(todo, neighbours))
     todo_set = set(todo)
     store.record_neighbours({c: neighbours[c] for c in ids if c not in todo_set})
     if not todo:

@@ -5,8 +5,8 @@ A store folder holds:
 - ``store.sqlite``: settings, and per chunk its document, title, text, token ids (JSON),
   token count, content hash, embedding (float32 bytes) and the neighbour list its fused
   KV was computed with. SQLite is the source of truth.
-- ``index.faiss``: the vector index (rebuilt from the SQLite embeddings if missing or
-  stale, e.g. after a crash between the two writes).
+- ``index.faiss``: the vector index, checksummed in SQLite (rebuilt from the stored
+  embeddings if missing, corrupted or stale).
 - ``kv/``: one verified safetensors file per (chunk, kind) plus ``S``'s KV
   (:mod:`fusionrag.kvcache.store`).
 
@@ -21,11 +21,14 @@ online goes through :meth:`KnowledgeStore.kv_source` (:mod:`fusionrag.kvcache.so
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
+import shutil
 import sqlite3
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,27 +45,21 @@ from fusionrag.prompt import PromptBuilder, chunk_text
 from fusionrag.retrieval.chunking import DEFAULT_CHUNK_TOKENS, Chunk
 from fusionrag.retrieval.embedder import Embedder, get_embedder
 from fusionrag.retrieval.index import VectorIndex
+from fusionrag.retrieval.store_files import (
+    SCHEMA,
+    bump_generation,
+    connect,
+    index_digest,
+    migrate_refs,
+    read_generation,
+    writer_lock,
+)
+from fusionrag.retrieval.store_info import DB_NAME, INDEX_NAME, KV_DIR, read_settings
+
+log = logging.getLogger(__name__)
 
 STORE_FORMAT = "fusionrag-store/1"
-DB_NAME = "store.sqlite"
-INDEX_NAME = "index.faiss"
-KV_DIR = "kv"
 
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS settings (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS chunks (
-    id INTEGER PRIMARY KEY,
-    doc TEXT NOT NULL,
-    title TEXT NOT NULL,
-    text TEXT NOT NULL,
-    token_ids TEXT NOT NULL,
-    n_tokens INTEGER NOT NULL,
-    content_hash TEXT NOT NULL UNIQUE,
-    embedding BLOB NOT NULL,
-    neighbours TEXT
-);
-CREATE INDEX IF NOT EXISTS chunks_doc ON chunks(doc);
-"""
 
 
 class UnknownChunkError(FusionRAGError, KeyError):
@@ -100,7 +97,10 @@ class KnowledgeStore:
         self.kv = KVStore(self.path / KV_DIR, fingerprint, self.prompt.system_hash, settings["kv_dtype"])
         self._records: dict[int, ChunkRecord] = {}
         self._lock = threading.RLock()
-        self.index = self._load_index()
+        self._writing = 0  # depth of writer() in this process (the file lock is taken once)
+        migrate_refs(db)
+        self._generation = self.generation()
+        self.index = self.load_index()
 
     # ------------------------------------------------------------ create / open
 
@@ -134,7 +134,11 @@ class KnowledgeStore:
             "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
         }
         path.mkdir(parents=True, exist_ok=True)
-        db = _connect(path / DB_NAME)
+        # KV files with no metadata (e.g. store.sqlite deleted by hand) would be reused for other
+        # chunks that get the same ids: they are orphans, removed before the new store starts.
+        shutil.rmtree(path / KV_DIR, ignore_errors=True)
+        (path / INDEX_NAME).unlink(missing_ok=True)
+        db = connect(path / DB_NAME, SCHEMA)
         with db:
             db.executemany("INSERT INTO settings(key, value) VALUES (?, ?)",
                            [(k, json.dumps(v)) for k, v in settings.items()])
@@ -146,7 +150,7 @@ class KnowledgeStore:
         path = Path(path)
         if not (path / DB_NAME).is_file():
             raise FusionRAGError(f"no knowledge base at {path} (create one with: fusionrag ingest PATH --store {path})")
-        db = _connect(path / DB_NAME)
+        db = connect(path / DB_NAME, SCHEMA)
         settings = read_settings(db)
         if settings.get("format") != STORE_FORMAT:
             raise FusionRAGError(f"{path}: unsupported store format {settings.get('format')!r}")
@@ -190,6 +194,46 @@ class KnowledgeStore:
             self.db.executemany("INSERT OR REPLACE INTO settings(key, value) VALUES (?, ?)",
                                 [(k, json.dumps(v)) for k, v in values.items()])
         self.settings.update(values)
+
+    # ------------------------------------------------------------ one writer, visible generations
+
+    @contextlib.contextmanager
+    def writer(self, timeout_s: float = 30.0) -> Iterator[None]:
+        """Hold the writer lock (one writing process at a time; re-entrant here); bump the generation
+        on exit, which readers in other processes notice (:meth:`refresh`)."""
+        with self._lock:
+            if self._writing:
+                self._writing += 1
+                try:
+                    yield
+                finally:
+                    self._writing -= 1
+                return
+            with writer_lock(self.path, timeout_s):
+                self.refresh()  # another process may have written since we last looked
+                self._writing = 1
+                try:
+                    yield
+                finally:
+                    self._writing = 0
+                    self._generation = bump_generation(self.db)
+
+    def generation(self) -> int:
+        """The store's change counter (bumped by every writer), read from SQLite."""
+        with self._lock:
+            return read_generation(self.db)
+
+    def refresh(self) -> bool:
+        """Reload metadata and the index if another process changed the store; True if it did."""
+        with self._lock:
+            current = self.generation()
+            if current == self._generation:
+                return False
+            self.settings = read_settings(self.db)
+            self._records.clear()
+            self.index = self.load_index()
+            self._generation = current
+            return True
 
     # ------------------------------------------------------------ chunks
 
@@ -257,6 +301,9 @@ class KnowledgeStore:
                 first = 0 if row[0] is None else int(row[0]) + 1
                 ids = list(range(first, first + len(chunks)))
                 self.db.executemany(
+                    "INSERT INTO chunk_refs(chunk_id, doc) VALUES (?, ?)", [(i, c.doc) for i, c in zip(ids, chunks,
+                                                                                                       strict=True)])
+                self.db.executemany(
                     "INSERT INTO chunks(id, doc, title, text, token_ids, n_tokens, content_hash, embedding) "
                     "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                     [(i, c.doc, c.title, c.text, json.dumps(list(c.token_ids)), c.n_tokens, c.content_hash,
@@ -264,11 +311,18 @@ class KnowledgeStore:
                 )
             # A crash before this save leaves the index behind SQLite; the next open rebuilds it.
             self.index.add(ids, vectors)
-            self.index.save(self.path / INDEX_NAME)
+            self._save_index()
         return ids, embed_s
 
+    def add_refs(self, chunk_ids: Sequence[int], doc: str) -> None:
+        """Record that document ``doc`` uses these (existing) chunks, e.g. a passage posted again."""
+        with self._lock, self.db:
+            self.db.executemany("INSERT OR IGNORE INTO chunk_refs(chunk_id, doc) VALUES (?, ?)",
+                                [(int(c), doc) for c in chunk_ids])
+
     def delete_doc(self, doc: str) -> list[int]:
-        """Remove every chunk of document ``doc``: metadata, vectors and KV files. Returns the removed ids.
+        """Remove document ``doc``: its references, and every chunk no other document still uses
+        (metadata, vectors and KV files). Returns the removed chunk ids.
 
         Chunk ids are never reused. Fused KVs of other chunks that had a removed chunk
         among their neighbours stay valid caches; the next fuse sees their neighbour
@@ -277,13 +331,19 @@ class KnowledgeStore:
         returns their keys.
         """
         with self._lock:
-            ids = [r[0] for r in self.db.execute("SELECT id FROM chunks WHERE doc = ?", (doc,)).fetchall()]
-            if not ids:
+            mine = [r[0] for r in self.db.execute("SELECT chunk_id FROM chunk_refs WHERE doc = ?", (doc,))]
+            if not mine:
                 return []
             with self.db:
+                self.db.execute("DELETE FROM chunk_refs WHERE doc = ?", (doc,))
+                still = {r[0] for r in self.db.execute(
+                    f"SELECT DISTINCT chunk_id FROM chunk_refs WHERE chunk_id IN ({','.join('?' * len(mine))})",
+                    mine)}
+                ids = sorted(c for c in mine if c not in still)
                 self.db.executemany("DELETE FROM chunks WHERE id = ?", [(i,) for i in ids])
-            self.index.remove(ids)
-            self.index.save(self.path / INDEX_NAME)
+            if ids:
+                self.index.remove(ids)
+                self._save_index()
             for cid in ids:
                 self._records.pop(cid, None)
                 for kind in CHUNK_KINDS:
@@ -292,24 +352,35 @@ class KnowledgeStore:
 
     # ------------------------------------------------------------ index
 
-    def _load_index(self) -> VectorIndex:
+    def _save_index(self) -> None:
+        """Write the index and record its digest and size in SQLite (verified on the next open)."""
+        path = self.path / INDEX_NAME
+        self.index.save(path)
+        self.update_settings(index_sha256=index_digest(path), index_count=len(self.index))
+
+    def load_index(self) -> VectorIndex:
+        """The FAISS index, verified against SQLite (digest and vector count); rebuilt if it does not match.
+
+        SQLite is the source of truth: a missing, corrupted, foreign or stale index (a crash
+        between the two writes, an external writer) is rebuilt from the stored embeddings.
+        """
         dim = int(self.settings["embedding_dim"])
         n = self.db.execute("SELECT COUNT(*) FROM chunks").fetchone()[0]
         path = self.path / INDEX_NAME
-        if path.is_file():
+        recorded = read_settings(self.db)
+        if path.is_file() and recorded.get("index_count") == n and recorded.get("index_sha256") == index_digest(path):
             try:
-                index = VectorIndex.load(path, dim)
-                if len(index) == n:
-                    return index
+                return VectorIndex.load(path, dim)
             except FusionRAGError:
                 pass
-        # Missing, unreadable or behind SQLite (crash between the two writes): rebuild.
-        index = VectorIndex(dim)
+        if path.is_file():
+            log.warning("index %s does not match the store's metadata; rebuilding it from SQLite", path)
+        self.index = VectorIndex(dim)
         rows = self.db.execute("SELECT id, embedding FROM chunks ORDER BY id").fetchall()
         if rows:
-            index.add([r[0] for r in rows], np.stack([np.frombuffer(r[1], dtype=np.float32) for r in rows]))
-        index.save(path)
-        return index
+            self.index.add([r[0] for r in rows], np.stack([np.frombuffer(r[1], dtype=np.float32) for r in rows]))
+        self._save_index()
+        return self.index
 
     def search(self, query: str, k: int) -> list[int]:
         """Chunk ids ranked by similarity to ``query`` (at most ``k``)."""
@@ -345,69 +416,3 @@ class KnowledgeStore:
     def load_kv(self, chunk_id: int, kind: str = "fused") -> KV:
         """A verified chunk cache at its stored base position ``len(S)``, in the storage dtype."""
         return self.load_entry(chunk_id, kind).kv
-
-    # ------------------------------------------------------------ reporting
-
-    def info(self) -> dict[str, Any]:
-        return store_info(self.path)
-
-
-def _connect(path: Path) -> sqlite3.Connection:
-    # Shared across threads (e.g. a web server's worker pool); access is serialised by the store's lock.
-    db = sqlite3.connect(str(path), check_same_thread=False)
-    db.executescript(_SCHEMA)
-    return db
-
-
-def stored_model(path) -> str:
-    """The model a store was built with (what :func:`fusionrag.models.load_model` needs to reload it)."""
-    path = Path(path)
-    if not (path / DB_NAME).is_file():
-        raise FusionRAGError(f"no knowledge base at {path} (create one with: fusionrag ingest PATH --store {path})")
-    db = sqlite3.connect(f"file:{path / DB_NAME}?mode=ro", uri=True)
-    try:
-        return str(read_settings(db)["model"])
-    finally:
-        db.close()
-
-
-def read_settings(db: sqlite3.Connection) -> dict[str, Any]:
-    return {k: json.loads(v) for k, v in db.execute("SELECT key, value FROM settings")}
-
-
-def store_info(path) -> dict[str, Any]:
-    """Summary of a store without loading its model (what ``fusionrag store info`` prints)."""
-    path = Path(path)
-    if not (path / DB_NAME).is_file():
-        raise FusionRAGError(f"no knowledge base at {path}")
-    db = sqlite3.connect(f"file:{path / DB_NAME}?mode=ro", uri=True)
-    try:
-        settings = read_settings(db)
-        n_chunks, n_tokens = db.execute("SELECT COUNT(*), COALESCE(SUM(n_tokens), 0) FROM chunks").fetchone()
-        n_docs = db.execute("SELECT COUNT(DISTINCT doc) FROM chunks").fetchone()[0]
-    finally:
-        db.close()
-    kv_root = path / KV_DIR
-    plain = list(kv_root.glob("*/*.plain.safetensors"))
-    fused = list(kv_root.glob("*/*.fused.safetensors"))
-    plain_bytes = sum(p.stat().st_size for p in plain)
-    fused_bytes = sum(p.stat().st_size for p in fused)
-    total = sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
-    return {
-        "path": str(path),
-        "model": settings.get("model"),
-        "fingerprint": settings.get("fingerprint"),
-        "system_hash": settings.get("system_hash"),
-        "chunks": n_chunks,
-        "documents": n_docs,
-        "chunk_tokens_total": n_tokens,
-        "plain_kv": len(plain),
-        "fused_kv": len(fused),
-        "plain_kv_bytes": plain_bytes,
-        "fused_kv_bytes": fused_bytes,
-        # per stored token, headers included (so slightly above the raw tensor size)
-        "kv_bytes_per_token": round(plain_bytes / n_tokens, 1) if n_tokens and len(plain) == n_chunks else None,
-        "bytes_on_disk": total,
-        "settings": {k: settings.get(k) for k in (
-            "fuse", "chunk_tokens", "kv_dtype", "embedder", "embedding_dim", "system_tokens", "created")},
-    }

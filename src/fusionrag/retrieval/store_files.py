@@ -1,0 +1,142 @@
+"""The store folder's files kept trustworthy: SQLite opened safely, the index checksummed, one writer.
+
+- **SQLite** (the source of truth) is opened in WAL mode (readers never block the writer,
+  and a crash mid-transaction leaves the last committed state) and checked with
+  ``PRAGMA quick_check``; a corrupted file is a clear :class:`StoreCorruptedError`, never a
+  traceback.
+- **The FAISS index** is derived data: after every save its sha256 and vector count are
+  recorded in SQLite, and opening verifies them, so random bytes written into the file are
+  detected (and the index rebuilt from SQLite) instead of silently returning wrong chunks.
+- **One writer**: every mutation holds an exclusive ``flock`` on ``store.lock``. A second
+  writer (``fusionrag ingest`` while ``fusionrag serve`` adds documents) waits up to a
+  timeout, then gets a clear error naming the holder; it never interleaves writes.
+  Each committed change bumps the store's ``generation``, which readers poll to notice
+  changes made by another process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sqlite3
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from fusionrag.errors import FusionRAGError
+from fusionrag.files import file_sha256
+
+LOCK_NAME = "store.lock"
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS settings (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS chunks (
+    id INTEGER PRIMARY KEY,
+    doc TEXT NOT NULL,
+    title TEXT NOT NULL,
+    text TEXT NOT NULL,
+    token_ids TEXT NOT NULL,
+    n_tokens INTEGER NOT NULL,
+    content_hash TEXT NOT NULL UNIQUE,
+    embedding BLOB NOT NULL,
+    neighbours TEXT
+);
+CREATE INDEX IF NOT EXISTS chunks_doc ON chunks(doc);
+-- Which documents use a chunk: a passage posted by two jobs is one chunk with two references,
+-- and deleting one document removes only chunks no other document still references.
+CREATE TABLE IF NOT EXISTS chunk_refs (
+    chunk_id INTEGER NOT NULL,
+    doc TEXT NOT NULL,
+    PRIMARY KEY (chunk_id, doc)
+);
+CREATE INDEX IF NOT EXISTS chunk_refs_doc ON chunk_refs(doc);
+"""
+
+
+class StoreCorruptedError(FusionRAGError):
+    """A store file failed its integrity check (the message says which and what to do)."""
+
+
+class StoreBusyError(FusionRAGError):
+    """Another process holds the store's writer lock."""
+
+
+def connect(path: Path, schema: str | None = None, read_only: bool = False) -> sqlite3.Connection:
+    """Open the store's SQLite file, verified; shared across threads (callers serialise access)."""
+    try:
+        if read_only:
+            db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, check_same_thread=False)
+        else:
+            db = sqlite3.connect(str(path), check_same_thread=False, timeout=30)
+            db.execute("PRAGMA journal_mode=WAL")
+        result = db.execute("PRAGMA quick_check").fetchone()
+        if result is None or result[0] != "ok":
+            raise sqlite3.DatabaseError(result[0] if result else "no result")
+        if schema and not read_only:
+            db.executescript(schema)
+    except sqlite3.DatabaseError as exc:
+        raise StoreCorruptedError(
+            f"the store's metadata {path} is corrupted ({exc}); it is the source of truth and cannot be "
+            "repaired: restore it from a backup or rebuild the store with 'fusionrag ingest'"
+        ) from None
+    return db
+
+
+def migrate_refs(db: sqlite3.Connection) -> None:
+    """Stores made before chunk references existed: each chunk is referenced by its own document."""
+    with db:
+        if db.execute("SELECT 1 FROM chunk_refs LIMIT 1").fetchone() is None:
+            db.execute("INSERT OR IGNORE INTO chunk_refs(chunk_id, doc) SELECT id, doc FROM chunks")
+
+
+def read_generation(db: sqlite3.Connection) -> int:
+    row = db.execute("SELECT value FROM settings WHERE key = 'generation'").fetchone()
+    return int(json.loads(row[0])) if row else 0
+
+
+def bump_generation(db: sqlite3.Connection) -> int:
+    """One more committed change; returns the new generation."""
+    with db:
+        new = read_generation(db) + 1
+        db.execute("INSERT OR REPLACE INTO settings(key, value) VALUES ('generation', ?)", (json.dumps(new),))
+    return new
+
+
+def index_digest(path: Path) -> str:
+    """What the metadata records about an index file: ``sha256`` of its bytes."""
+    return file_sha256(path)
+
+
+@contextlib.contextmanager
+def writer_lock(folder: Path, timeout_s: float = 30.0) -> Iterator[None]:
+    """Hold the store's exclusive writer lock (re-entrant within a process is the caller's job)."""
+    import fcntl
+
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / LOCK_NAME, "a+") as f:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    f.seek(0)
+                    holder = f.read().strip() or "another process"
+                    raise StoreBusyError(
+                        f"the store at {folder} is being written by {holder}; only one writer at a time "
+                        "(wait for it to finish, or stop it)"
+                    ) from None
+                time.sleep(0.05)
+        try:
+            f.seek(0)
+            f.truncate()
+            f.write(f"pid {os.getpid()}")
+            f.flush()
+            yield
+        finally:
+            f.seek(0)
+            f.truncate()
+            f.flush()
+            fcntl.flock(f, fcntl.LOCK_UN)

@@ -1,0 +1,70 @@
+"""What a store holds, read without loading its model (``fusionrag store info``, ``stored_model``)."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from pathlib import Path
+from typing import Any
+
+from fusionrag.errors import FusionRAGError
+from fusionrag.retrieval.store_files import connect
+
+DB_NAME = "store.sqlite"
+INDEX_NAME = "index.faiss"
+KV_DIR = "kv"
+
+
+def read_settings(db: sqlite3.Connection) -> dict[str, Any]:
+    return {k: json.loads(v) for k, v in db.execute("SELECT key, value FROM settings")}
+
+
+def _open_read_only(path: Path) -> sqlite3.Connection:
+    if not (path / DB_NAME).is_file():
+        raise FusionRAGError(f"no knowledge base at {path} (create one with: fusionrag ingest PATH --store {path})")
+    return connect(path / DB_NAME, read_only=True)
+
+
+def stored_model(path) -> str:
+    """The model a store was built with (what :func:`fusionrag.models.load_model` needs to reload it)."""
+    db = _open_read_only(Path(path))
+    try:
+        return str(read_settings(db)["model"])
+    finally:
+        db.close()
+
+
+def store_info(path) -> dict[str, Any]:
+    """Summary of a store without loading its model (what ``fusionrag store info`` prints)."""
+    path = Path(path)
+    db = _open_read_only(path)
+    try:
+        settings = read_settings(db)
+        n_chunks, n_tokens = db.execute("SELECT COUNT(*), COALESCE(SUM(n_tokens), 0) FROM chunks").fetchone()
+        n_docs = db.execute("SELECT COUNT(DISTINCT doc) FROM chunk_refs").fetchone()[0]
+    finally:
+        db.close()
+    kv_root = path / KV_DIR
+    plain = list(kv_root.glob("*/*.plain.safetensors"))
+    fused = list(kv_root.glob("*/*.fused.safetensors"))
+    plain_bytes = sum(p.stat().st_size for p in plain)
+    fused_bytes = sum(p.stat().st_size for p in fused)
+    total = sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+    return {
+        "path": str(path),
+        "model": settings.get("model"),
+        "fingerprint": settings.get("fingerprint"),
+        "system_hash": settings.get("system_hash"),
+        "chunks": n_chunks,
+        "documents": n_docs,
+        "chunk_tokens_total": n_tokens,
+        "plain_kv": len(plain),
+        "fused_kv": len(fused),
+        "plain_kv_bytes": plain_bytes,
+        "fused_kv_bytes": fused_bytes,
+        # per stored token, headers included (so slightly above the raw tensor size)
+        "kv_bytes_per_token": round(plain_bytes / n_tokens, 1) if n_tokens and len(plain) == n_chunks else None,
+        "bytes_on_disk": total,
+        "settings": {k: settings.get(k) for k in (
+            "fuse", "chunk_tokens", "kv_dtype", "embedder", "embedding_dim", "system_tokens", "created")},
+    }

@@ -1,0 +1,164 @@
+"""The fault battery, store side: corrupt, truncate or delete each kind of store file; two writers;
+overlapping document deletes. Each case states what used to happen and checks what must happen now.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+
+from fusionrag.cli import main
+from fusionrag.models import load_model
+from fusionrag.offline import build
+from fusionrag.offline.verify import verify_store
+from fusionrag.retrieval.embedder import HashingEmbedder
+from fusionrag.retrieval.knowledge import KnowledgeStore
+from fusionrag.retrieval.store_files import StoreBusyError
+
+PASSAGES = [{"title": f"T{i}", "text": f"passage number {i} talks about topic {i % 4} and item {i}."}
+            for i in range(24)]
+
+
+@pytest.fixture
+def lm():
+    return load_model("tiny-llama")
+
+
+def _store(path, lm, fuse: bool = False) -> KnowledgeStore:
+    store = build.create_store(path, lm, kv_dtype="float32", embedder=HashingEmbedder(64), model_source="tiny-llama")
+    build.add_passages(store, lm, PASSAGES, doc="corpus")
+    if fuse:
+        build.fuse(store, lm, top_n=2, progress=False)
+    return store
+
+
+def _reopen(path, lm) -> KnowledgeStore:
+    return KnowledgeStore.open(path, lm, embedder=HashingEmbedder(64))
+
+
+def test_random_bytes_in_the_index_are_detected_and_the_index_rebuilt(tmp_path, lm):
+    """Before: 30 KB of random bytes at offset 200 of index.faiss gave wrong chunks with exit 0."""
+    store = _store(tmp_path / "kb", lm)
+    query = "passage number 3 talks about topic 3 and item 3."
+    expected = store.search(query, 5)
+    store.close()
+    index = tmp_path / "kb" / "index.faiss"
+    data = bytearray(index.read_bytes())
+    data[200:200 + 3000] = bytes((i * 97 + 13) % 256 for i in range(3000))
+    index.write_bytes(bytes(data))
+    reopened = _reopen(tmp_path / "kb", lm)
+    assert reopened.search(query, 5) == expected
+    assert verify_store(reopened).ok
+
+
+def test_deleting_one_job_keeps_passages_another_job_shares(tmp_path, lm):
+    """Before: job 1 posts A, B; job 2 posts C, D, A; deleting job 1 removed A from job 2 too."""
+    store = build.create_store(tmp_path / "kb", lm, kv_dtype="float32", embedder=HashingEmbedder(64))
+    a, b, c, d = ({"title": t, "text": f"{t} text"} for t in "ABCD")
+    job1 = build.add_passages(store, lm, [a, b], doc="api:1")
+    job2 = build.add_passages(store, lm, [c, d, a], doc="api:2")
+    assert job2[2] == job1[0]  # A is one chunk, used by both
+    removed = build.delete_document(store, "api:1")
+    assert removed == [(job1[1], "plain"), (job1[1], "fused")]  # only B
+    assert set(job2) <= set(store.chunk_ids()) and store.search("A text", 1) == [job1[0]]
+    assert store.has_kv(job1[0], "plain")
+    build.delete_document(store, "api:2")
+    assert store.chunk_ids() == []
+
+
+def test_a_second_writer_waits_then_gets_a_clear_error(tmp_path, lm):
+    """Before: 'fusionrag ingest' into a served store interleaved writes (KeyError, index 23 of 43 vectors)."""
+    store = _store(tmp_path / "kb", lm)
+    other = _reopen(tmp_path / "kb", lm)
+    entered, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with store.writer():
+            entered.set()
+            release.wait(10)
+
+    t = threading.Thread(target=hold)
+    t.start()
+    assert entered.wait(10)
+    try:
+        with pytest.raises(StoreBusyError, match="being written by pid"), other.writer(timeout_s=0.3):
+            pass
+    finally:
+        release.set()
+        t.join(10)
+
+
+def test_a_reader_sees_another_process_s_writes_before_its_next_use(tmp_path, lm):
+    server_view = _store(tmp_path / "kb", lm)
+    n = len(server_view.chunk_ids())
+    writer = _reopen(tmp_path / "kb", lm)  # another process: its own connection
+    new_ids = build.add_passages(writer, lm, [{"title": "New", "text": "a brand new passage about zebras"}])
+    assert server_view.refresh() is True and server_view.refresh() is False
+    assert len(server_view.index) == n + 1 and server_view.search("a brand new passage about zebras", 1) == new_ids
+    # the reader can write next without tripping over the other's chunk ids
+    more = build.add_passages(server_view, lm, [{"title": "More", "text": "and one more about giraffes"}])
+    assert more[0] == new_ids[0] + 1 and len(server_view.index) == n + 2 and verify_store(server_view).ok
+
+
+def test_a_deleted_metadata_file_never_lets_old_kv_files_be_reused(tmp_path, lm):
+    """Before: store.sqlite deleted, KV files left: re-ingest reused them (plain_computed 0), every ask failed."""
+    _store(tmp_path / "kb", lm).close()
+    (tmp_path / "kb" / "store.sqlite").unlink()
+    store = build.create_store(tmp_path / "kb", lm, kv_dtype="float32", embedder=HashingEmbedder(64))
+    corpus = tmp_path / "other.jsonl"
+    corpus.write_text("".join(json.dumps({"title": f"O{i}", "text": f"other text {i}"}) + "\n" for i in range(5)))
+    report = build.ingest(store, lm, [corpus], progress=False)
+    assert report.plain_computed == report.new_chunks == 5
+    assert verify_store(store).ok
+
+
+def test_a_corrupted_metadata_file_is_one_line_and_exit_2(tmp_path, lm, capsys):
+    """Before: a Python traceback and exit 1 in ask, store info and serve."""
+    _store(tmp_path / "kb", lm).close()
+    db = tmp_path / "kb" / "store.sqlite"
+    for extra in ("-wal", "-shm"):
+        (tmp_path / "kb" / f"store.sqlite{extra}").unlink(missing_ok=True)
+    data = bytearray(db.read_bytes())
+    data[100:4096] = b"\x5a" * (4096 - 100)
+    db.write_bytes(bytes(data))
+    for argv in (["store", "info", "--store", str(tmp_path / "kb")],
+                 ["ask", "what?", "--store", str(tmp_path / "kb")],
+                 ["store", "verify", "--store", str(tmp_path / "kb")]):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith("fusionrag: error: ") and "corrupted" in err and "Traceback" not in err
+        assert len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "delete", "orphan", "temp"])
+def test_verify_reports_each_broken_kv_file_and_repair_mends_it(tmp_path, lm, damage, capsys):
+    """Before: a truncated or flipped KV file was counted by 'store info' and 'skipped' by preprocess forever."""
+    store = _store(tmp_path / "kb", lm, fuse=True)
+    path = store.kv.path(5, "fused")
+    if damage == "truncate":
+        path.write_bytes(path.read_bytes()[:-64])
+    elif damage == "flip":
+        data = bytearray(path.read_bytes())
+        data[-10] ^= 0xFF
+        path.write_bytes(bytes(data))
+    elif damage == "delete":
+        path.unlink()
+    elif damage == "orphan":
+        (path.parent / "999.plain.safetensors").write_bytes(path.read_bytes())
+    else:
+        (path.parent / ".5.fused.safetensors.123.tmp").write_bytes(b"half")
+    report = verify_store(store)
+    assert not report.ok and len(report.problems) == 1
+    if damage in ("truncate", "flip"):
+        # preprocess alone re-creates an entry that fails verification instead of skipping it
+        assert build.fuse(store, lm, progress=False).computed == 1
+        assert verify_store(store).ok
+        return
+    store.close()
+    assert main(["store", "verify", "--store", str(tmp_path / "kb"), "--json"]) == 1
+    assert json.loads(capsys.readouterr().out)["ok"] is False
+    assert main(["store", "verify", "--store", str(tmp_path / "kb"), "--repair", "--json", "--quiet"]) == 0
+    assert json.loads(capsys.readouterr().out)["ok"] is True
+    assert main(["store", "verify", "--store", str(tmp_path / "kb"), "--json"]) == 0
