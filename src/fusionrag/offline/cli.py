@@ -14,6 +14,7 @@ from pathlib import Path
 
 from fusionrag.errors import FusionRAGError
 from fusionrag.kvcache.store import STORAGE_DTYPES
+from fusionrag.models.devices import add_device_args, device_options
 from fusionrag.offline.preprocess import DEFAULT_TOP_N, NEIGHBOUR_ORDERS
 
 _MODEL_HELP = (
@@ -21,13 +22,13 @@ _MODEL_HELP = (
 )
 
 
-def _open(store_dir: Path, model: str | None, embedder=None):
+def _open(store_dir: Path, model: str | None, embedder=None, devices: dict | None = None):
     """The store and the model it was built with (``model`` overrides where the weights are read from)."""
     from fusionrag.models import load_model
     from fusionrag.retrieval.knowledge import KnowledgeStore
     from fusionrag.retrieval.store_info import stored_model
 
-    lm = load_model(model or stored_model(store_dir))
+    lm = load_model(model or stored_model(store_dir), **(devices or {}))
     return KnowledgeStore.open(store_dir, lm=lm, embedder=embedder), lm
 
 
@@ -39,7 +40,8 @@ def cmd_ingest(args: argparse.Namespace) -> int:
 
     store_dir = Path(args.store)
     if (store_dir / DB_NAME).is_file():
-        store, lm = _open(store_dir, args.model, get_embedder(args.embedder) if args.embedder else None)
+        store, lm = _open(store_dir, args.model, get_embedder(args.embedder) if args.embedder else None,
+                          device_options(args))
         for opt, key in (("chunk_tokens", "chunk_tokens"), ("kv_dtype", "kv_dtype")):
             given = getattr(args, opt)
             if given is not None and str(given) not in (str(store.settings[key]),) and not (
@@ -51,7 +53,7 @@ def cmd_ingest(args: argparse.Namespace) -> int:
     else:
         model = args.model or DEFAULT_MODEL
         embedder = get_embedder(args.embedder) if args.embedder else None
-        lm = load_model(model)
+        lm = load_model(model, **device_options(args))
         store = build.create_store(store_dir, lm, chunk_tokens=args.chunk_tokens or 256,
                                    kv_dtype=args.kv_dtype or "float16", embedder=embedder, model_source=model)
     try:
@@ -61,8 +63,9 @@ def cmd_ingest(args: argparse.Namespace) -> int:
     for problem in report.problems:
         print(f"fusionrag: skipped {problem}", file=sys.stderr)
     print(json.dumps(report.to_dict(), indent=2))
-    if report.files == 0 and report.problems:
-        raise FusionRAGError("nothing was ingested (see the skipped inputs above)")
+    if report.chunks == 0:
+        why = "see the skipped inputs above" if report.problems else "no supported files (.txt, .md, .jsonl)"
+        raise FusionRAGError(f"nothing was ingested ({why})")
     return 0
 
 
@@ -75,7 +78,7 @@ def _same_dtype(a: str, b: str) -> bool:
 def cmd_preprocess(args: argparse.Namespace) -> int:
     from fusionrag.offline import build, compact
 
-    store, lm = _open(Path(args.store), args.model)
+    store, lm = _open(Path(args.store), args.model, devices=device_options(args))
     try:
         converted = compact.convert_kv_dtype(store, args.kv_dtype) if args.kv_dtype else []
         if args.plain_kv == "keep":
@@ -136,6 +139,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--embedder", default=None,
                    help="embedding model for a new store: all-MiniLM-L6-v2 (default) or hashing-<dim> (tests)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    add_device_args(p)
     p.set_defaults(func=cmd_ingest)
 
     p = sub.add_parser("preprocess", help="fuse each chunk's KV with its top-n most similar chunks (resumable)")
@@ -156,6 +160,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                        help="keep (re-create) every chunk's plain KV again")
     p.add_argument("--model", default=None, help="load the store's model from here (must be the same weights)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    add_device_args(p)
     p.set_defaults(func=cmd_preprocess, plain_kv=None)
 
     p = sub.add_parser("store", help="knowledge-base maintenance")

@@ -13,6 +13,7 @@ Readers never abort an ingest: a malformed line or file is reported as a
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -80,7 +81,7 @@ def expand_paths(paths: Iterable[Path | str], problems: list[Problem]) -> list[P
     for raw in paths:
         p = Path(raw)
         if p.is_dir():
-            out.extend(sorted(f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in SUPPORTED_SUFFIXES))
+            out.extend(_walk(p))
         elif p.is_file():
             if p.suffix.lower() in SUPPORTED_SUFFIXES:
                 out.append(p)
@@ -90,6 +91,22 @@ def expand_paths(paths: Iterable[Path | str], problems: list[Problem]) -> list[P
         else:
             problems.append(Problem(str(p), None, "no such file or folder"))
     return out
+
+
+def _walk(root: Path) -> list[Path]:
+    """Supported files under ``root``, following symlinked folders (each real folder once: no loops)."""
+    found: list[Path] = []
+    seen: set[str] = set()
+    for folder, dirs, files in os.walk(root, followlinks=True):
+        real = os.path.realpath(folder)
+        if real in seen:
+            dirs[:] = []
+            continue
+        seen.add(real)
+        dirs.sort()
+        found.extend(Path(folder) / f for f in sorted(files) if Path(f).suffix.lower() in SUPPORTED_SUFFIXES
+                     and (Path(folder) / f).is_file())
+    return found
 
 
 def read_passages(path: Path, problems: list[Problem]) -> list[Passage]:
@@ -237,9 +254,14 @@ def _split_long(prompt: PromptBuilder, title: str, text: str, span: tuple[int, i
         if len(words) > 1:
             yield from _pack(prompt, title, text, words, max_tokens, level=1)
             return
-    # a single "word" longer than a chunk (e.g. a URL or base64 blob): cut by characters
+    # a single "word" longer than a chunk (e.g. a URL or base64 blob): cut by characters. The
+    # search window grows from a guess until it no longer fits, so each probe tokenises about
+    # one chunk's worth of text, never the whole remainder: linear in the input, not quadratic.
     while a < b:
-        lo, hi = a + 1, b
+        window = max(16, 4 * max_tokens)
+        while a + window < b and len(prompt.chunk_token_ids(title, text[a:a + window])) <= max_tokens:
+            window *= 2
+        lo, hi = a + 1, min(b, a + window)
         while lo < hi:  # the longest prefix that fits
             mid = (lo + hi + 1) // 2
             if len(prompt.chunk_token_ids(title, text[a:mid])) <= max_tokens:
