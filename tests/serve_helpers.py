@@ -66,10 +66,32 @@ def live_server(tmp_path_factory) -> Iterator[tuple[FastAPI, str]]:
         yield app, server.base_url
 
 
+@contextlib.contextmanager
+def live_small_server(tmp_path_factory) -> Iterator[tuple[FastAPI, str]]:
+    """:func:`small_limits_app` behind a real uvicorn server on a free loopback port (no API key)."""
+    app = small_limits_app(tmp_path_factory)
+    try:
+        with ServerThread(app) as server:
+            yield app, server.base_url
+    finally:
+        app.state.scheduler.close()
+
+
 def serial(app, question: str, max_new_tokens: int, **kwargs):
     """What the engine answers on its own (on the model thread), to compare the server's answers with."""
     sched = app.state.scheduler
     return sched.run_task(lambda: sched.engine.answer(question, max_new_tokens=max_new_tokens, **kwargs)).result(60)
+
+
+def stored_passages(app, ids: list[int] | None = None) -> list[dict]:
+    """Chunks of the store (all, or ``ids``) as a framework's retriever over the same corpus returns them."""
+    sched = app.state.scheduler
+
+    def read() -> list[dict]:
+        store = sched.engine.store
+        return [{"title": r.title, "text": r.text} for r in (store.chunk(i) for i in (ids or store.chunk_ids()))]
+
+    return sched.run_task(read).result(30)
 
 
 def sse_events(lines) -> list:

@@ -7,7 +7,6 @@ validation has its own tests (``test_protocol.py``).
 
 from __future__ import annotations
 
-import re
 import threading
 import time
 
@@ -15,8 +14,11 @@ import httpx
 import pytest
 import torch
 from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
 
 from fusionrag.errors import FusionRAGError
+from fusionrag.serve.app import create_app
+from fusionrag.serve.settings import ServerSettings
 from serve_helpers import (
     PASSAGES,
     USER,
@@ -44,8 +46,7 @@ def client(app):
 
 
 def test_chat_completion_matches_engine(app, client):
-    body = {"model": "x", "messages": [{"role": "system", "content": "ignored"}, *USER], "max_tokens": 10,
-            "method": "fusionrag", "ratio": 0.15, "top_k": 2}
+    body = {"model": "x", "messages": USER, "max_tokens": 10, "method": "fusionrag", "ratio": 0.15, "top_k": 2}
     r = client.post("/v1/chat/completions", json=body)
     assert r.status_code == 200, r.text
     out = r.json()
@@ -162,25 +163,47 @@ def test_documents_are_added_in_the_background(app, client):
     error_of(client.get("/v1/documents/nope"), 404, "not_found")
 
 
-def test_metrics_prometheus_text(client):
-    client.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 2, "method": "full"})
+def test_metrics_parse_as_prometheus_with_vllm_names(client):
+    client.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 3, "method": "full"})
+    client.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 3, "method": "fusionrag", "top_k": 2})
     client.post("/v1/chat/completions", content=b"{")
     r = client.get("/metrics")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
-    sample = re.compile(r'^[a-zA-Z_:][a-zA-Z0-9_:]*(\{([a-zA-Z_][a-zA-Z0-9_]*="[^"]*",?)*\})? -?[0-9.e+Inf-]+$')
-    names = set()
-    for line in r.text.splitlines():
-        if line.startswith("#"):
-            assert re.match(r"^# (HELP|TYPE) [a-zA-Z_:][a-zA-Z0-9_:]* .+$", line), line
-            continue
-        assert sample.match(line), line
-        names.add(line.split("{")[0].split(" ")[0])
-    text = r.text
-    assert 'fusionrag_ttft_seconds_bucket{method="full",le="+Inf"}' in text
-    assert "# TYPE fusionrag_ttft_seconds histogram" in text
-    assert 'fusionrag_requests_total{route="/v1/chat/completions",status="200"}' in text
-    assert 'fusionrag_requests_total{route="/v1/chat/completions",status="400"}' in text
-    assert {"fusionrag_queue_length", "fusionrag_active_requests", "fusionrag_decode_steps_total"} <= names
+    families = {f.name: f for f in text_string_to_metric_families(r.text)}
+
+    def value(family: str, sample: str, **labels: str) -> float:
+        found = [s.value for s in families[family].samples
+                 if s.name == sample and all(s.labels.get(k) == v for k, v in labels.items())]
+        assert found, (family, sample, labels)
+        return sum(found)
+
+    model = {"model_name": "tiny-llama"}
+    assert families["vllm:time_to_first_token_seconds"].type == "histogram"
+    assert value("vllm:time_to_first_token_seconds", "vllm:time_to_first_token_seconds_count", **model) >= 2
+    assert value("vllm:e2e_request_latency_seconds", "vllm:e2e_request_latency_seconds_count", **model) >= 2
+    # 3 tokens each (unless a stop token came first): at least one gap between two tokens was observed
+    assert value("vllm:inter_token_latency_seconds", "vllm:inter_token_latency_seconds_count", **model) >= 1
+    assert value("vllm:request_queue_time_seconds", "vllm:request_queue_time_seconds_count", **model) >= 2
+    assert value("vllm:prompt_tokens", "vllm:prompt_tokens_total", **model) > 0
+    assert value("vllm:generation_tokens", "vllm:generation_tokens_total", **model) >= 2
+    assert value("vllm:num_requests_running", "vllm:num_requests_running", **model) == 0
+    assert value("vllm:num_requests_waiting", "vllm:num_requests_waiting", **model) == 0
+    assert value("fusionrag_recomputed_tokens", "fusionrag_recomputed_tokens_total", method="fusionrag") > 0
+    assert value("fusionrag_reused_tokens", "fusionrag_reused_tokens_total", method="fusionrag") > 0
+    assert value("fusionrag_http_requests", "fusionrag_http_requests_total", route="/v1/chat/completions",
+                 status="400") >= 1
+    assert value("fusionrag_ttft_seconds", "fusionrag_ttft_seconds_count", method="full") >= 1
+
+
+def test_metrics_are_per_app(app, client, tmp_path):
+    """Two apps in one process keep their own registries (no duplicate-name errors, no shared counts)."""
+    other = create_app(store_factory(tmp_path / "kb"), ServerSettings(default_max_tokens=2))
+    try:
+        text = other.state.metrics.render().decode()
+        assert 'vllm:generation_tokens_total{model_name="' not in text  # nothing answered there yet
+        assert 'vllm:generation_tokens_total{model_name="tiny-llama"}' in app.state.metrics.render().decode()
+    finally:
+        other.state.scheduler.close()
 
 
 def test_health_and_models(client):

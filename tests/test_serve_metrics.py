@@ -1,13 +1,23 @@
-"""``/metrics`` rendering from the engine's statistics, without a model (duck-typed engine and scheduler)."""
+"""``/metrics`` rendering from the engine's statistics, without a model (duck-typed engine and scheduler).
+
+The output is read back with ``prometheus_client``'s own parser, as a Prometheus server would.
+"""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
+from prometheus_client.parser import text_string_to_metric_families
+
 from fusionrag.kvcache.prefix_cache import AlternativePathCache
 from fusionrag.kvcache.tiers import TierStats
 from fusionrag.serve.metrics import Metrics
 from fusionrag.serve.requests import SchedulerStats
+
+
+def samples(text: str) -> dict[tuple[str, tuple], float]:
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for f in text_string_to_metric_families(text) for s in f.samples}
 
 
 def test_metrics_include_kv_tiers_when_the_engine_has_them():
@@ -18,12 +28,25 @@ def test_metrics_include_kv_tiers_when_the_engine_has_them():
         "tiers": {"host": TierStats(memory_hits=3, disk_hits=1, memory_bytes=4096)},
         "prefix_cache": prefix_cache.stats(), "adhoc_entries": 1})
     sched = SimpleNamespace(queue_length=2, active=1, stats=SchedulerStats(), engine=engine)
-    text = Metrics().render(sched, {"ready": 1})
-    assert 'fusionrag_kv_tier_hits_total{tier="host",source="memory"} 3' in text
-    assert 'fusionrag_kv_tier_hits_total{tier="host",source="disk"} 1' in text
-    assert 'fusionrag_kv_tier_bytes{tier="host"} 4096' in text
-    assert "fusionrag_queue_length 2" in text and "fusionrag_adhoc_kv_entries 1" in text
-    assert 'fusionrag_document_jobs{status="ready"} 1' in text
-    assert 'fusionrag_prefix_cache_lookups_total{result="computed"} 2' in text
-    assert 'fusionrag_prefix_cache_lookups_total{result="alt_path_hit"} 1' in text  # "a" after "b"
-    assert 'fusionrag_prefix_cache_lookups_total{result="prefix_hit"} 1' in text  # "b" first
+    got = samples(Metrics(lambda: "m", sched, lambda: {"ready": 1}).render().decode())
+    assert got[("fusionrag_kv_tier_hits_total", (("source", "memory"), ("tier", "host")))] == 3
+    assert got[("fusionrag_kv_tier_hits_total", (("source", "disk"), ("tier", "host")))] == 1
+    assert got[("fusionrag_kv_tier_bytes", (("tier", "host"),))] == 4096
+    assert got[("vllm:num_requests_waiting", (("model_name", "m"),))] == 2
+    assert got[("vllm:num_requests_running", (("model_name", "m"),))] == 1
+    assert got[("fusionrag_adhoc_kv_entries", ())] == 1
+    assert got[("fusionrag_document_jobs", (("status", "ready"),))] == 1
+    assert got[("fusionrag_prefix_cache_lookups_total", (("result", "computed"),))] == 2
+    assert got[("fusionrag_prefix_cache_lookups_total", (("result", "alt_path_hit"),))] == 1  # "a" after "b"
+    assert got[("fusionrag_prefix_cache_lookups_total", (("result", "prefix_hit"),))] == 1  # "b" first
+
+
+def test_a_failing_engine_never_fails_the_scrape():
+    def broken() -> dict:
+        raise RuntimeError("engine gone")
+
+    sched = SimpleNamespace(queue_length=0, active=0, stats=SchedulerStats(), engine=SimpleNamespace(stats=broken))
+    metrics = Metrics(lambda: "m", sched)
+    metrics.count_request("/v1/models", 200)
+    got = samples(metrics.render().decode())
+    assert got[("fusionrag_http_requests_total", (("route", "/v1/models"), ("status", "200")))] == 1

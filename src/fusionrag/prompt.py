@@ -36,8 +36,23 @@ def passage_hash(title: str, text: str) -> str:
     return content_hash(chunk_text(title, text))
 
 
-def question_text(question: str) -> str:
-    return f"Question: {question.strip()}\nAnswer:"
+def question_text(question: str, preamble: str = "") -> str:
+    """The question segment's text; ``preamble`` (see :func:`conversation_preamble`) comes first."""
+    return f"{preamble}Question: {question.strip()}\nAnswer:"
+
+
+def conversation_preamble(system: list[str], turns: list[tuple[str, str]]) -> str:
+    """A client's system messages and earlier turns as text for the question segment.
+
+    They cannot go into ``S`` (its KV is shared by every request and every stored chunk was
+    computed after it), so they follow the reused passages, just before the question.
+    ``turns`` are ``(role, text)`` pairs, oldest first.
+    """
+    lines = [f"Instructions: {text.strip()}" for text in system if text.strip()]
+    if turns:
+        lines.append("Earlier conversation:")
+        lines.extend(f"{'User' if role == 'user' else 'Assistant'}: {text.strip()}" for role, text in turns)
+    return "".join(f"{line}\n" for line in lines)
 
 
 @dataclass(frozen=True)
@@ -73,8 +88,8 @@ class PromptBuilder:
     def chunk_token_ids(self, title: str, text: str) -> list[int]:
         return self.encode(chunk_text(title, text))
 
-    def question_token_ids(self, question: str) -> list[int]:
-        return self.encode(question_text(question) + self._template_parts[1])
+    def question_token_ids(self, question: str, preamble: str = "") -> list[int]:
+        return self.encode(question_text(question, preamble) + self._template_parts[1])
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))

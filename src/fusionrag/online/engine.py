@@ -189,8 +189,12 @@ class Engine:
                 yield tail
 
     def prepare(self, question: str, method: str = "fusionrag", ratio: float = 0.15, top_k: int | None = None,
-                chunks: Sequence[dict] | None = None, kv: str | None = None, **policy_options: Any) -> Prepared:
-        """Everything up to the first answer token, with the TTFT breakdown."""
+                chunks: Sequence[dict] | None = None, kv: str | None = None, preamble: str = "",
+                **policy_options: Any) -> Prepared:
+        """Everything up to the first answer token, with the TTFT breakdown.
+
+        ``preamble`` (a system message, earlier turns: :func:`fusionrag.prompt.conversation_preamble`)
+        goes into the question segment, after the reused passages; retrieval uses ``question`` alone."""
         question = (question or "").strip()
         if not question:
             raise FusionRAGError("the question is empty")
@@ -208,7 +212,7 @@ class Engine:
         chunk_ids, passages = self._retrieve(question, top_k, chunks)
         timings["retrieve"] = _ms(t0)
         token_ids = [self._token_ids(cid, p) for cid, p in zip(chunk_ids, passages, strict=True)]
-        question_token_ids = self.prompt.question_token_ids(question)
+        question_token_ids = self.prompt.question_token_ids(question, preamble)
 
         fallbacks = 0
         if method == "full":
@@ -259,9 +263,9 @@ class Engine:
             fused_fallbacks=prep.fused_fallbacks,
         )
 
-    def prompt_tokens(self, question: str, chunks: Sequence[dict]) -> int:
+    def prompt_tokens(self, question: str, chunks: Sequence[dict], preamble: str = "") -> int:
         """Tokens of ``S`` + these passages + the question: a length check before spending a prefill."""
-        n = len(self.prompt.system_token_ids) + len(self.prompt.question_token_ids(question))
+        n = len(self.prompt.system_token_ids) + len(self.prompt.question_token_ids(question, preamble))
         return n + sum(len(self.prompt.chunk_token_ids(c.get("title", ""), c.get("text", ""))) for c in chunks)
 
     # -- the KV source ----------------------------------------------------------------

@@ -1,27 +1,28 @@
-"""The HTTP server: an OpenAI-compatible chat endpoint answering with RAG over a knowledge store.
+"""The HTTP server: OpenAI-compatible chat and text completions answering with RAG over a knowledge store.
 
 ``create_app(engine, settings)`` builds a FastAPI app around an engine (or a factory that
 builds one on the model thread, see :mod:`fusionrag.serve.batching`). Routes:
 
-- ``POST /v1/chat/completions``: OpenAI chat completions (``messages``, ``max_tokens``,
-  ``stream`` as server-sent events ending with ``data: [DONE]``). The last user message is
-  the question; earlier messages are ignored (one RAG turn). Decoding is greedy whatever
-  ``temperature``/``top_p`` say. Extra fields: ``method``, ``ratio``, ``top_k``, ``kv`` and
-  ``documents`` (``[{title, text}]`` passages used instead of retrieval). The response has
-  ``usage`` and a ``fusionrag`` object (TTFT breakdown, recomputed tokens, queueing).
+- ``POST /v1/chat/completions`` and ``POST /v1/completions``: OpenAI's bodies
+  (:mod:`fusionrag.serve.schemas`; unknown fields are a 400), sampling (``temperature``,
+  ``top_p``, ``sample_top_k``, ``seed``, ``stop``, ``logprobs``), streaming as server-sent
+  events. The last user message (or the prompt) is the question; system messages and
+  earlier turns go into the question segment. Passages: ``documents`` (``[{title, text}]``)
+  or ``<document title="...">`` blocks in the message, used instead of retrieval. Extra
+  fields: ``method``, ``ratio``, ``top_k`` (retrieval depth), ``kv``. The response has
+  ``usage`` (with ``usage.fusionrag``: reused chunks and tokens) and a ``fusionrag`` object
+  (TTFT breakdown, recomputed tokens, queueing, the ``request_id``).
+- ``GET /v1/explain/{request_id}``: which tokens of a recent answer were recomputed (HTML);
+  ``GET /ui``: a page to ask questions and see the answer, TTFT breakdown and selection.
 - ``POST /v1/documents`` (a list of ``{title, text}`` or ``{"documents": [...]}``): added to
-  the store in the background (chunk, embed, plain KV, incremental fused preprocess);
-  ``GET /v1/documents/{id}`` reports pending/ready/failed and the chunk ids;
-  ``DELETE /v1/documents/{id}`` removes them where the store supports it (501 otherwise).
-- ``GET /v1/models``, ``GET /health`` and ``GET /metrics`` (Prometheus text format).
+  the store in the background; ``GET/DELETE /v1/documents/{id}``.
+- ``GET /v1/models``, ``GET /health`` (liveness: ``degraded`` when the model thread is
+  stuck), ``GET /ready`` (readiness: the model is loaded and the queue has room) and
+  ``GET /metrics`` (Prometheus, vLLM's metric names; :mod:`fusionrag.serve.metrics`).
 
-Every error is JSON in OpenAI's shape ``{"error": {"message", "type", "code"}}`` with a 4xx
-status for bad input (400 malformed JSON or invalid fields, 401 bad API key, 404, 413 body
-too large, 429 queue full) and never takes the server down: handlers catch everything.
+Every error is JSON in OpenAI's shape ``{"error": {"message", "type", "code", "param"}}``
+with a 4xx status for bad input and never takes the server down: handlers catch everything.
 Engine work never runs on the event loop: it runs on the scheduler's model thread.
-
-This module holds the routes only: the wire format is :mod:`fusionrag.serve.protocol`,
-the counters :mod:`fusionrag.serve.metrics`, the document jobs :mod:`fusionrag.serve.documents`.
 """
 
 from __future__ import annotations
@@ -29,31 +30,35 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from fusionrag.online.explain import render_explain_html
+from fusionrag.online.policies import METHODS
 from fusionrag.serve.batching import BatchScheduler
-from fusionrag.serve.documents import DocumentJob, DocumentJobs, delete_document_job, run_document_job
+from fusionrag.serve.documents import DocumentJob, DocumentJobs, check_job_size
+from fusionrag.serve.generation import RecentAnswers, Server, generate
+from fusionrag.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from fusionrag.serve.metrics import Metrics
 from fusionrag.serve.protocol import (
     APIError,
+    GenerateRequest,
     as_api_error,
-    completion_json,
     error_response,
     parse_chat,
+    parse_completion,
     parse_documents,
     read_json,
-    sse_stream,
 )
-from fusionrag.serve.requests import Event
+from fusionrag.serve.schemas import ChatCompletionRequest, CompletionRequest, body_schema
 from fusionrag.serve.settings import ServerSettings
+from fusionrag.serve.ui import ui_page
 
 
 def create_app(engine: Any, settings: ServerSettings | None = None,
@@ -67,8 +72,8 @@ def create_app(engine: Any, settings: ServerSettings | None = None,
     s = settings or ServerSettings()
     sched = scheduler or BatchScheduler(engine, max_batch=s.max_batch, max_queue=s.max_queue,
                                         max_prompt_tokens=s.max_prompt_tokens)
-    metrics = Metrics()
     jobs = DocumentJobs(s)
+    jobs.resume(sched)  # jobs a previous server left unfinished (runs once the engine is loaded)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -76,15 +81,17 @@ def create_app(engine: Any, settings: ServerSettings | None = None,
         await asyncio.to_thread(sched.close)
 
     app = FastAPI(title="FusionRAG", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None)
-    app.state.scheduler = sched
-    app.state.settings = s
-    app.state.metrics = metrics
-    app.state.jobs = jobs
 
     def model_name() -> str:
         if s.model_name:
             return s.model_name
         return sched.engine.lm.name if sched.engine is not None else "fusionrag"
+
+    metrics = Metrics(model_name, sched, jobs.counts)
+    app.state.scheduler = sched
+    app.state.settings = s
+    app.state.metrics = metrics
+    app.state.jobs = jobs
 
     # -- cross-cutting --------------------------------------------------------------------
 
@@ -109,7 +116,7 @@ def create_app(engine: Any, settings: ServerSettings | None = None,
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return error_response(422, f"invalid request: {exc.errors()}", "invalid_request_error", "invalid_value")
+        return error_response(400, f"invalid request: {exc.errors()}", "invalid_request_error", "invalid_value")
 
     def check_auth(request: Request) -> None:
         if not s.api_key:
@@ -126,56 +133,39 @@ def create_app(engine: Any, settings: ServerSettings | None = None,
         if not sched.ready:
             raise APIError(503, "the model is still loading; retry shortly", "server_error", "loading")
 
-    # -- chat -----------------------------------------------------------------------------
+    server = Server(sched, s, metrics, model_name, check_auth, ensure_ready, RecentAnswers(s.explain_keep))
 
-    @app.post("/v1/chat/completions")
+    # -- completions ------------------------------------------------------------------------
+
+    @app.post("/v1/chat/completions", openapi_extra=body_schema(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
+        return await generate(server, request, True, parse_chat)
+
+    @app.post("/v1/completions", openapi_extra=body_schema(CompletionRequest))
+    async def completions(request: Request) -> Response:
+        def parse(body: Any, settings: ServerSettings) -> GenerateRequest:
+            tokenizer = sched.engine.lm.tokenizer
+            return parse_completion(body, settings, lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+
+        return await generate(server, request, False, parse)
+
+    @app.get("/v1/explain/{request_id}")
+    async def explain(request_id: str, request: Request) -> Response:
         try:
             check_auth(request)
-            chat = parse_chat(await read_json(request, s.max_body_bytes), s)
-            ensure_ready()
-            loop = asyncio.get_running_loop()
-            events: asyncio.Queue[Event] = asyncio.Queue()
-
-            def listener(ev: Event) -> None:
-                loop.call_soon_threadsafe(events.put_nowait, ev)
-
-            req = sched.submit(chat.question, max_new_tokens=chat.max_tokens, listener=listener,
-                               **chat.prepare_kwargs())
+            found = server.recent.get(request_id)
+            if found is None:
+                raise APIError(404, f"no recent answer '{request_id}' (the server keeps the last "
+                                    f"{s.explain_keep})", code="not_found")
+            question, answer = found
+            page = render_explain_html(answer, question, sched.engine.lm.tokenizer, answer.chunk_token_ids)
         except Exception as exc:
             return as_api_error(exc).response()
-        completion_id = f"chatcmpl-{req.id}"
-        created = int(time.time())
-        name = model_name()
-        try:
-            first = await asyncio.wait_for(events.get(), s.request_timeout_s)
-        except BaseException as exc:  # timeout, or the client went away (cancellation)
-            req.cancel()
-            if isinstance(exc, TimeoutError):
-                return APIError(504, "no first token in time", "server_error", "timeout").response()
-            raise
-        if first.kind == "error":
-            return as_api_error(first.error).response()
-        if chat.stream:
-            return StreamingResponse(
-                sse_stream(req, first, events, completion_id, created, name, chat, metrics.observe_answer,
-                           s.request_timeout_s),
-                media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-            )
-        ev = first
-        try:
-            while ev.kind == "token":
-                ev = await asyncio.wait_for(events.get(), s.request_timeout_s)
-        except BaseException as exc:
-            req.cancel()
-            if isinstance(exc, TimeoutError):
-                return APIError(504, "the answer did not finish in time", "server_error", "timeout").response()
-            raise
-        if ev.kind == "error":
-            return as_api_error(ev.error).response()
-        metrics.observe_answer(req)
-        return JSONResponse(completion_json(req, ev, completion_id, created, name))
+        return HTMLResponse(page)
+
+    @app.get("/ui")
+    async def ui() -> Response:
+        return HTMLResponse(ui_page(sorted(METHODS), s.default_method, s.default_ratio, bool(s.api_key)))
 
     # -- documents --------------------------------------------------------------------------
 
@@ -190,9 +180,9 @@ def create_app(engine: Any, settings: ServerSettings | None = None,
             if jobs.counts().get("pending", 0) + jobs.counts().get("running", 0) >= s.max_document_jobs:
                 raise APIError(429, f"too many document jobs in progress (limit {s.max_document_jobs})",
                                "rate_limit_error", "queue_full")
+            await asyncio.to_thread(check_job_size, sched.engine, docs, s)
             job = DocumentJob(uuid.uuid4().hex, docs)
-            jobs.remember(job)
-            sched.run_task(run_document_job, sched.engine, job, s)
+            jobs.start(sched, job)
         except Exception as exc:
             return as_api_error(exc).response()
         return JSONResponse(job.to_json(), status_code=202)
@@ -222,7 +212,7 @@ def create_app(engine: Any, settings: ServerSettings | None = None,
             if job.status == "deleted":
                 return JSONResponse(job.to_json())
             if job.status == "ready":
-                await asyncio.wrap_future(sched.run_task(delete_document_job, sched.engine, job))
+                await asyncio.wrap_future(jobs.delete(sched, job))
             job.status = "deleted"
             return JSONResponse(job.to_json())
         except Exception as exc:
@@ -241,17 +231,35 @@ def create_app(engine: Any, settings: ServerSettings | None = None,
 
     @app.get("/health")
     async def health() -> Response:
+        """Liveness: 'degraded' (503) once the busy model thread has finished nothing for ``stall_after_s``."""
+        stalled = sched.stalled_s()
         if sched.load_error is not None:
             status, code = "error", 503
         elif not sched.ready:
             status, code = "loading", 503
+        elif not sched.alive or stalled > s.stall_after_s:
+            status, code = "degraded", 503
         else:
             status, code = "ok", 200
         body = {"status": status, "model": model_name(), "queue_length": sched.queue_length,
-                "active_requests": sched.active, "max_batch": s.max_batch, "max_queue": s.max_queue}
+                "active_requests": sched.active, "max_batch": s.max_batch, "max_queue": s.max_queue,
+                "model_thread_stalled_s": round(stalled, 3)}
         if sched.load_error is not None:
             body["error"] = str(sched.load_error)
         return JSONResponse(body, status_code=code)
+
+    @app.get("/ready")
+    async def ready() -> Response:
+        """Readiness (apart from liveness): send traffic only when the model is loaded and the queue has room."""
+        reasons = []
+        if not sched.ready:
+            reasons.append("the model failed to load" if sched.load_error is not None else "the model is loading")
+        elif not sched.alive:
+            reasons.append("the model thread has stopped")
+        if sched.queue_length >= s.max_queue:
+            reasons.append(f"the queue is full ({sched.queue_length} waiting)")
+        body = {"ready": not reasons, "reasons": reasons, "queue_length": sched.queue_length}
+        return JSONResponse(body, status_code=200 if not reasons else 503)
 
     @app.get("/metrics")
     async def prometheus(request: Request) -> Response:
@@ -259,7 +267,6 @@ def create_app(engine: Any, settings: ServerSettings | None = None,
             check_auth(request)
         except Exception as exc:
             return as_api_error(exc).response()
-        return PlainTextResponse(metrics.render(sched, jobs.counts()),
-                                 media_type="text/plain; version=0.0.4; charset=utf-8")
+        return Response(metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
     return app

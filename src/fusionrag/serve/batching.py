@@ -34,6 +34,7 @@ import torch
 
 from fusionrag.execution.decoder import BatchDecoder
 from fusionrag.execution.generate import TextStreamer
+from fusionrag.serve.limits import check_prompt_length
 from fusionrag.serve.requests import (
     DecodeRequest,
     Event,
@@ -44,6 +45,7 @@ from fusionrag.serve.requests import (
     SchedulerClosedError,
     SchedulerStats,
 )
+from fusionrag.serve.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +103,8 @@ class BatchScheduler:
         self._closed = False
         self._prefetcher: ThreadPoolExecutor | None = None  # the asynchronous loader's resolver
         self._ready = threading.Event()
+        self._beat = time.monotonic()  # last time the model thread finished a unit of work (or went idle)
+        self._idle = True
         self._thread = threading.Thread(target=self._run, name="fusionrag-model", daemon=True)
         # batch state (model thread only)
         self._rows: dict[str, DecodeRequest] = {}  # decoding, by request id (the decoder's row keys)
@@ -147,17 +151,32 @@ class BatchScheduler:
         """Requests prefilled and decoding."""
         return len(self._rows) + len(self._joining)
 
+    @property
+    def alive(self) -> bool:
+        """The model thread is running (it ends only on close or when the engine failed to load)."""
+        return self._thread.is_alive()
+
+    def stalled_s(self) -> float:
+        """Seconds the model thread has been busy without finishing a prefill, step or task (0 when idle).
+
+        Liveness for ``/health``: a forward that never returns (a hung device, a deadlock)
+        shows here while the event loop still answers.
+        """
+        return 0.0 if self._idle else max(0.0, time.monotonic() - self._beat)
+
     # -- submission -------------------------------------------------------------------
 
     def submit(self, question: str, max_new_tokens: int = 32, listener: Listener | None = None,
-               **prepare_kwargs: Any) -> DecodeRequest:
+               sampling: SamplingParams | None = None, **prepare_kwargs: Any) -> DecodeRequest:
         """Queue a request (``prepare_kwargs`` go to ``engine.prepare``: method, ratio, top_k, chunks, kv...).
+
+        ``sampling`` picks the tokens (greedy by default) and names stop strings.
 
         ``listener`` receives every :class:`Event` on the model thread (keep it cheap and
         non-blocking, e.g. ``loop.call_soon_threadsafe``); without one, read
         :meth:`DecodeRequest.events` or :meth:`DecodeRequest.result`.
         """
-        req = DecodeRequest(question, max_new_tokens, prepare_kwargs, listener)
+        req = DecodeRequest(question, max_new_tokens, prepare_kwargs, listener, sampling)
         with self._cond:
             if self._closed or self.load_error is not None:
                 raise SchedulerClosedError("the server is shutting down" if self._closed else
@@ -211,7 +230,9 @@ class BatchScheduler:
             while True:
                 with self._cond:
                     while not (self._closed or self._pending or self._tasks or self._rows or self._joining):
+                        self._idle = True
                         self._cond.wait()
+                    self._idle, self._beat = False, time.monotonic()
                     if self._closed:
                         break
                     task = self._tasks.popleft() if self._tasks else None
@@ -219,8 +240,10 @@ class BatchScheduler:
                     admitted = [self._pending.popleft() for _ in range(max(0, n))]
                 if task is not None:
                     self._run_task(task)
+                    self._beat = time.monotonic()
                 for req in admitted:
                     self._prefill(req)
+                    self._beat = time.monotonic()
                 if self._rows or self._joining:
                     try:
                         self._step()
@@ -269,32 +292,42 @@ class BatchScheduler:
 
     def _finish(self, req: DecodeRequest, reason: str) -> None:
         req.finish_reason = reason
+        # what the streamer (an unfinished character) and the stop matcher (a possible stop string) held back
+        tail = req.stop_matcher.push(req._streamer.flush()) if req._streamer is not None else ""
+        tail += req.stop_matcher.flush()
+        req.text += tail
         try:
             req.answer = self.engine.finish(req.prep, list(req.tokens))
         except Exception as exc:
             self._fail(req, exc)
             return
         self.stats.completed += 1
-        req._emit(Event("done", answer=req.answer, finish_reason=reason))
+        req._emit(Event("done", answer=req.answer, finish_reason=reason, text=tail))
 
-    def _emit_token(self, req: DecodeRequest, token: int) -> None:
+    def _emit_token(self, req: DecodeRequest, logits: torch.Tensor) -> bool:
+        """Pick the request's next token from ``logits`` and emit it; False once the request has finished."""
+        picked = req.sampler.pick(logits)
+        if picked.token in self.stop_ids:
+            self._finish(req, "stop")
+            return False
         if req._streamer is None:
             req._streamer = TextStreamer(self.engine.lm.tokenizer)
-        req.tokens.append(token)
+        req.tokens.append(picked.token)
+        req.token_times.append(time.perf_counter())
         self.stats.tokens_generated += 1
         if req.first_token_at is None:
-            req.first_token_at = time.perf_counter()
-        req._emit(Event("token", token=token, text=req._streamer.push(token)))
-
-    def _check_prompt_before(self, req: DecodeRequest) -> None:
-        """Refuse request-supplied passages that are too long before spending a prefill on them."""
-        chunks = req.prepare_kwargs.get("chunks")
-        if not self.max_prompt_tokens or not chunks:
-            return
-        n = self.engine.prompt_tokens(req.question, chunks)
-        if n > self.max_prompt_tokens:
-            raise PromptTooLongError(f"the prompt has {n} tokens; this server accepts at most "
-                                     f"{self.max_prompt_tokens} (fewer or shorter documents, or a lower top_k)")
+            req.first_token_at = req.token_times[-1]
+        text = req.stop_matcher.push(req._streamer.push(picked.token))
+        req.text += text
+        req._emit(Event("token", token=picked.token, text=text, logprob=picked.logprob, top_logprobs=picked.top))
+        if req.stop_matcher.stopped:
+            self._finish(req, "stop")
+            return False
+        if len(req.tokens) >= req.max_new_tokens:
+            self._finish(req, "length")
+            return False
+        req.last_token = picked.token
+        return True
 
     def _prefill(self, req: DecodeRequest) -> None:
         req.prefill_started_at = time.perf_counter()
@@ -303,7 +336,8 @@ class BatchScheduler:
             return
         t0 = time.perf_counter()
         try:
-            self._check_prompt_before(req)
+            if self.max_prompt_tokens:
+                check_prompt_length(self.engine, req.question, req.prepare_kwargs, self.max_prompt_tokens)
             with self._lock():
                 prep = self.engine.prepare(req.question, **req.prepare_kwargs)
             req.prompt_tokens = prep.prompt_tokens
@@ -317,19 +351,11 @@ class BatchScheduler:
             self.stats.prefills += 1
             self.stats.prefill_seconds += time.perf_counter() - t0
         req.prep = prep
-        first = prep.first_token
         if req.max_new_tokens <= 0:
             self._finish(req, "length")
             return
-        if first in self.stop_ids:
-            self._finish(req, "stop")
-            return
-        self._emit_token(req, first)
-        if len(req.tokens) >= req.max_new_tokens:
-            self._finish(req, "length")
-            return
-        req.last_token = first
-        self._joining.append(req)
+        if self._emit_token(req, prep.pre.last_logits):  # the first token needs no forward
+            self._joining.append(req)
 
     # -- the batch ----------------------------------------------------------------------
 
@@ -368,18 +394,8 @@ class BatchScheduler:
         self.stats.decode_steps += 1
         self.stats.decode_rows += batch
         self.stats.max_batch_seen = max(self.stats.max_batch_seen, batch)
-        gone = []
-        for rid, req in list(self._rows.items()):
-            tok = int(torch.argmax(logits[rid]))
-            if tok in self.stop_ids:
-                self._finish(req, "stop")
-                gone.append(rid)
-                continue
-            req.last_token = tok
-            self._emit_token(req, tok)
-            if len(req.tokens) >= req.max_new_tokens:
-                self._finish(req, "length")
-                gone.append(rid)
+        gone = [rid for rid, req in list(self._rows.items()) if not self._emit_token(req, logits[rid])]
+        self._beat = time.monotonic()
         if gone:
             self._leave(gone)
         self.stats.decode_seconds += time.perf_counter() - t0

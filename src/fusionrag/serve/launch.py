@@ -16,43 +16,72 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fusionrag.errors import FusionRAGError
-from fusionrag.serve.settings import ServerSettings
+from fusionrag.models.devices import add_device_args, device_options
+from fusionrag.serve.settings import ServerSettings, load_settings, settings_help
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
 
+#: (flag, setting, type, help) of the options every server takes; the defaults are ServerSettings'.
+_FLAGS = (
+    ("--api-key", "api_key", str, "require 'Authorization: Bearer KEY'"),
+    ("--max-queue", "max_queue", int, "requests waiting for prefill before 429"),
+    ("--max-batch", "max_batch", int, "requests decoded together per step"),
+    ("--max-body-bytes", "max_body_bytes", int, "request body limit"),
+    ("--max-prompt-tokens", "max_prompt_tokens", int, "prompt token limit"),
+    ("--method", "default_method", str, "default method of requests that name none"),
+    ("--ratio", "default_ratio", float, "default recompute ratio"),
+    ("--memory-budget-mb", "memory_budget_mb", int,
+     "in-memory KV tier (heat-based, with the asynchronous loader); 0 reads the store directly"),
+)
+
+
 def add_server_args(p: argparse.ArgumentParser) -> None:
-    """The options of a server over a knowledge store (limits, defaults, model, memory tier)."""
-    p.add_argument("--store", help="knowledge store folder (from 'fusionrag ingest')")
-    p.add_argument("--model", default=None, help="model (default: the one the store was built with)")
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or set FUSIONRAG_API_KEY)")
-    p.add_argument("--max-queue", type=int, default=64, help="requests waiting for prefill before 429 (default 64)")
-    p.add_argument("--max-batch", type=int, default=8, help="requests decoded together per step (default 8)")
-    p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="request body limit (default 1 MiB)")
-    p.add_argument("--max-prompt-tokens", type=int, default=8192, help="prompt token limit (default 8192)")
-    p.add_argument("--method", default="fusionrag", help="default method of requests that name none")
-    p.add_argument("--ratio", type=float, default=0.15, help="default recompute ratio")
-    p.add_argument("--memory-budget-mb", type=int, default=1024,
-                   help="in-memory KV tier (heat-based, with the asynchronous loader); 0 reads the store directly")
+    """The options of a server over a knowledge store (limits, defaults, model, memory tier).
+
+    Every option defaults to "not given" so that ``FUSIONRAG_*`` variables and ``--config``
+    apply underneath it (:func:`fusionrag.serve.settings.load_settings`); ``--help`` lists them all.
+    """
+    p.add_argument("--store", default=os.environ.get("FUSIONRAG_STORE"),
+                   help="knowledge store folder (from 'fusionrag ingest'; or FUSIONRAG_STORE)")
+    p.add_argument("--model", default=os.environ.get("FUSIONRAG_MODEL"),
+                   help="model (default: the one the store was built with; or FUSIONRAG_MODEL)")
+    p.add_argument("--config", default=os.environ.get("FUSIONRAG_CONFIG"), metavar="FILE.yaml",
+                   help="server settings in YAML (keys: the setting names below; or FUSIONRAG_CONFIG)")
+    p.add_argument("--kv-tier", default=os.environ.get("FUSIONRAG_KV_TIER"), metavar="redis://HOST:PORT",
+                   help="a KV tier shared by servers, between the memory tier and the disk: redis://HOST:PORT[/DB] "
+                        "or unix:///PATH.sock (needs the 'redis' extra; or FUSIONRAG_KV_TIER)")
+    add_device_args(p)
+    defaults = ServerSettings.model_fields
+    for flag, name, type_, help_ in _FLAGS:
+        env = "FUSIONRAG_" + name.upper()
+        p.add_argument(flag, dest=name, type=type_, default=None,
+                       help=f"{help_} (default {defaults[name].default!r}; or {env})")
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.epilog = settings_help()
 
 
 def settings_from_args(args: argparse.Namespace) -> ServerSettings:
-    """:class:`ServerSettings` from :func:`add_server_args` options plus ``host``/``port``."""
-    return ServerSettings(
-        host=args.host,
-        port=args.port,
-        api_key=args.api_key or os.environ.get("FUSIONRAG_API_KEY") or None,
-        max_queue=args.max_queue,
-        max_batch=args.max_batch,
-        max_body_bytes=args.max_body_bytes,
-        max_prompt_tokens=args.max_prompt_tokens,
-        default_method=args.method,
-        default_ratio=args.ratio,
-    )
+    """:class:`ServerSettings` from :func:`add_server_args` options plus ``host``/``port`` (flags win)."""
+    flags = {name: getattr(args, name, None) for _, name, _, _ in _FLAGS}
+    return load_settings(getattr(args, "config", None), host=getattr(args, "host", None),
+                         port=getattr(args, "port", None), **flags)
 
 
-def engine_factory(store: str, model: str | None, memory_budget_mb: int = 0) -> Callable[[], Any]:
+def kv_tier_source(url: str, store: Any) -> Any:
+    """The shared tier named by ``--kv-tier`` over ``store``'s files (a ``KnowledgeStore``)."""
+    from fusionrag.kvcache.redis_source import RedisSource, namespace
+
+    if not url.startswith(("redis://", "rediss://", "unix://")):
+        raise FusionRAGError(f"--kv-tier {url!r}: expected redis://HOST:PORT or unix:///PATH")
+    store_id = f"{store.path.name}|{store.settings.get('created')}"
+    return RedisSource(url, store.kv, lambda chunk_id: store.chunk(chunk_id).token_ids,
+                       prefix=namespace(store.fingerprint, store.prompt.system_hash, store_id))
+
+
+def engine_factory(store: str, model: str | None, memory_budget_mb: int = 0,
+                   kv_tier: str | None = None, devices: dict | None = None) -> Callable[[], Any]:
     """Builds the engine on the model thread (the store's SQLite connection belongs to its creating thread)."""
     if not Path(store).exists():
         raise FusionRAGError(f"no knowledge store at '{store}'; create one with "
@@ -61,7 +90,12 @@ def engine_factory(store: str, model: str | None, memory_budget_mb: int = 0) -> 
     def factory():
         from fusionrag.online.engine import Engine
 
-        return Engine.open(store, model=model, memory_budget_bytes=memory_budget_mb << 20 or None)
+        budget = memory_budget_mb << 20 or None
+        engine = Engine.open(store, model=model, memory_budget_bytes=None if kv_tier else budget, **(devices or {}))
+        if kv_tier:  # rebuilt over the shared tier (the engine's own disk source is what it falls back to)
+            engine = Engine(engine.store, engine.lm, kv_source=kv_tier_source(kv_tier, engine.store),
+                            memory_budget_bytes=budget)
+        return engine
 
     return factory
 
@@ -71,7 +105,8 @@ def build_app(args: argparse.Namespace) -> tuple[FastAPI, ServerSettings]:
     from fusionrag.serve.app import create_app
 
     settings = settings_from_args(args)
-    app = create_app(engine_factory(args.store, args.model, args.memory_budget_mb), settings)
+    app = create_app(engine_factory(args.store, args.model, settings.memory_budget_mb,
+                                    getattr(args, "kv_tier", None), device_options(args)), settings)
     print(f"fusionrag: loading the model for {args.store} ...", file=sys.stderr)
     app.state.scheduler.wait_ready()  # a bad store or model fails here, as one line, before binding
     return app, settings

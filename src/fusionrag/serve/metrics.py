@@ -1,174 +1,194 @@
-"""The counters behind ``GET /metrics``, rendered in the Prometheus text format.
+"""``GET /metrics``: Prometheus metrics with vLLM's names for what both servers measure.
 
-Written by hand (no client library dependency). Everything the scrape reads from the
-engine is looked up by duck typing, and a failing lookup never fails the scrape.
+Why vLLM's names: a vLLM Grafana dashboard (``vllm:time_to_first_token_seconds``,
+``vllm:e2e_request_latency_seconds``, ``vllm:num_requests_running`` ..., labelled by
+``model_name``) then works unchanged for the shared metrics; what only fusionrag has
+(recomputed and reused tokens, KV tier hits, the prefix cache of request-supplied
+passages) is under ``fusionrag_``.
+
+Each app has its own :class:`~prometheus_client.CollectorRegistry` (tests build several
+apps in one process). Gauges that mirror live state (queue, batch, tiers) are read at
+scrape time by a collector; a failing read never fails the scrape.
 """
 
 from __future__ import annotations
 
 import logging
-import math
-import threading
-from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator
 from typing import Any
 
-from fusionrag.serve.batching import BatchScheduler
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
 from fusionrag.serve.requests import DecodeRequest
 
 log = logging.getLogger(__name__)
 
-#: TTFT histogram buckets in seconds (CPU tiny models to GPU long contexts).
-TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-
-
-class _Histogram:
-    """Cumulative Prometheus buckets per label (e.g. per method), plus sum and count."""
-
-    def __init__(self, buckets: Sequence[float]) -> None:
-        self.buckets = tuple(buckets)
-        self.counts: dict[str, list[int]] = {}
-        self.sums: dict[str, float] = {}
-
-    def observe(self, label: str, value: float) -> None:
-        counts = self.counts.setdefault(label, [0] * (len(self.buckets) + 1))
-        for i, b in enumerate(self.buckets):
-            if value <= b:
-                counts[i] += 1
-        counts[-1] += 1
-        self.sums[label] = self.sums.get(label, 0.0) + value
-
-    def render(self, name: str, label_name: str, lines: list[str]) -> None:
-        for label in sorted(self.counts):
-            counts = self.counts[label]
-            lab = f'{label_name}="{_escape(label)}"'
-            for b, c in zip(self.buckets, counts, strict=False):
-                lines.append(f'{name}_bucket{{{lab},le="{_fmt(b)}"}} {c}')
-            lines.append(f'{name}_bucket{{{lab},le="+Inf"}} {counts[-1]}')
-            lines.append(f"{name}_sum{{{lab}}} {_fmt(self.sums[label])}")
-            lines.append(f"{name}_count{{{lab}}} {counts[-1]}")
-
-
-def _escape(value: str) -> str:
-    return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-
-
-def _fmt(value: float) -> str:
-    if isinstance(value, bool):
-        return str(int(value))
-    if isinstance(value, int):
-        return str(value)
-    if math.isinf(value):
-        return "+Inf" if value > 0 else "-Inf"
-    return repr(float(value))
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+#: vLLM's TTFT buckets (seconds), extended for CPU prefill of long prompts.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0, 160.0)
+LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+                   480.0, 960.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
 
 
 class Metrics:
-    """Counters behind ``/metrics``, written in the Prometheus text format by hand (no new dependency)."""
+    """The counters and histograms of one app, in their own registry."""
 
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.requests = Counter()  # (route, status) -> n
-        self.ttft = _Histogram(TTFT_BUCKETS)  # server-side: arrival to first token, per method
-        self.engine_ttft = _Histogram(TTFT_BUCKETS)  # engine.prepare total, per method
-        self.prompt_tokens = 0
-        self.completion_tokens = 0
-        self.recomputed_tokens = 0
-        self.context_tokens = 0
-        self.fused_fallbacks = 0
+    def __init__(self, model_name: Callable[[], str], scheduler: Any = None,
+                 jobs: Callable[[], dict[str, int]] | None = None) -> None:
+        self.registry = CollectorRegistry()
+        self._model_name = model_name
+        r, m = self.registry, ["model_name"]
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token (queueing included).", m,
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency.", m,
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between two generated tokens.", m,
+                             buckets=ITL_BUCKETS, registry=r)
+        self.queue = Histogram("vllm:request_queue_time_seconds", "Time waiting for the model thread before "
+                               "prefill.", m, buckets=LATENCY_BUCKETS, registry=r)
+        self.prefill = Histogram("vllm:request_prefill_time_seconds", "Prefill time (retrieve, load, select, "
+                                 "recompute).", m, buckets=LATENCY_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens of finished requests.", m, registry=r)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Generated tokens of finished requests.", m,
+                                         registry=r)
+        self.success = Counter("vllm:request_success", "Finished requests by finish reason.",
+                               [*m, "finished_reason"], registry=r)
+        self.fr_ttft = Histogram("fusionrag_ttft_seconds", "Time to first token by method.", [*m, "method"],
+                                 buckets=TTFT_BUCKETS, registry=r)
+        self.recomputed = Counter("fusionrag_recomputed_tokens", "Context tokens recomputed by prefill.",
+                                  [*m, "method"], registry=r)
+        self.reused = Counter("fusionrag_reused_tokens", "Context tokens served from reused KV.", [*m, "method"],
+                              registry=r)
+        self.context = Counter("fusionrag_context_tokens", "Context (passage) tokens of finished requests.",
+                               [*m, "method"], registry=r)
+        self.fused_fallbacks = Counter("fusionrag_fused_fallbacks", "Chunks served with plain KV because their "
+                                       "fused KV was missing.", m, registry=r)
+        self.http = Counter("fusionrag_http_requests", "HTTP requests by route and status code.",
+                            ["route", "status"], registry=r)
+        if scheduler is not None:
+            self.registry.register(_LiveState(scheduler, model_name, jobs or dict))
 
     def count_request(self, route: str, status: int) -> None:
-        with self._lock:
-            self.requests[(route, str(status))] += 1
+        self.http.labels(route, str(status)).inc()
 
     def observe_answer(self, req: DecodeRequest) -> None:
-        ans = req.answer
-        with self._lock:
-            if req.ttft_ms is not None:
-                self.ttft.observe(ans.method, req.ttft_ms / 1000.0)
-            self.engine_ttft.observe(ans.method, ans.ttft_ms.get("total", 0.0) / 1000.0)
-            self.prompt_tokens += req.prompt_tokens
-            self.completion_tokens += len(ans.token_ids)
-            self.recomputed_tokens += ans.recomputed_tokens
-            self.context_tokens += ans.context_tokens
-            self.fused_fallbacks += ans.fused_fallbacks
+        """Record a finished request (never raises: metrics must not fail an answer)."""
+        try:
+            self._observe(req)
+        except Exception:
+            log.warning("could not record the metrics of request %s", req.id, exc_info=True)
 
-    def render(self, scheduler: BatchScheduler, jobs: dict[str, int]) -> str:
-        lines: list[str] = []
+    def _observe(self, req: DecodeRequest) -> None:
+        name, ans = self._model_name(), req.answer
+        if req.ttft_ms is not None:
+            self.ttft.labels(name).observe(req.ttft_ms / 1000.0)
+            self.fr_ttft.labels(name, ans.method).observe(req.ttft_ms / 1000.0)
+        if req.finished_at is not None:
+            self.e2e.labels(name).observe(req.finished_at - req.submitted_at)
+        for a, b in zip(req.token_times, req.token_times[1:], strict=False):
+            self.itl.labels(name).observe(b - a)
+        self.queue.labels(name).observe(req.queue_ms / 1000.0)
+        self.prefill.labels(name).observe(ans.ttft_ms.get("total", 0.0) / 1000.0)
+        self.prompt_tokens.labels(name).inc(req.prompt_tokens)
+        self.generation_tokens.labels(name).inc(len(req.tokens))
+        self.success.labels(name, req.finish_reason or "unknown").inc()
+        self.recomputed.labels(name, ans.method).inc(ans.recomputed_tokens)
+        self.context.labels(name, ans.method).inc(ans.context_tokens)
+        if ans.method != "full":
+            self.reused.labels(name, ans.method).inc(max(0, ans.context_tokens - ans.recomputed_tokens))
+        self.fused_fallbacks.labels(name).inc(ans.fused_fallbacks)
 
-        def metric(name: str, kind: str, help_: str, samples: list[tuple[str, float]]) -> None:
-            lines.append(f"# HELP {name} {help_}")
-            lines.append(f"# TYPE {name} {kind}")
-            for labels, value in samples:
-                lines.append(f"{name}{labels} {_fmt(value)}")
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
 
-        with self._lock:
-            metric("fusionrag_requests_total", "counter", "HTTP requests by route and status code.",
-                   [(f'{{route="{_escape(r)}",status="{s}"}}', n) for (r, s), n in sorted(self.requests.items())])
-            lines.append("# HELP fusionrag_ttft_seconds Time to first token seen by the server (queueing included).")
-            lines.append("# TYPE fusionrag_ttft_seconds histogram")
-            self.ttft.render("fusionrag_ttft_seconds", "method", lines)
-            lines.append("# HELP fusionrag_prefill_seconds Engine time to first token (retrieve, load, select, "
-                         "recompute).")
-            lines.append("# TYPE fusionrag_prefill_seconds histogram")
-            self.engine_ttft.render("fusionrag_prefill_seconds", "method", lines)
-            metric("fusionrag_prompt_tokens_total", "counter", "Prompt tokens of completed requests.",
-                   [("", self.prompt_tokens)])
-            metric("fusionrag_completion_tokens_total", "counter", "Generated tokens of completed requests.",
-                   [("", self.completion_tokens)])
-            metric("fusionrag_recomputed_tokens_total", "counter", "Context tokens recomputed by prefill.",
-                   [("", self.recomputed_tokens)])
-            metric("fusionrag_context_tokens_total", "counter", "Context (chunk) tokens of completed requests.",
-                   [("", self.context_tokens)])
-            metric("fusionrag_fused_fallbacks_total", "counter",
-                   "Chunks served with plain KV because their fused KV was missing.", [("", self.fused_fallbacks)])
-        st = scheduler.stats
-        metric("fusionrag_queue_length", "gauge", "Requests waiting for prefill.", [("", scheduler.queue_length)])
-        metric("fusionrag_active_requests", "gauge", "Requests decoding.", [("", scheduler.active)])
-        metric("fusionrag_decode_steps_total", "counter", "Batched decode forwards.", [("", st.decode_steps)])
-        metric("fusionrag_decode_rows_total", "counter", "Tokens decoded by batched forwards (sum of batch sizes).",
-               [("", st.decode_rows)])
-        metric("fusionrag_requests_finished_total", "counter", "Requests by outcome in the scheduler.",
-               [('{outcome="completed"}', st.completed), ('{outcome="failed"}', st.failed),
-                ('{outcome="cancelled"}', st.cancelled)])
-        metric("fusionrag_document_jobs", "gauge", "Document jobs by status.",
-               [(f'{{status="{s}"}}', n) for s, n in sorted(jobs.items())])
-        engine = scheduler.engine
-        if engine is not None:
-            try:
-                es = engine.stats()
-            except Exception:  # metrics must never fail a scrape
-                log.debug("engine statistics unavailable", exc_info=True)
-                es = {}
-            if "adhoc_entries" in es:
-                metric("fusionrag_adhoc_kv_entries", "gauge", "Cached KVs of request-supplied passages.",
-                       [("", es["adhoc_entries"])])
-            if es.get("prefix_cache") is not None:
-                st = es["prefix_cache"]
-                metric("fusionrag_prefix_cache_lookups_total", "counter", "Request-supplied passage lookups.",
-                       [('{result="prefix_hit"}', st.prefix_hits), ('{result="alt_path_hit"}', st.alt_hits),
-                        ('{result="computed"}', st.recomputations)])
-                metric("fusionrag_prefix_cache_bytes", "gauge", "KV bytes held for request-supplied passages.",
-                       [("", st.bytes_stored)])
-                metric("fusionrag_prefix_cache_bytes_saved", "gauge",
-                       "Bytes a plain prefix cache would hold beyond the alternative path.", [("", st.bytes_saved)])
-            tiers = {str(k): _stats_dict(v) for k, v in es.get("tiers", {}).items()}
-            if tiers:
-                hits = []
-                for tier, s in sorted(tiers.items()):
-                    for source in ("memory_hits", "inflight_hits", "disk_hits"):
-                        if source in s:
-                            hits.append((f'{{tier="{_escape(tier)}",source="{source.removesuffix("_hits")}"}}',
-                                         s[source]))
-                metric("fusionrag_kv_tier_hits_total", "counter",
-                       "KV cache lookups by tier and where they were served.", hits)
-                for key, name, kind in (("memory_bytes", "fusionrag_kv_tier_bytes", "gauge"),
-                                        ("memory_items", "fusionrag_kv_tier_items", "gauge"),
-                                        ("evictions", "fusionrag_kv_tier_evictions_total", "counter"),
-                                        ("promotions", "fusionrag_kv_tier_promotions_total", "counter")):
-                    metric(name, kind, f"KV tier {key.replace('_', ' ')}.",
-                           [(f'{{tier="{_escape(t)}"}}', s[key]) for t, s in sorted(tiers.items()) if key in s])
-        return "\n".join(lines) + "\n"
+
+class _LiveState(Collector):
+    """Gauges read from the scheduler and the engine at scrape time."""
+
+    def __init__(self, scheduler: Any, model_name: Callable[[], str], jobs: Callable[[], dict[str, int]]) -> None:
+        self.scheduler = scheduler
+        self.model_name = model_name
+        self.jobs = jobs
+
+    def collect(self) -> Iterator[Any]:
+        try:
+            yield from self._collect()
+        except Exception:  # metrics must never fail a scrape
+            log.debug("live metrics unavailable", exc_info=True)
+
+    def _collect(self) -> Iterator[Any]:
+        sched, name = self.scheduler, self.model_name()
+        for metric, help_, value in (("vllm:num_requests_running", "Requests decoding.", sched.active),
+                                     ("vllm:num_requests_waiting", "Requests waiting for prefill.",
+                                      sched.queue_length)):
+            g = GaugeMetricFamily(metric, help_, labels=["model_name"])
+            g.add_metric([name], value)
+            yield g
+        st = sched.stats
+        c = CounterMetricFamily("fusionrag_decode_steps", "Batched decode forwards.", labels=["model_name"])
+        c.add_metric([name], st.decode_steps)
+        yield c
+        c = CounterMetricFamily("fusionrag_decode_rows", "Tokens decoded by batched forwards (sum of batch sizes).",
+                                labels=["model_name"])
+        c.add_metric([name], st.decode_rows)
+        yield c
+        c = CounterMetricFamily("fusionrag_requests_finished", "Requests by outcome in the scheduler.",
+                                labels=["outcome"])
+        for outcome in ("completed", "failed", "cancelled"):
+            c.add_metric([outcome], getattr(st, outcome))
+        yield c
+        g = GaugeMetricFamily("fusionrag_document_jobs", "Document jobs by status.", labels=["status"])
+        for status, n in sorted(self.jobs().items()):
+            g.add_metric([status], n)
+        yield g
+        if sched.engine is not None:
+            yield from _engine_metrics(sched.engine.stats())
+
+
+def _engine_metrics(es: dict[str, Any]) -> Iterator[Any]:
+    """KV tier hits and sizes, and the prefix cache of request-supplied passages, from ``Engine.stats()``."""
+    if "adhoc_entries" in es:
+        g = GaugeMetricFamily("fusionrag_adhoc_kv_entries", "Cached KVs of request-supplied passages.")
+        g.add_metric([], es["adhoc_entries"])
+        yield g
+    pc = es.get("prefix_cache")
+    if pc is not None:
+        c = CounterMetricFamily("fusionrag_prefix_cache_lookups", "Request-supplied passage lookups.",
+                                labels=["result"])
+        for label, value in (("prefix_hit", pc.prefix_hits), ("alt_path_hit", pc.alt_hits),
+                             ("computed", pc.recomputations)):
+            c.add_metric([label], value)
+        yield c
+        for metric, help_, value in (
+                ("fusionrag_prefix_cache_bytes", "KV bytes held for request-supplied passages.", pc.bytes_stored),
+                ("fusionrag_prefix_cache_bytes_saved", "Bytes a plain prefix cache would hold beyond the "
+                                                       "alternative path.", pc.bytes_saved)):
+            g = GaugeMetricFamily(metric, help_)
+            g.add_metric([], value)
+            yield g
+    tiers = {str(k): _stats_dict(v) for k, v in es.get("tiers", {}).items()}
+    if not tiers:
+        return
+    hits = CounterMetricFamily("fusionrag_kv_tier_hits", "KV cache lookups by tier and where they were served.",
+                               labels=["tier", "source"])
+    for tier, s in sorted(tiers.items()):
+        for source in ("memory_hits", "inflight_hits", "disk_hits"):
+            if source in s:
+                hits.add_metric([tier, source.removesuffix("_hits")], s[source])
+    yield hits
+    for key, metric, family in (("memory_bytes", "fusionrag_kv_tier_bytes", GaugeMetricFamily),
+                                ("memory_items", "fusionrag_kv_tier_items", GaugeMetricFamily),
+                                ("evictions", "fusionrag_kv_tier_evictions", CounterMetricFamily),
+                                ("promotions", "fusionrag_kv_tier_promotions", CounterMetricFamily)):
+        fam = family(metric, f"KV tier {key.replace('_', ' ')}.", labels=["tier"])
+        for tier, s in sorted(tiers.items()):
+            if key in s:
+                fam.add_metric([tier], s[key])
+        yield fam
 
 
 def _stats_dict(s: Any) -> dict[str, Any]:

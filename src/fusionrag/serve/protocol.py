@@ -1,33 +1,38 @@
 """The OpenAI-shaped wire protocol: errors, request validation, response bodies and the SSE stream.
 
-Kept apart from the routes so that what a client may send and what it gets back is in one
-place, testable without a model. Every error is JSON in OpenAI's shape
+Kept apart from the routes so that what a client may send is in one place, testable
+without a model (the bodies are :mod:`fusionrag.serve.schemas`; what goes back is
+:mod:`fusionrag.serve.responses`). Every error is JSON in OpenAI's shape
 ``{"error": {"message", "type", "code", "param"}}``; bad input is a 4xx, never a crash.
 """
 
 from __future__ import annotations
 
-import asyncio
+import html
 import json
 import logging
 import math
-from collections.abc import AsyncIterator, Callable
+import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
+from pydantic import ValidationError
 
-from fusionrag.errors import FusionRAGError
+from fusionrag.errors import CacheIntegrityError, FusionRAGError
 from fusionrag.online.policies import METHODS
+from fusionrag.prompt import conversation_preamble
+from fusionrag.retrieval.store_files import StoreBusyError, StoreCorruptedError
 from fusionrag.serve.requests import (
-    DecodeRequest,
-    Event,
     PromptTooLongError,
     QueueFullError,
     RequestCancelledError,
     SchedulerClosedError,
 )
+from fusionrag.serve.sampling import SamplingParams
+from fusionrag.serve.schemas import ChatCompletionRequest, CompletionRequest, TextPart, validation_error
 from fusionrag.serve.settings import ServerSettings
 
 log = logging.getLogger(__name__)
@@ -72,6 +77,11 @@ def as_api_error(exc: BaseException) -> APIError:
         return APIError(503, str(exc), "server_error", "unavailable")
     if isinstance(exc, RequestCancelledError):
         return APIError(499, str(exc), "invalid_request_error", "cancelled")
+    if isinstance(exc, CacheIntegrityError | StoreCorruptedError | StoreBusyError):
+        # the server's own data, not the request: 503, and no file paths in what the client sees
+        log.error("store fault: %s", exc)
+        return APIError(503, "the knowledge store has a damaged or busy file; the operator has been told "
+                             "(server log); retry later", "server_error", "store_unavailable")
     if isinstance(exc, FusionRAGError):
         return APIError(400, str(exc), "invalid_request_error", "invalid_request")
     if isinstance(exc, TimeoutError):
@@ -109,61 +119,6 @@ async def read_json(request: Request, max_bytes: int) -> Any:
         raise APIError(400, f"malformed JSON: {exc}", code="invalid_json") from None
 
 
-@dataclass
-class ChatRequest:
-    """A validated chat-completions request: the question and how to answer it."""
-
-    question: str
-    max_tokens: int
-    stream: bool
-    include_usage: bool
-    method: str
-    ratio: float
-    top_k: int | None
-    kv: str | None
-    documents: list[dict] | None
-    model: str | None
-
-    def prepare_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for ``engine.prepare``; options the client left out keep the engine's defaults."""
-        kwargs: dict[str, Any] = {"method": self.method, "ratio": self.ratio}
-        if self.top_k is not None:
-            kwargs["top_k"] = self.top_k
-        if self.kv is not None:
-            kwargs["kv"] = self.kv
-        if self.documents is not None:
-            kwargs["chunks"] = self.documents
-        return kwargs
-
-
-def _int_field(body: dict, name: str, lo: int, hi: int) -> int | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise APIError(400, f"'{name}' must be an integer, got {value!r}", code="invalid_value", param=name)
-    if not lo <= value <= hi:
-        raise APIError(400, f"'{name}' must be between {lo} and {hi}, got {value}", code="invalid_value", param=name)
-    return value
-
-
-def _message_text(content: Any, index: int) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):  # content parts: only text is understood
-        parts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise APIError(400, f"messages[{index}].content: only text parts are supported",
-                               code="invalid_value", param="messages")
-            parts.append(part["text"])
-        return "".join(parts)
-    if content is None:
-        return ""
-    raise APIError(400, f"messages[{index}].content must be a string or a list of text parts",
-                   code="invalid_value", param="messages")
-
-
 def parse_documents(items: Any, s: ServerSettings, param: str) -> list[dict]:
     """Validate ``[{title, text}]`` passages against the document limits."""
     if not isinstance(items, list) or not items:
@@ -189,157 +144,164 @@ def parse_documents(items: Any, s: ServerSettings, param: str) -> list[dict]:
     return docs
 
 
-def parse_chat(body: Any, s: ServerSettings) -> ChatRequest:
-    """Validate an OpenAI chat-completions body (plus FusionRAG's fields) into a :class:`ChatRequest`."""
+#: The message convention for clients that cannot send extra fields (README, "Passages from the client").
+DOCUMENT_TAG = re.compile(r'<document(?:\s+title="([^"<>]*)")?\s*>(.*?)</document>', re.DOTALL)
+
+
+def split_documents(text: str, where: str) -> tuple[str, list[dict]]:
+    """``<document title="...">text</document>`` blocks out of ``text``: (what is left, the passages).
+
+    Anything that looks like the convention but is not well formed (an unclosed or nested
+    tag, a stray ``</document>``) is refused rather than guessed at.
+    """
+    docs = [{"title": html.unescape(t or ""), "text": html.unescape(body).strip()}
+            for t, body in DOCUMENT_TAG.findall(text)]
+    rest = DOCUMENT_TAG.sub("", text)
+    if "<document" in rest or "</document>" in rest:
+        raise APIError(400, f"{where}: a <document> tag is not well formed (write "
+                            '<document title="...">text</document>, one per passage, not nested)',
+                       code="invalid_documents", param="messages")
+    if any(not d["text"] for d in docs):
+        raise APIError(400, f"{where}: a <document> block is empty", code="invalid_documents", param="messages")
+    return rest.strip(), docs
+
+
+@dataclass
+class GenerateRequest:
+    """A validated chat or text completion: the question, its passages, and how to generate."""
+
+    question: str
+    max_tokens: int
+    stream: bool
+    include_usage: bool
+    method: str
+    ratio: float
+    sampling: SamplingParams
+    top_k: int | None = None
+    kv: str | None = None
+    documents: list[dict] | None = None
+    preamble: str = ""  # system messages and earlier turns (the question segment, after the passages)
+    model: str | None = None
+
+    def prepare_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for ``engine.prepare``; options the client left out keep the engine's defaults."""
+        kwargs: dict[str, Any] = {"method": self.method, "ratio": self.ratio}
+        for name, value in (("top_k", self.top_k), ("kv", self.kv), ("chunks", self.documents)):
+            if value is not None:
+                kwargs[name] = value
+        if self.preamble:
+            kwargs["preamble"] = self.preamble
+        return kwargs
+
+
+def _validated(model: type[ChatCompletionRequest | CompletionRequest], body: Any) -> Any:
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise APIError(400, "'messages' must be a non-empty list", code="invalid_value", param="messages")
-    question = None
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise APIError(400, f"messages[{i}] must be an object with a 'role'", code="invalid_value",
-                           param="messages")
-        text = _message_text(m.get("content"), i)
-        if m["role"] == "user":
-            question = text
-    if question is None:
-        raise APIError(400, "no user message: the last user message is the question", code="invalid_value",
-                       param="messages")
-    if not question.strip():
-        raise APIError(400, "the question (last user message) is empty", code="empty_question", param="messages")
-    n = body.get("n")
-    if n not in (None, 1):
-        raise APIError(400, "only n=1 is supported", code="invalid_value", param="n")
-    if body.get("stop") not in (None, [], ""):
-        raise APIError(400, "'stop' sequences are not supported (generation ends at the model's end-of-turn token)",
-                       code="unsupported", param="stop")
-    max_tokens = _int_field(body, "max_tokens", 1, s.max_new_tokens)
-    max_completion = _int_field(body, "max_completion_tokens", 1, s.max_new_tokens)
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool) and stream is not None:
-        raise APIError(400, "'stream' must be a boolean", code="invalid_value", param="stream")
-    options = body.get("stream_options") or {}
-    if not isinstance(options, dict):
-        raise APIError(400, "'stream_options' must be an object", code="invalid_value", param="stream_options")
-    method = body.get("method", s.default_method)
-    if method is None:
-        method = s.default_method
-    if not isinstance(method, str) or method not in METHODS:
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        message, code, param = validation_error(exc)
+        raise APIError(400, message, code=code, param=param) from None
+
+
+def _common(req: ChatCompletionRequest | CompletionRequest, s: ServerSettings, question: str,
+            documents: list[dict] | None, max_tokens: int | None, logprobs: bool, top_logprobs: int) -> GenerateRequest:
+    """The checks chat and text completions share (limits from the server's settings)."""
+    if req.n not in (None, 1):
+        raise APIError(400, "only n=1 is supported (send n requests with different seeds instead)",
+                       code="invalid_value", param="n")
+    if max_tokens is not None and max_tokens > s.max_new_tokens:
+        raise APIError(400, f"'max_tokens' must be at most {s.max_new_tokens}, got {max_tokens}",
+                       code="invalid_value", param="max_tokens")
+    method = req.method or s.default_method
+    if method not in METHODS:
         raise APIError(400, f"unknown method {method!r}; choose one of: {', '.join(METHODS)}", code="unknown_method",
                        param="method")
-    ratio = body.get("ratio", s.default_ratio)
-    if ratio is None:
-        ratio = s.default_ratio
-    if isinstance(ratio, bool) or not isinstance(ratio, int | float) or not math.isfinite(ratio) \
-            or not 0.0 <= ratio <= 1.0:
+    ratio = s.default_ratio if req.ratio is None else req.ratio
+    if not math.isfinite(ratio) or not 0.0 <= ratio <= 1.0:
         raise APIError(400, f"'ratio' must be a number within [0, 1], got {ratio!r}", code="invalid_ratio",
                        param="ratio")
-    top_k = _int_field(body, "top_k", 1, s.max_top_k)
-    kv = body.get("kv")
-    if kv not in (None, "plain", "fused"):
-        raise APIError(400, f"'kv' must be 'plain' or 'fused', got {kv!r}", code="invalid_value", param="kv")
-    documents = body.get("documents")
-    docs = None if documents is None else parse_documents(documents, s, "documents")
-    for name in ("temperature", "top_p"):
-        value = body.get(name)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
-            raise APIError(400, f"'{name}' must be a number", code="invalid_value", param=name)
-    model = body.get("model")
-    return ChatRequest(
-        question=question.strip(),
-        max_tokens=max_tokens or max_completion or s.default_max_tokens,
-        stream=bool(stream),
-        include_usage=bool(options.get("include_usage", False)),
-        method=method,
-        ratio=float(ratio),
-        top_k=top_k,
-        kv=kv,
-        documents=docs,
-        model=model if isinstance(model, str) else None,
-    )
+    if req.top_k is not None and not 1 <= req.top_k <= s.max_top_k:
+        raise APIError(400, f"'top_k' (retrieval depth) must be between 1 and {s.max_top_k}, got {req.top_k}",
+                       code="invalid_value", param="top_k")
+    if req.documents is not None:
+        if documents:
+            raise APIError(400, "passages were sent both in 'documents' and as <document> blocks in the message; "
+                                "send them one way", code="ambiguous_documents", param="documents")
+        documents = parse_documents(req.documents, s, "documents")
+    else:
+        documents = parse_documents(documents, s, "messages") if documents else None
+    if not question.strip():
+        raise APIError(400, "the question is empty (the last user message, outside any <document> block)",
+                       code="empty_question", param="messages")
+    stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    if len(stops) > s.max_stop or any(not x or len(x) > 200 for x in stops):
+        raise APIError(400, f"'stop' takes at most {s.max_stop} non-empty strings of up to 200 characters",
+                       code="invalid_value", param="stop")
+    sampling = SamplingParams(
+        temperature=s.default_temperature if req.temperature is None else float(req.temperature),
+        top_p=1.0 if req.top_p is None else float(req.top_p), top_k=req.sample_top_k or 0, seed=req.seed,
+        stop=tuple(stops), logprobs=logprobs, top_logprobs=top_logprobs)
+    return GenerateRequest(
+        question=question.strip(), max_tokens=max_tokens or s.default_max_tokens, stream=bool(req.stream),
+        include_usage=bool(req.stream_options and req.stream_options.include_usage), method=method,
+        ratio=float(ratio), sampling=sampling, top_k=req.top_k, kv=req.kv, documents=documents, model=req.model)
 
 
-# ---------------------------------------------------------------------------------- responses
+def _text(content: str | list[TextPart] | None) -> str:
+    if content is None:
+        return ""
+    return content if isinstance(content, str) else "".join(p.text for p in content)
 
 
-def usage_json(req: DecodeRequest) -> dict[str, int]:
-    """OpenAI's ``usage`` object of a finished request."""
-    done = len(req.tokens)
-    return {"prompt_tokens": req.prompt_tokens, "completion_tokens": done, "total_tokens": req.prompt_tokens + done}
+def parse_chat(body: Any, s: ServerSettings) -> GenerateRequest:
+    """A chat-completions body: the last message is the question; system messages and earlier turns are used.
 
-
-def fusionrag_json(req: DecodeRequest) -> dict[str, Any]:
-    """The ``fusionrag`` extension object: the engine's TTFT breakdown plus the server's queueing view."""
-    out = req.answer.to_json()
-    out.pop("answer", None)  # already the message content
-    out["server"] = {
-        "queue_ms": round(req.queue_ms, 2),
-        "ttft_ms": None if req.ttft_ms is None else round(req.ttft_ms, 2),
-        "latency_ms": None if req.finished_at is None else round((req.finished_at - req.submitted_at) * 1000.0, 2),
-    }
+    They go into the question segment (after the reused passages): ``S``, whose KV every
+    stored chunk was computed after, stays fixed. Passages come from ``documents`` or from
+    ``<document>`` blocks in the last user message, not both.
+    """
+    req = _validated(ChatCompletionRequest, body)
+    *earlier, last = req.messages
+    if last.role != "user":
+        raise APIError(400, f"the last message must be the user's question, not '{last.role}' "
+                            "(continuing an assistant message is not supported)", code="invalid_value",
+                       param="messages")
+    system, turns = [], []
+    for i, m in enumerate(earlier):
+        text = _text(m.content)
+        if DOCUMENT_TAG.search(text) or "<document" in text:
+            raise APIError(400, f"messages[{i}]: <document> blocks belong in the last user message",
+                           code="invalid_documents", param="messages")
+        if m.role in ("system", "developer"):
+            system.append(text)
+        else:
+            turns.append((m.role, text))
+    question, docs = split_documents(_text(last.content), f"messages[{len(earlier)}]")
+    max_tokens = req.max_tokens if req.max_tokens is not None else req.max_completion_tokens
+    if req.top_logprobs and not req.logprobs:
+        raise APIError(400, "'top_logprobs' needs 'logprobs': true", code="invalid_value", param="top_logprobs")
+    out = _common(req, s, question, docs, max_tokens, bool(req.logprobs), req.top_logprobs or 0)
+    out.preamble = conversation_preamble(system, turns)
     return out
 
 
-def completion_json(req: DecodeRequest, done: Event, completion_id: str, created: int, model: str) -> dict[str, Any]:
-    """The non-streamed ``chat.completion`` body of a request that ended with the ``done`` event."""
-    return {
-        "id": completion_id,
-        "object": "chat.completion",
-        "created": created,
-        "model": model,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": done.answer.text},
-                     "finish_reason": done.finish_reason, "logprobs": None}],
-        "usage": usage_json(req),
-        "fusionrag": fusionrag_json(req),
-    }
+def parse_completion(body: Any, s: ServerSettings, decode: Callable[[list[int]], str]) -> GenerateRequest:
+    """A text-completions body: the prompt (a string, or token ids read back with ``decode``) is the question.
 
-
-def _chunk(completion_id: str, created: int, model: str, delta: dict, finish_reason: str | None = None,
-           **extra: Any) -> str:
-    body = {"id": completion_id, "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}], **extra}
-    return f"data: {json.dumps(body)}\n\n"
-
-
-async def sse_stream(req: DecodeRequest, first: Event, events: asyncio.Queue, completion_id: str, created: int,
-                     model: str, chat: ChatRequest, on_done: Callable[[DecodeRequest], None],
-                     timeout: float) -> AsyncIterator[str]:
-    """OpenAI chunk stream: role + first text, text deltas, a final chunk, optional usage, ``[DONE]``.
-
-    ``on_done(req)`` runs once the answer is complete (the metrics count only finished answers).
+    ``<document>`` blocks in the prompt are the passages, as in chat.
     """
-    finished = False
-    try:
-        ev = first
-        role_sent = False
-        while ev.kind == "token":
-            if not role_sent:
-                yield _chunk(completion_id, created, model, {"role": "assistant", "content": ev.text})
-                role_sent = True
-            elif ev.text:
-                yield _chunk(completion_id, created, model, {"content": ev.text})
-            ev = await asyncio.wait_for(events.get(), timeout)
-        if ev.kind == "error":
-            err = as_api_error(ev.error)
-            finished = True
-            yield f"data: {json.dumps({'error': {'message': err.message, 'type': err.type, 'code': err.code}})}\n\n"
-            yield "data: [DONE]\n\n"
-            return
-        finished = True
-        on_done(req)
-        if not role_sent:
-            yield _chunk(completion_id, created, model, {"role": "assistant", "content": ""})
-        yield _chunk(completion_id, created, model, {}, ev.finish_reason, fusionrag=fusionrag_json(req))
-        if chat.include_usage:
-            body = {"id": completion_id, "object": "chat.completion.chunk", "created": created, "model": model,
-                    "choices": [], "usage": usage_json(req)}
-            yield f"data: {json.dumps(body)}\n\n"
-        yield "data: [DONE]\n\n"
-    except TimeoutError:
-        yield f"data: {json.dumps({'error': {'message': 'generation timed out', 'type': 'server_error'}})}\n\n"
-        yield "data: [DONE]\n\n"
-    finally:
-        if not finished:  # the client disconnected or we timed out: free the batch slot
-            req.cancel()
+    req = _validated(CompletionRequest, body)
+    prompt: Any = req.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], list | str):
+        if len(prompt) != 1:
+            raise APIError(400, "only one prompt per request is supported", code="invalid_value", param="prompt")
+        prompt = prompt[0]
+    if isinstance(prompt, list):
+        if not prompt:
+            raise APIError(400, "'prompt' is empty", code="empty_question", param="prompt")
+        prompt = decode(prompt)
+    question, docs = split_documents(prompt, "prompt")
+    logprobs = req.logprobs is not None
+    return _common(req, s, question, docs, req.max_tokens, logprobs, req.logprobs or 0)
+

@@ -18,6 +18,7 @@ from typing import Any
 
 from fusionrag.errors import FusionRAGError
 from fusionrag.execution.generate import TextStreamer
+from fusionrag.serve.sampling import SamplingParams, StopMatcher, TokenSampler
 
 log = logging.getLogger(__name__)
 
@@ -44,8 +45,11 @@ class Event:
 
     kind: str  # "token" | "done" | "error"
     token: int | None = None
-    text: str = ""  # the text delta of this token (may be "" inside a multi-byte character)
+    text: str = ""  # the text delta (may be "" inside a multi-byte character or a possible stop string);
+    #                 on "done": the text held back until the end, if any
     answer: Any = None  # fusionrag.online.engine.Answer, on "done"
+    logprob: float | None = None  # of this token, when the request asked for logprobs
+    top_logprobs: list[tuple[int, float]] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None  # "stop" | "length", on "done"
     error: BaseException | None = None
 
@@ -78,11 +82,15 @@ class DecodeRequest:
     """A submitted request: its events, its result, and its place in the batch."""
 
     def __init__(self, question: str, max_new_tokens: int, prepare_kwargs: dict[str, Any],
-                 listener: Listener | None) -> None:
+                 listener: Listener | None, sampling: SamplingParams | None = None) -> None:
         self.id = uuid.uuid4().hex
         self.question = question
         self.max_new_tokens = int(max_new_tokens)
         self.prepare_kwargs = prepare_kwargs
+        self.sampling = sampling or SamplingParams()
+        self.sampler = TokenSampler(self.sampling)
+        self.stop_matcher = StopMatcher(self.sampling.stop)
+        self.text = ""  # what was emitted so far (stop strings cut, held-back tails included at the end)
         self.submitted_at = time.perf_counter()
         self.prefill_started_at: float | None = None
         self.first_token_at: float | None = None
@@ -90,6 +98,7 @@ class DecodeRequest:
         self.prep: Any = None  # fusionrag.online.engine.Prepared, after prefill
         self.prompt_tokens = 0
         self.tokens: list[int] = []
+        self.token_times: list[float] = []  # perf_counter() of each generated token (inter-token latency)
         self.answer: Any = None
         self.finish_reason: str | None = None
         self.error: BaseException | None = None

@@ -1,37 +1,124 @@
-"""One server's limits and defaults, shared by the protocol (validation), the routes and the CLI."""
+"""One server's limits and defaults, shared by the protocol (validation), the routes and the CLI.
+
+Where they come from (highest first): command-line flags, ``FUSIONRAG_*`` environment
+variables (``FUSIONRAG_MAX_BATCH=16``), a YAML file (``--config server.yaml``, keys as the
+field names), then the defaults below. :func:`load_settings` applies that order;
+constructing :class:`ServerSettings` directly (tests, the load generator) reads nothing
+from the environment, so a stray variable never changes a test's server.
+"""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-@dataclass
-class ServerSettings:
+from fusionrag.errors import FusionRAGError
+
+ENV_PREFIX = "FUSIONRAG_"
+
+
+class ServerSettings(BaseModel):
     """Limits and defaults of one server; every limit exists so that bad input gets a 4xx, not an outage."""
 
-    host: str = "127.0.0.1"  # loopback by default: exposing a model server is an explicit choice
-    port: int = 8000
-    api_key: str | None = None  # if set, every route but /health needs "Authorization: Bearer KEY"
-    model_name: str | None = None  # the "model" reported in responses (default: the engine's model)
-    max_body_bytes: int = 1 << 20
-    max_prompt_tokens: int = 8192
-    max_new_tokens: int = 512  # upper bound on a request's max_tokens
-    default_max_tokens: int = 64
-    max_documents: int = 64  # per request, for chat "documents" and for POST /v1/documents
-    max_document_chars: int = 32_000
-    max_top_k: int = 32
-    max_queue: int = 64  # requests waiting for prefill; more -> 429
-    max_batch: int = 8  # rows of one batched decode step
-    max_document_jobs: int = 16  # document jobs pending at once; more -> 429
-    default_method: str = "fusionrag"
-    default_ratio: float = 0.15
-    request_timeout_s: float = 600.0
-    preprocess_top_n: int | None = 10  # fused preprocess after adding documents (None: plain KV only)
-    keep_jobs: int = 1000  # finished document jobs remembered for GET
+    model_config = ConfigDict(validate_assignment=True, extra="forbid")
+
+    host: str = Field("127.0.0.1", description="bind address (loopback by default: exposing a server is a choice)")
+    port: int = Field(8000, description="TCP port")
+    api_key: str | None = Field(None, description="if set, every route but /health, /ready and /ui needs "
+                                                  "'Authorization: Bearer KEY'")
+    model_name: str | None = Field(None, description="the 'model' reported in responses (default: the engine's)")
+    max_body_bytes: int = Field(1 << 20, description="request body limit in bytes")
+    max_prompt_tokens: int = Field(8192, description="prompt token limit (S + passages + question)")
+    max_new_tokens: int = Field(512, description="upper bound on a request's max_tokens")
+    default_max_tokens: int = Field(64, description="max_tokens of requests that name none")
+    max_documents: int = Field(64, description="passages per request and per POST /v1/documents")
+    max_document_chars: int = Field(32_000, description="characters per passage")
+    max_top_k: int = Field(32, description="upper bound on a request's retrieval top_k")
+    max_stop: int = Field(8, description="stop strings per request")
+    max_queue: int = Field(64, description="requests waiting for prefill before 429")
+    max_batch: int = Field(8, description="requests decoded together per step")
+    max_document_jobs: int = Field(16, description="document jobs pending at once before 429")
+    max_job_chunks: int = Field(512, description="chunks one document job may add (413 beyond)")
+    max_job_tokens: int = Field(131_072, description="tokens one document job may add (413 beyond)")
+    default_method: str = Field("fusionrag", description="method of requests that name none")
+    default_ratio: float = Field(0.15, description="recompute ratio of requests that name none")
+    default_temperature: float = Field(0.0, description="temperature of requests that name none (0: greedy)")
+    request_timeout_s: float = Field(600.0, description="seconds a request may wait for its next token")
+    stall_after_s: float = Field(120.0, description="/health says 'degraded' once the busy model thread has "
+                                                    "finished nothing for this long")
+    explain_keep: int = Field(256, description="recent answers kept for GET /v1/explain/{id}")
+    preprocess_top_n: int | None = Field(10, description="fused preprocess after adding documents (None: plain)")
+    keep_jobs: int = Field(1000, description="finished document jobs remembered for GET")
+    memory_budget_mb: int = Field(1024, description="in-memory KV tier in MiB (0 reads the store directly)")
 
     def to_json(self) -> dict[str, Any]:
         """The settings for logs and reports, with the API key reduced to whether one is set."""
-        d = asdict(self)
+        d = self.model_dump()
         d["api_key"] = "set" if self.api_key else None
         return d
+
+
+class _Sources(ServerSettings, BaseSettings):
+    """ServerSettings read from the environment and a YAML file (init arguments, i.e. flags, first)."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore", validate_assignment=True)
+    _yaml: dict[str, Any] = {}
+
+    @classmethod
+    def settings_customise_sources(cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,
+                                   env_settings: PydanticBaseSettingsSource,
+                                   dotenv_settings: PydanticBaseSettingsSource,
+                                   file_secret_settings: PydanticBaseSettingsSource,
+                                   ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return init_settings, env_settings, _DictSource(settings_cls, cls._yaml)
+
+
+class _DictSource(PydanticBaseSettingsSource):
+    def __init__(self, settings_cls: type[BaseSettings], values: dict[str, Any]) -> None:
+        super().__init__(settings_cls)
+        self.values = values
+
+    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
+        return self.values.get(field_name), field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        return dict(self.values)
+
+
+def load_settings(config_file: str | Path | None = None, **flags: Any) -> ServerSettings:
+    """Flags (``None`` = not given) over ``FUSIONRAG_*`` variables over the YAML file over the defaults."""
+    values: dict[str, Any] = {}
+    if config_file is not None:
+        path = Path(config_file)
+        try:
+            loaded = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        except (OSError, yaml.YAMLError) as exc:
+            raise FusionRAGError(f"cannot read the server config {path}: {exc}") from None
+        if not isinstance(loaded, dict):
+            raise FusionRAGError(f"{path}: the server config must be a mapping of setting names to values")
+        unknown = sorted(set(loaded) - set(ServerSettings.model_fields))
+        if unknown:
+            raise FusionRAGError(f"{path}: unknown settings {', '.join(unknown)} "
+                                 f"(known: {', '.join(ServerSettings.model_fields)})")
+        values = loaded
+    _Sources._yaml = values
+    try:
+        merged = _Sources(**{k: v for k, v in flags.items() if v is not None})
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        raise FusionRAGError(f"invalid server setting {'.'.join(map(str, err['loc']))}: {err['msg']}") from None
+    finally:
+        _Sources._yaml = {}
+    return ServerSettings(**merged.model_dump())
+
+
+def settings_help() -> str:
+    """The settings as ``--help`` lists them: name, environment variable, default, what it does."""
+    lines = ["settings (flags override FUSIONRAG_* environment variables, which override --config FILE.yaml):"]
+    for name, f in ServerSettings.model_fields.items():
+        lines.append(f"  {name:<20} {ENV_PREFIX + name.upper():<32} default {f.default!r}: {f.description}")
+    return "\n".join(lines)

@@ -1,0 +1,120 @@
+"""One handler for ``/v1/chat/completions`` and ``/v1/completions``: submit, wait, answer or stream.
+
+Both endpoints differ only in how the body is parsed and in the shape of what goes back
+(:class:`~fusionrag.serve.responses.Shape`); queueing, timeouts, cancellation when the
+client goes away, metrics and the explain page's record are the same code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from fusionrag.serve.batching import BatchScheduler
+from fusionrag.serve.metrics import Metrics
+from fusionrag.serve.protocol import APIError, GenerateRequest, as_api_error, read_json
+from fusionrag.serve.requests import DecodeRequest, Event
+from fusionrag.serve.responses import Logprobs, Shape, completion_json, sse_stream
+from fusionrag.serve.settings import ServerSettings
+
+
+class RecentAnswers:
+    """The last ``keep`` finished answers by request id, for ``GET /v1/explain/{id}`` (bounded, thread-safe)."""
+
+    def __init__(self, keep: int) -> None:
+        self.keep = max(0, int(keep))
+        self._items: collections.OrderedDict[str, tuple[str, Any]] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def add(self, req: DecodeRequest) -> None:
+        if not self.keep or req.answer is None:
+            return
+        with self._lock:
+            self._items[req.id] = (req.question, req.answer)
+            while len(self._items) > self.keep:
+                self._items.popitem(last=False)
+
+    def get(self, request_id: str) -> tuple[str, Any] | None:
+        with self._lock:
+            return self._items.get(request_id)
+
+
+@dataclass
+class Server:
+    """What the generation handler needs from the app."""
+
+    scheduler: BatchScheduler
+    settings: ServerSettings
+    metrics: Metrics
+    model_name: Callable[[], str]
+    check_auth: Callable[[Request], None]
+    ensure_ready: Callable[[], None]
+    recent: RecentAnswers = field(default_factory=lambda: RecentAnswers(0))
+
+    def on_done(self, req: DecodeRequest) -> None:
+        self.metrics.observe_answer(req)
+        self.recent.add(req)
+
+
+async def generate(server: Server, request: Request, chat: bool,
+                   parse: Callable[[Any, ServerSettings], GenerateRequest]) -> Response:
+    """Validate, queue, then answer as JSON or as server-sent events; every failure is an OpenAI-shaped error."""
+    s, sched = server.settings, server.scheduler
+    try:
+        server.check_auth(request)
+        body = await read_json(request, s.max_body_bytes)
+        server.ensure_ready()
+        gen = parse(body, s)
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[Event] = asyncio.Queue()
+
+        def listener(ev: Event) -> None:
+            loop.call_soon_threadsafe(events.put_nowait, ev)
+
+        req = sched.submit(gen.question, max_new_tokens=gen.max_tokens, listener=listener, sampling=gen.sampling,
+                           **gen.prepare_kwargs())
+    except Exception as exc:
+        return as_api_error(exc).response()
+    shape = Shape(chat, f"{'chatcmpl' if chat else 'cmpl'}-{req.id}", int(time.time()), server.model_name())
+    tokenizer = sched.engine.lm.tokenizer
+    logprobs = Logprobs(lambda t: tokenizer.decode([t])) if gen.sampling.logprobs else None
+    first = await _next_event(events, req, s.request_timeout_s, "no first token in time")
+    if isinstance(first, Response):
+        return first
+    if first.kind == "error":
+        return as_api_error(first.error).response()
+    if gen.stream:
+        return StreamingResponse(
+            sse_stream(req, first, events, shape, gen, logprobs, server.on_done, s.request_timeout_s),
+            media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    ev: Event | Response = first
+    while isinstance(ev, Event) and ev.kind == "token":
+        if logprobs is not None:
+            logprobs.add(ev)
+        ev = await _next_event(events, req, s.request_timeout_s, "the answer did not finish in time")
+    if isinstance(ev, Response):
+        return ev
+    if ev.kind == "error":
+        return as_api_error(ev.error).response()
+    server.on_done(req)
+    return JSONResponse(completion_json(req, ev, shape, logprobs))
+
+
+async def _next_event(events: asyncio.Queue[Event], req: DecodeRequest, timeout: float, late: str) -> Event | Response:
+    """The request's next event; a 504 response after ``timeout``. Either way a request left behind is cancelled
+    (also when the client goes away: the cancellation propagates after the request's slot is freed)."""
+    try:
+        return await asyncio.wait_for(events.get(), timeout)
+    except BaseException as exc:
+        req.cancel()
+        if isinstance(exc, TimeoutError):
+            return APIError(504, late, "server_error", "timeout").response()
+        raise

@@ -1,0 +1,173 @@
+"""What goes back: chat and text completion bodies, their logprobs, and the SSE chunk stream.
+
+One place for both endpoints, so that ``/v1/chat/completions`` and ``/v1/completions``
+report the same things (usage, the ``fusionrag`` extension, logprobs) in each API's shape.
+The answer text is the scheduler's (stop strings already cut), not a re-decode of the tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from fusionrag.serve.protocol import GenerateRequest, as_api_error
+from fusionrag.serve.requests import DecodeRequest, Event
+
+
+def reuse_json(req: DecodeRequest) -> dict[str, Any]:
+    """Where the prompt's passages came from, in ``usage.fusionrag`` (frameworks keep ``usage``, not extras).
+
+    ``reused_chunks``: passages whose precomputed KV was reused, i.e. found in the store by
+    content hash (its fused KV for ``fusionrag``); ``adhoc_chunks``: passages the store does not
+    hold, whose plain KV came from (or was just put in) the alternative-path prefix cache.
+    """
+    ans = req.answer
+    stored = sum(c is not None for c in ans.chunk_ids)
+    return {"method": ans.method, "kv": ans.kv, "chunks": len(ans.chunk_ids),
+            "reused_chunks": 0 if ans.method == "full" else stored, "adhoc_chunks": len(ans.chunk_ids) - stored,
+            "context_tokens": ans.context_tokens,
+            "recomputed_tokens": ans.recomputed_tokens,
+            "reused_tokens": 0 if ans.method == "full" else ans.context_tokens - ans.recomputed_tokens}
+
+
+def usage_json(req: DecodeRequest) -> dict[str, Any]:
+    """OpenAI's ``usage`` object of a finished request, plus ``fusionrag`` (:func:`reuse_json`)."""
+    done = len(req.tokens)
+    return {"prompt_tokens": req.prompt_tokens, "completion_tokens": done, "total_tokens": req.prompt_tokens + done,
+            "fusionrag": reuse_json(req)}
+
+
+def fusionrag_json(req: DecodeRequest) -> dict[str, Any]:
+    """The ``fusionrag`` extension object: the engine's TTFT breakdown plus the server's queueing view."""
+    out = req.answer.to_json()
+    out.pop("answer", None)  # already the message content
+    out["request_id"] = req.id
+    out["server"] = {
+        "queue_ms": round(req.queue_ms, 2),
+        "ttft_ms": None if req.ttft_ms is None else round(req.ttft_ms, 2),
+        "latency_ms": None if req.finished_at is None else round((req.finished_at - req.submitted_at) * 1000.0, 2),
+    }
+    return out
+
+
+@dataclass
+class Logprobs:
+    """Log-probabilities collected from token events, rendered in the chat or the legacy completions shape."""
+
+    decode: Callable[[int], str]
+    items: list[tuple[int, float, list[tuple[int, float]]]] = field(default_factory=list)
+
+    def add(self, ev: Event) -> None:
+        if ev.kind == "token" and ev.logprob is not None:
+            self.items.append((int(ev.token), ev.logprob, ev.top_logprobs))
+
+    def chat(self, start: int = 0) -> dict[str, Any]:
+        def entry(tok: int, lp: float) -> dict[str, Any]:
+            text = self.decode(tok)
+            return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+
+        return {"content": [{**entry(t, lp), "top_logprobs": [entry(a, b) for a, b in top]}
+                            for t, lp, top in self.items[start:]]}
+
+    def legacy(self, start: int = 0, offset: int = 0) -> dict[str, Any]:
+        tokens = [self.decode(t) for t, _, _ in self.items[start:]]
+        offsets, pos = [], offset
+        for text in tokens:
+            offsets.append(pos)
+            pos += len(text)
+        return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in self.items[start:]],
+                "top_logprobs": [{self.decode(a): b for a, b in top} for _, _, top in self.items[start:]],
+                "text_offset": offsets}
+
+
+@dataclass
+class Shape:
+    """One endpoint's names: chat (``message``/``delta``) or text (``text``) completions."""
+
+    chat: bool
+    completion_id: str
+    created: int
+    model: str
+
+    @property
+    def object(self) -> str:
+        return "chat.completion" if self.chat else "text_completion"
+
+    def choice(self, text: str, finish_reason: str | None, logprobs: dict | None, first: bool = False,
+               final: bool = False) -> dict[str, Any]:
+        if not self.chat:
+            return {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}
+        if final:
+            delta: dict[str, Any] = {}
+        elif first:
+            delta = {"role": "assistant", "content": text}
+        else:
+            delta = {"content": text}
+        return {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}
+
+    def chunk(self, choices: list[dict], **extra: Any) -> str:
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        body = {"id": self.completion_id, "object": obj, "created": self.created, "model": self.model,
+                "choices": choices, **extra}
+        return f"data: {json.dumps(body)}\n\n"
+
+
+def completion_json(req: DecodeRequest, done: Event, shape: Shape, logprobs: Logprobs | None) -> dict[str, Any]:
+    """The non-streamed body of a request that ended with the ``done`` event."""
+    text = req.text.strip() if shape.chat else req.text
+    if shape.chat:
+        lp = logprobs.chat() if logprobs is not None else None
+        choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                  "finish_reason": done.finish_reason, "logprobs": lp}
+    else:
+        choice = shape.choice(text, done.finish_reason, logprobs.legacy() if logprobs is not None else None)
+    return {"id": shape.completion_id, "object": shape.object, "created": shape.created, "model": shape.model,
+            "choices": [choice], "usage": usage_json(req), "fusionrag": fusionrag_json(req)}
+
+
+async def sse_stream(req: DecodeRequest, first: Event, events: asyncio.Queue, shape: Shape, gen: GenerateRequest,
+                     logprobs: Logprobs | None, on_done: Callable[[DecodeRequest], None],
+                     timeout: float) -> AsyncIterator[str]:
+    """OpenAI chunk stream: text deltas (chat: the role first), a final chunk, optional usage, ``[DONE]``.
+
+    A delta is sent for every token that carries text or a logprob; ``on_done(req)`` runs
+    once the answer is complete (the metrics count only finished answers).
+    """
+    finished = False
+    sent_first, pos = False, 0
+    try:
+        ev = first
+        while ev.kind == "token":
+            lp = None
+            if logprobs is not None:
+                logprobs.add(ev)
+                lp = logprobs.chat(len(logprobs.items) - 1) if shape.chat else \
+                    logprobs.legacy(len(logprobs.items) - 1, pos)
+            if ev.text or lp is not None or not sent_first:
+                yield shape.chunk([shape.choice(ev.text, None, lp, first=not sent_first)])
+                sent_first = True
+                pos += len(ev.text)
+            ev = await asyncio.wait_for(events.get(), timeout)
+        if ev.kind == "error":
+            err = as_api_error(ev.error)
+            finished = True
+            yield f"data: {json.dumps({'error': {'message': err.message, 'type': err.type, 'code': err.code}})}\n\n"
+            yield "data: [DONE]\n\n"
+            return
+        finished = True
+        on_done(req)
+        if ev.text or not sent_first:  # text held back until the end (an unfinished stop-string prefix)
+            yield shape.chunk([shape.choice(ev.text, None, None, first=not sent_first)])
+        yield shape.chunk([shape.choice("", ev.finish_reason, None, final=True)], fusionrag=fusionrag_json(req))
+        if gen.include_usage:
+            yield shape.chunk([], usage=usage_json(req))
+        yield "data: [DONE]\n\n"
+    except TimeoutError:
+        yield f"data: {json.dumps({'error': {'message': 'generation timed out', 'type': 'server_error'}})}\n\n"
+        yield "data: [DONE]\n\n"
+    finally:
+        if not finished:  # the client disconnected or we timed out: free the batch slot
+            req.cancel()

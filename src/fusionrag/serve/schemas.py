@@ -1,0 +1,117 @@
+"""Request bodies as pydantic models: what a client may send, in one place, with an OpenAPI schema.
+
+Every model forbids unknown fields: a field fusionrag does not implement (``tools``,
+``response_format``, ``logit_bias``...) is a 400 naming it, never silently ignored. The
+routes read the body themselves (bounded, see :func:`fusionrag.serve.protocol.read_json`)
+and validate it with these models; :func:`validation_error` turns pydantic's report into
+one OpenAI-shaped error.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+NonNegFloat = Annotated[float, Field(ge=0.0)]
+
+#: Fields OpenAI defines that fusionrag refuses, and why (the rest of the unknown ones get a generic message).
+UNSUPPORTED = {
+    "tools": "tool calling is not supported",
+    "tool_choice": "tool calling is not supported",
+    "functions": "function calling is not supported",
+    "function_call": "function calling is not supported",
+    "parallel_tool_calls": "tool calling is not supported",
+    "response_format": "structured output (response_format) is not supported",
+    "logit_bias": "logit_bias is not supported",
+    "audio": "audio output is not supported",
+    "modalities": "only text output is supported",
+    "prediction": "predicted outputs are not supported",
+    "suffix": "suffix (insertion) is not supported",
+    "best_of": "best_of is not supported",
+    "echo": "echo is not supported",
+    "frequency_penalty": "frequency_penalty is not supported",
+    "presence_penalty": "presence_penalty is not supported",
+    "reasoning_effort": "reasoning_effort is not supported",
+    "web_search_options": "web search is not supported",
+}
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class Document(_Body):
+    """A passage supplied by the client: reused from the store when its content hash is there."""
+
+    title: str | None = ""
+    text: str
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class Message(_Body):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _Generation(_Body):
+    """What chat and text completions share: sampling, streaming and fusionrag's own fields."""
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    sample_top_k: int | None = Field(None, ge=0, description="sampling top-k (top_k is the retrieval depth)")
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int | None = Field(None, ge=1)
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    # fusionrag
+    method: str | None = None
+    ratio: float | None = None
+    top_k: int | None = Field(None, description="retrieval depth: how many chunks to retrieve")
+    kv: Literal["plain", "fused"] | None = None
+    documents: list[Any] | None = Field(None, description="[{title, text}] passages used instead of retrieval")
+
+
+class ChatCompletionRequest(_Generation):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+
+class CompletionRequest(_Generation):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0, le=20, description="top alternatives per token (legacy API)")
+
+
+def validation_error(exc: ValidationError) -> tuple[str, str, str | None]:
+    """``(message, code, param)`` for the first problem pydantic found."""
+    err = exc.errors()[0]
+    loc = [str(x) for x in err.get("loc", ())]
+    field = loc[0] if loc else None
+    where = ".".join(loc) or "body"
+    if err.get("type") == "extra_forbidden":
+        why = UNSUPPORTED.get(field or "", "this field is not supported by fusionrag") if len(loc) == 1 \
+            else "this field is not supported by fusionrag"
+        return f"'{where}': {why}", "unsupported_parameter", field
+    code = {"ratio": "invalid_ratio", "method": "unknown_method"}.get(field or "", "invalid_value")
+    return f"'{where}': {err.get('msg', 'invalid')}", code, field
+
+
+def body_schema(model: type[BaseModel]) -> dict[str, Any]:
+    """``openapi_extra`` for a route that reads its body itself: the model's JSON schema as the request body."""
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": model.model_json_schema()}}}}

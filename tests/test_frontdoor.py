@@ -1,0 +1,271 @@
+"""The front door as a client sees it: the official ``openai`` client against a live server on loopback.
+
+Chat and text completions (plain and streamed), stop strings (also across token
+boundaries), seeded sampling, logprobs, system messages and earlier turns, passages from
+the client, and one test per field that used to be ignored silently: each now works or
+is a 400. A tiny random model answers, so answers are compared with what the engine gives
+for the same prompt, never with expected words.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+
+import httpx
+import openai
+import pytest
+
+from fusionrag.prompt import conversation_preamble
+from serve_helpers import PASSAGES, USER, error_of, live_small_server, serial, stored_passages
+
+Q = "Who discovered polonium?"
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory):
+    with live_small_server(tmp_path_factory) as (app, base):
+        yield app, base
+
+
+@pytest.fixture(scope="module")
+def client(live):
+    return openai.OpenAI(base_url=live[1] + "/v1", api_key="none", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def http(live):
+    with httpx.Client(base_url=live[1], timeout=120) as c:
+        yield c
+
+
+def chat(client, **kw):
+    kw.setdefault("messages", USER)
+    kw.setdefault("max_tokens", 8)
+    kw.setdefault("extra_body", {"top_k": 2})
+    return client.chat.completions.create(model="tiny-llama", **kw)
+
+
+def stream_text(stream) -> tuple[list[str], str | None]:
+    deltas, reason = [], None
+    for ev in stream:
+        if ev.choices:
+            c = ev.choices[0]
+            piece = c.delta.content if hasattr(c, "delta") else c.text
+            if piece:
+                deltas.append(piece)
+            reason = c.finish_reason or reason
+    return deltas, reason
+
+
+# ------------------------------------------------------------------------------- both endpoints
+
+
+def test_chat_and_completions_match_the_engine_plain_and_streamed(live, client):
+    app, _ = live
+    ref = serial(app, Q, 8, top_k=2)
+    assert chat(client).choices[0].message.content == ref.text
+    deltas, reason = stream_text(chat(client, stream=True))
+    assert "".join(deltas).strip() == ref.text and reason in ("stop", "length")
+    done = client.completions.create(model="tiny-llama", prompt=Q, max_tokens=8, extra_body={"top_k": 2})
+    assert done.object == "text_completion" and done.choices[0].text.strip() == ref.text
+    assert done.usage.completion_tokens == len(ref.token_ids)
+    deltas, _ = stream_text(client.completions.create(model="tiny-llama", prompt=Q, max_tokens=8, stream=True,
+                                                      extra_body={"top_k": 2}))
+    assert "".join(deltas).strip() == ref.text
+
+
+def test_completions_take_token_ids(live, client):
+    app, _ = live
+    ids = app.state.scheduler.engine.lm.tokenizer.encode(Q, add_special_tokens=False)
+    out = client.completions.create(model="tiny-llama", prompt=ids, max_tokens=6, extra_body={"top_k": 2})
+    assert out.choices[0].text.strip() == serial(app, Q, 6, top_k=2).text
+
+
+# ------------------------------------------------------------------------------- sampling
+
+
+def _boundary_stop(deltas: list[str]) -> tuple[str, str]:
+    """A stop string spanning two streamed tokens, and the text before it."""
+    text = "".join(deltas)
+    pos = 0
+    for a, b in itertools.pairwise(deltas):
+        pos += len(a)
+        stop = text[pos - 1:pos + 1]
+        if a and b and stop.strip() and text.find(stop) == pos - 1:
+            return stop, text[:pos - 1]
+    pytest.skip(f"no usable token boundary in {deltas!r}")
+
+
+def test_stop_strings_across_token_boundaries_plain_and_streamed(client):
+    deltas, _ = stream_text(chat(client, max_tokens=12, stream=True))
+    stop, before = _boundary_stop(deltas)
+    out = chat(client, max_tokens=12, stop=[stop])
+    assert out.choices[0].message.content == before.strip() and out.choices[0].finish_reason == "stop"
+    got, reason = stream_text(chat(client, max_tokens=12, stop=stop, stream=True))
+    assert "".join(got) == before and reason == "stop"
+    assert stop not in "".join(got)
+
+
+def test_seed_makes_sampling_reproducible(client):
+    def sample(seed: int) -> str:
+        return chat(client, max_tokens=8, temperature=1.5, seed=seed).choices[0].message.content
+
+    assert sample(11) == sample(11)
+    assert len({sample(s) for s in range(4)}) > 1  # a random model at temperature 1.5: seeds differ
+
+
+def test_temperature_top_p_and_top_k_change_or_keep_the_greedy_answer(client):
+    greedy = chat(client, max_tokens=8).choices[0].message.content
+    hot = {chat(client, max_tokens=8, temperature=2.0, seed=s).choices[0].message.content for s in range(3)}
+    assert hot != {greedy}
+    # a nucleus this small, or a top-k of 1, leaves only the most likely token: sampling is greedy again
+    assert chat(client, max_tokens=8, temperature=1.0, top_p=1e-6, seed=3).choices[0].message.content == greedy
+    tk1 = chat(client, max_tokens=8, temperature=1.0, seed=3, extra_body={"top_k": 2, "sample_top_k": 1})
+    assert tk1.choices[0].message.content == greedy
+
+
+def test_logprobs_chat_and_completions(client):
+    out = chat(client, max_tokens=6, logprobs=True, top_logprobs=3)
+    content = out.choices[0].logprobs.content
+    assert len(content) == out.usage.completion_tokens
+    for tok in content:
+        assert tok.logprob <= 0 and len(tok.top_logprobs) == 3
+        assert tok.logprob == pytest.approx(max(t.logprob for t in tok.top_logprobs))  # greedy: the best one
+    done = client.completions.create(model="tiny-llama", prompt=Q, max_tokens=5, logprobs=2,
+                                     extra_body={"top_k": 2})
+    lp = done.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == done.usage.completion_tokens
+    assert all(len(alts) <= 2 for alts in lp.top_logprobs) and lp.text_offset[0] == 0
+
+
+def test_max_completion_tokens_is_the_limit(client):
+    out = chat(client, max_tokens=None, max_completion_tokens=3)
+    assert out.usage.completion_tokens <= 3
+
+
+# ------------------------------------------------------------------------------- messages and passages
+
+
+def test_system_message_and_earlier_turns_go_into_the_question_segment(live, client):
+    app, _ = live
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"},
+            {"role": "assistant", "content": "Hi."}, *USER]
+    out = chat(client, messages=msgs)
+    preamble = conversation_preamble(["Be brief."], [("user", "Hello"), ("assistant", "Hi.")])
+    ref = serial(app, Q, 8, top_k=2, preamble=preamble)
+    assert out.choices[0].message.content == ref.text
+    plain = chat(client)
+    assert out.usage.prompt_tokens > plain.usage.prompt_tokens  # not dropped
+    assert out.model_extra["fusionrag"]["chunk_ids"] == plain.model_extra["fusionrag"]["chunk_ids"]  # same retrieval
+
+
+def test_document_blocks_in_the_message_are_the_passages(live, client):
+    app, _ = live
+    docs = [*stored_passages(app, [0, 2]), {"title": "New", "text": "A passage the store has never seen."}]
+    blocks = "".join(f'<document title="{p["title"]}">{p["text"]}</document>\n' for p in docs)
+    out = chat(client, messages=[{"role": "user", "content": blocks + Q}], extra_body={})
+    ref = serial(app, Q, 8, chunks=docs)
+    assert out.choices[0].message.content == ref.text
+    reuse = out.usage.model_extra["fusionrag"]
+    # the two stored chunks are found by content hash (their fused KV); the new one goes to the prefix cache
+    assert reuse["reused_chunks"] == 2 and reuse["adhoc_chunks"] == 1
+    assert out.model_extra["fusionrag"]["chunk_ids"] == [0, 2, None]
+    via_field = chat(client, extra_body={"documents": docs})
+    assert via_field.choices[0].message.content == ref.text
+
+
+@pytest.mark.parametrize(("content", "extra", "code"), [
+    ('<document title="a">x</document>' + Q, {"documents": PASSAGES[:1]}, "ambiguous_documents"),
+    ('<document title="a">unclosed ' + Q, {}, "invalid_documents"),
+    ('<document title="a"><document>nested</document></document>' + Q, {}, "invalid_documents"),
+    ('<document title="a">only a passage</document>', {}, "empty_question"),
+])
+def test_ambiguous_passages_are_refused(http, content, extra, code):
+    body = {"messages": [{"role": "user", "content": content}], **extra}
+    error_of(http.post("/v1/chat/completions", json=body), 400, code)
+
+
+def test_document_blocks_outside_the_last_message_are_refused(http):
+    body = {"messages": [{"role": "user", "content": "<document>x</document>hi"}, {"role": "assistant",
+                                                                                   "content": "ok"}, *USER]}
+    error_of(http.post("/v1/chat/completions", json=body), 400, "invalid_documents")
+
+
+# ------------------------------------------------------------------------------- fields that were ignored
+
+
+@pytest.mark.parametrize("field", [
+    {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
+    {"tool_choice": "auto"},
+    {"response_format": {"type": "json_object"}},
+    {"logit_bias": {"1": 5}},
+    {"frequency_penalty": 0.5},
+    {"presence_penalty": 0.5},
+    {"functions": [{"name": "f"}]},
+    {"parallel_tool_calls": True},
+    {"something_new": 1},
+])
+def test_unsupported_fields_are_400_naming_the_field(http, field):
+    err = error_of(http.post("/v1/chat/completions", json={"messages": USER, **field}), 400, "unsupported_parameter")
+    name = next(iter(field))
+    assert err["param"] == name and name in err["message"]
+
+
+def test_n_above_one_is_400(http):
+    err = error_of(http.post("/v1/chat/completions", json={"messages": USER, "n": 2}), 400, "invalid_value")
+    assert err["param"] == "n"
+
+
+def test_completions_refuse_batches_and_legacy_fields(http):
+    error_of(http.post("/v1/completions", json={"prompt": ["a?", "b?"]}), 400, "invalid_value")
+    error_of(http.post("/v1/completions", json={"prompt": Q, "echo": True}), 400, "unsupported_parameter")
+    error_of(http.post("/v1/completions", json={"prompt": Q, "suffix": "x"}), 400, "unsupported_parameter")
+
+
+def test_openapi_schema_describes_the_bodies(http):
+    spec = http.get("/openapi.json").json()
+    body = spec["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert {"messages", "documents", "stop", "seed", "logprobs"} <= set(body["properties"])
+    assert "/v1/completions" in spec["paths"]
+
+
+# ------------------------------------------------------------------------------- explain, health, limits
+
+
+def test_explain_page_of_a_recent_answer(client, http):
+    out = chat(client, extra_body={"top_k": 2, "method": "fusionrag", "ratio": 0.3})
+    rid = out.model_extra["fusionrag"]["request_id"]
+    page = http.get(f"/v1/explain/{rid}")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert page.text.count("<mark>") > 0 and Q in page.text
+    error_of(http.get("/v1/explain/nope"), 404, "not_found")
+
+
+def test_health_degrades_while_the_model_thread_is_stuck_and_ready_is_separate(live, http, monkeypatch):
+    app, _ = live
+    assert http.get("/health").json()["status"] == "ok" and http.get("/ready").status_code == 200
+    monkeypatch.setattr(app.state.settings, "stall_after_s", 0.0)
+    gate, started = threading.Event(), threading.Event()
+    app.state.scheduler.run_task(lambda: (started.set(), gate.wait(30)))
+    try:
+        assert started.wait(30)
+        r = http.get("/health")
+        assert r.status_code == 503 and r.json()["status"] == "degraded"
+    finally:
+        gate.set()
+    monkeypatch.setattr(app.state.settings, "max_queue", 0)
+    r = http.get("/ready")
+    assert r.status_code == 503 and "queue is full" in r.json()["reasons"][0]
+
+
+def test_retrieval_prompt_limit_is_checked_before_prefill(live, http, monkeypatch):
+    app, _ = live
+    engine = app.state.scheduler.engine
+
+    def no_prefill(*_a, **_k):
+        raise AssertionError("prepare ran for a prompt over the limit")
+
+    monkeypatch.setattr(app.state.scheduler, "max_prompt_tokens", 60)
+    monkeypatch.setattr(engine, "prepare", no_prefill)
+    error_of(http.post("/v1/chat/completions", json={"messages": USER, "top_k": 4}), 400, "context_length_exceeded")

@@ -1,0 +1,67 @@
+"""Token choice and stop strings (:mod:`fusionrag.serve.sampling`), without a model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fusionrag.serve.sampling import SamplingParams, StopMatcher, TokenSampler
+
+
+def run(stops: tuple[str, ...], deltas: list[str]) -> tuple[str, bool]:
+    m = StopMatcher(stops)
+    out = "".join(m.push(d) for d in deltas)
+    return out + m.flush(), m.stopped
+
+
+@pytest.mark.parametrize(("deltas", "expected"), [
+    (["Paris", " is", "\n", "more"], "Paris is"),  # the stop string is a whole token
+    (["Par", "is", " END", "ING"], "Paris "),  # across tokens: " EN" + "D..." never shows
+    (["aE", "N", "Dz"], "a"),  # ends inside a token
+    (["no stop here"], "no stop here"),
+    (["trailing E", "N"], "trailing EN"),  # a prefix held back, released at the end
+])
+def test_stop_strings_cut_the_text_across_token_boundaries(deltas, expected):
+    text, stopped = run(("\n", "END"), deltas)
+    assert text == expected
+    assert stopped == (expected != "".join(deltas))
+
+
+def test_a_held_prefix_is_never_streamed():
+    m = StopMatcher(("STOP",))
+    assert m.push("abc ST") == "abc "  # "ST" might start "STOP"
+    assert m.push("O") == ""
+    assert m.push("P and more") == ""
+    assert m.stopped and m.flush() == ""
+
+
+def test_greedy_is_argmax_and_logprobs_are_the_models():
+    logits = torch.tensor([0.0, 3.0, 1.0, 2.0])
+    p = TokenSampler(SamplingParams(logprobs=True, top_logprobs=2)).pick(logits)
+    ref = torch.log_softmax(logits, -1)
+    assert p.token == 1 and p.logprob == pytest.approx(float(ref[1]))
+    assert [t for t, _ in p.top] == [1, 3] and p.top[1][1] == pytest.approx(float(ref[3]))
+
+
+def test_seeded_sampling_is_reproducible_and_follows_the_distribution():
+    logits = torch.zeros(50)
+    draw = lambda seed: [TokenSampler(SamplingParams(temperature=1.0, seed=seed)).pick(logits).token  # noqa: E731
+                         for _ in range(1)]
+    a = TokenSampler(SamplingParams(temperature=1.0, seed=7))
+    b = TokenSampler(SamplingParams(temperature=1.0, seed=7))
+    seq_a = [a.pick(logits).token for _ in range(20)]
+    assert seq_a == [b.pick(logits).token for _ in range(20)]
+    assert len(set(seq_a)) > 3  # uniform over 50 tokens: 20 draws are not all alike
+    assert len({draw(s)[0] for s in range(20)}) > 3
+
+
+def test_top_k_and_top_p_restrict_the_candidates():
+    logits = torch.tensor([5.0, 4.9, 4.8, -10.0, -10.0, 0.0])
+    s = TokenSampler(SamplingParams(temperature=5.0, top_k=2, seed=0))
+    assert {s.pick(logits).token for _ in range(200)} == {0, 1}
+    # probabilities ~[.5, .3, .2]: top_p=0.6 keeps the two most likely
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.2]))
+    s = TokenSampler(SamplingParams(temperature=1.0, top_p=0.6, seed=0))
+    assert {s.pick(logits).token for _ in range(200)} == {0, 1}
+    s = TokenSampler(SamplingParams(temperature=1.0, top_p=0.4, seed=0))
+    assert {s.pick(logits).token for _ in range(50)} == {0}

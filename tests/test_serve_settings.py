@@ -1,0 +1,57 @@
+"""Server settings: flags over FUSIONRAG_* variables over a YAML file over the defaults; --help lists them."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from fusionrag.errors import FusionRAGError
+from fusionrag.serve.launch import add_server_args, settings_from_args
+from fusionrag.serve.settings import ServerSettings, load_settings
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    add_server_args(p)
+    p.add_argument("--host", default=None)
+    p.add_argument("--port", type=int, default=None)
+    return p.parse_args(argv)
+
+
+def test_flags_override_environment_override_yaml(tmp_path, monkeypatch):
+    cfg = tmp_path / "server.yaml"
+    cfg.write_text("max_batch: 4\nport: 9001\ndefault_ratio: 0.3\nstall_after_s: 5\n")
+    monkeypatch.setenv("FUSIONRAG_MAX_BATCH", "6")
+    monkeypatch.setenv("FUSIONRAG_DEFAULT_METHOD", "cacheblend")
+    s = settings_from_args(parse(["--config", str(cfg), "--ratio", "0.5"]))
+    assert s.max_batch == 6  # environment over the file
+    assert s.port == 9001 and s.stall_after_s == 5  # the file over the defaults
+    assert s.default_ratio == 0.5  # the flag over the file
+    assert s.default_method == "cacheblend"
+    assert settings_from_args(parse(["--max-batch", "2"])).max_batch == 2  # the flag over the environment
+    monkeypatch.delenv("FUSIONRAG_MAX_BATCH")
+    assert settings_from_args(parse([])).max_batch == ServerSettings().max_batch
+
+
+def test_constructing_settings_directly_ignores_the_environment(monkeypatch):
+    monkeypatch.setenv("FUSIONRAG_MAX_BATCH", "6")
+    assert ServerSettings().max_batch == 8
+
+
+@pytest.mark.parametrize(("text", "fragment"), [("max_bach: 4\n", "unknown settings max_bach"),
+                                                ("- 1\n- 2\n", "must be a mapping"),
+                                                ("max_batch: many\n", "invalid server setting max_batch")])
+def test_bad_config_files_are_one_clear_error(tmp_path, text, fragment):
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text(text)
+    with pytest.raises(FusionRAGError, match=fragment):
+        load_settings(cfg)
+
+
+def test_help_lists_every_setting_and_its_variable():
+    p = argparse.ArgumentParser()
+    add_server_args(p)
+    text = p.format_help()
+    for name in ServerSettings.model_fields:
+        assert f"FUSIONRAG_{name.upper()}" in text, name
