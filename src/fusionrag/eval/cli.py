@@ -7,6 +7,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from fusionrag.models.devices import add_device_args
 from fusionrag.models.registry import DEFAULT_MODEL
 from fusionrag.offline.preprocess import DEFAULT_NEIGHBOUR_ORDER, NEIGHBOUR_ORDERS
 
@@ -83,6 +84,9 @@ def _cmd_ttft(args: argparse.Namespace) -> int:
         top_n=args.top_n,
         loader_requests=args.loader_requests,
         command=_command(),
+        device=args.device,
+        dtype=args.dtype,
+        attention=args.attention,
     )
     run_ttft(spec)
     print(f"[bench ttft] wrote {spec.out}/ttft.json, ttft.md and ttft.png")
@@ -209,6 +213,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--loader-requests", type=int, default=4,
                    help="queued requests for the asynchronous-loader comparison on a cold disk tier (0: skip)")
     t.add_argument("--out", required=True)
+    add_device_args(t)
     t.set_defaults(func=_cmd_ttft)
 
     _add_serve(bsub)

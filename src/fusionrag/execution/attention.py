@@ -38,7 +38,7 @@ def finish_queries(lm: LoadedModel, q_proj_out: torch.Tensor, positions: torch.T
     if getattr(attn, "q_norm", None) is not None:  # Qwen3 normalises each head before RoPE
         q = attn.q_norm(q)
     q = q.transpose(1, 2)  # [1, heads, n, d]
-    cos, sin = lm.model.model.rotary_emb(q, positions.reshape(1, -1))
+    cos, sin = lm.model.model.rotary_emb(q, positions.reshape(1, -1).to(q.device))
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     half = head_dim // 2
     rotated = torch.cat((-q[..., half:], q[..., :half]), dim=-1)
@@ -52,8 +52,8 @@ def attention_probs(queries: torch.Tensor, keys: torch.Tensor, allowed: torch.Te
     """
     groups = queries.shape[0] // keys.shape[0]
     k = keys.float().repeat_interleave(groups, dim=0)
-    scores = torch.matmul(queries, k.transpose(-1, -2)) * scale
-    scores = scores.masked_fill(~allowed[None], torch.finfo(scores.dtype).min)
+    scores = torch.matmul(queries, k.to(queries.device).transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~allowed.to(scores.device)[None], torch.finfo(scores.dtype).min)
     return torch.softmax(scores, dim=-1)
 
 
@@ -73,19 +73,21 @@ def prefill_with_context_attention(
     over heads) on past positions ``>= context_start`` (e.g. the neighbour chunks, not
     ``S``). This is the simplified Cache-Craft signal: tokens that drew much from the
     preceding chunks are the ones whose reused KV goes most stale in another context.
+    Both come back on the CPU, where the store writes them.
     """
     from fusionrag.execution.forward import prefill, visibility
-    from fusionrag.kvcache.kv import KV
 
     with capture_last_layer_queries(lm) as captured:
         kv, _ = prefill(lm, ids, past=past)
     n = len(kv)
-    positions = torch.arange(kv.base_position, kv.base_position + n)
+    device = lm.device
+    positions = torch.arange(kv.base_position, kv.base_position + n, device=device)
     queries = finish_queries(lm, captured[-1], positions)
     past_len = 0 if past is None else len(past)
-    keys = kv.keys[-1] if past is None else torch.cat([past.keys[-1].float(), kv.keys[-1]], dim=1)
-    past_positions = torch.arange(positions[0] - past_len, positions[0])
+    last = kv.keys[-1].float()
+    keys = last if past is None else torch.cat([past.keys[-1].to(device).float(), last], dim=1)
+    past_positions = torch.arange(kv.base_position - past_len, kv.base_position, device=device)
     allowed = visibility(past_positions, None, positions)
     probs = attention_probs(queries, keys, allowed, attention_scale(lm))  # [heads, n, past+n]
     scores = probs[:, :, context_start:past_len].sum(dim=(0, 2))
-    return KV(kv.keys, kv.values, kv.base_position), scores
+    return kv.to(device="cpu"), scores.cpu()

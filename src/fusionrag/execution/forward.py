@@ -1,10 +1,19 @@
-"""One forward pass of new tokens on top of reused KV, at explicit positions.
+"""One forward pass of new tokens on top of reused KV, at explicit positions, without a mask.
 
-Every pass gets an explicit additive float mask (``finfo.min`` for "not visible"),
-never a boolean one and never the library's implicit causal mask: with reused and
-sparsely recomputed KV, "causal" is not "earlier in the cache", and transformers'
-mask helpers also infer packed sequences from gaps in ``position_ids``. A 4D mask is
-used as given, so what each token sees is exactly what this module says.
+Two kinds of pass, neither with a dense mask:
+- no past (Full Attention, ``S``): the model's own causal SDPA kernel, KV heads shared;
+- a past (a chunk after ``S`` or after its neighbours, the question pre-pass, the sparse
+  recompute): a *sparse pass* (:mod:`fusionrag.execution.attention_hook`). The cache given
+  to the model starts empty and receives only the new tokens' KV (the request's own
+  buffer); each layer's attention reads the reused past of that layer, never written,
+  through the chosen backend, which applies the rule "every position at or before one's
+  own, stale slots hidden" (:func:`~fusionrag.execution.masks.visibility`).
+
+Why no implicit masks: with reused and sparsely recomputed KV, "causal" is not "earlier in
+the cache", and transformers' mask helpers infer packed sequences from gaps in
+``position_ids``. Our attention function gets no mask from transformers and applies the
+rule itself. The ``reference`` backend is the old path (a dense additive float mask,
+``finfo.min``) and is used for every pass, past or not, when asked for.
 """
 
 from __future__ import annotations
@@ -14,16 +23,19 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
+from fusionrag.execution import attention_hook
+from fusionrag.execution.attention_backends import SparseQuery, default_backend, get_backend
+from fusionrag.execution.masks import additive_mask, visibility  # noqa: F401  (re-exported)
 from fusionrag.kvcache.kv import KV
 from fusionrag.models.registry import LoadedModel
 
 
 def to_dynamic_cache(kv: KV | None) -> DynamicCache:
-    """A transformers cache holding a *copy* of ``kv`` (the forward appends to it in place)."""
+    """A transformers cache holding a *copy* of ``kv`` (for tests that run the model's own eager path)."""
     if kv is None or len(kv) == 0:
         return DynamicCache()
     data = [(kv.keys[i].unsqueeze(0), kv.values[i].unsqueeze(0)) for i in range(kv.num_layers)]
-    return DynamicCache(ddp_cache_data=data)  # DynamicLayer.update concatenates: a fresh tensor
+    return DynamicCache(ddp_cache_data=data)
 
 
 def cache_tail(cache: DynamicCache, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -33,74 +45,86 @@ def cache_tail(cache: DynamicCache, n: int) -> tuple[torch.Tensor, torch.Tensor]
     return keys, values
 
 
-def additive_mask(allowed: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Booleans -> additive mask (0 visible, finfo.min hidden): ``[q, kv]`` -> ``[1, 1, q, kv]``,
-    ``[B, q, kv]`` -> ``[B, 1, q, kv]`` (one mask per batch row, shared by the heads)."""
-    zero = torch.zeros((), dtype=dtype, device=allowed.device)
-    hidden = torch.tensor(torch.finfo(dtype).min, dtype=dtype, device=allowed.device)
-    mask = torch.where(allowed, zero, hidden)
-    return mask[None, None] if mask.dim() == 2 else mask[:, None]
-
-
-def visibility(
-    past_positions: torch.Tensor, past_hidden: torch.Tensor | None, new_positions: torch.Tensor
-) -> torch.Tensor:
-    """Which keys each new token may attend to: every position at or before its own.
-
-    ``past_hidden`` marks past slots whose KV is stale because the same token is being
-    recomputed in this pass (its fresh copy is among the new tokens instead).
-    """
-    past_ok = past_positions[None, :] <= new_positions[:, None]
-    if past_hidden is not None:
-        past_ok &= ~past_hidden[None, :]
-    new_ok = new_positions[None, :] <= new_positions[:, None]
-    return torch.cat([past_ok, new_ok], dim=1)
+def backend_name(lm: LoadedModel) -> str:
+    """The sparse-pass backend of ``lm``: its ``attention`` setting, ``auto`` resolved by device."""
+    return default_backend(lm.device) if lm.attention == "auto" else lm.attention
 
 
 @dataclass
 class ForwardResult:
-    logits: torch.Tensor  # [n_kept, vocab] for the kept positions
-    keys: torch.Tensor  # [L, H, n, D] fresh KV of the new tokens, in input order
+    logits: torch.Tensor  # [n_kept, vocab] for the kept positions (fp32)
+    keys: torch.Tensor  # [L, H, n, D] fresh KV of the new tokens, in input order (the pass's own buffer)
     values: torch.Tensor
-    cache: DynamicCache  # past + new tokens (for continuing, e.g. decoding)
+
+
+def _run(lm: LoadedModel, input_ids: torch.Tensor, positions: torch.Tensor, past: KV | None,
+         past_hidden: torch.Tensor | None, logits_to_keep: int,
+         n_layers: int | None) -> tuple[torch.Tensor, DynamicCache]:
+    device = lm.device
+    attention_hook.install(lm.model)
+    input_ids = torch.as_tensor(input_ids, dtype=torch.long).reshape(-1).to(device)
+    positions = torch.as_tensor(positions, dtype=torch.long).reshape(-1).to(device)
+    if input_ids.numel() != positions.numel():
+        raise ValueError(f"{input_ids.numel()} tokens at {positions.numel()} positions")
+    backend = backend_name(lm)
+    past_len = 0 if past is None else len(past)
+    cache = DynamicCache()
+    if past_len == 0 and backend != "reference":
+        if positions.numel() > 1 and not bool((positions[1:] > positions[:-1]).all()):
+            raise ValueError("positions of a pass must be strictly ascending")
+        return _call(lm, input_ids, positions, cache, logits_to_keep, n_layers), cache
+    base = 0 if past is None else past.base_position
+    stale = None if past_hidden is None else past_hidden.to(device=device, dtype=torch.bool)
+    spec = SparseQuery(positions, base, past_len, stale)
+    if past is None:  # the reference path without a past: an empty one
+        empty = torch.zeros(lm.num_layers, _kv_heads(lm), 0, _head_dim(lm), dtype=lm.dtype, device=device)
+        past = KV(empty, empty, 0)
+    past_dev = past.to(lm.dtype, device)
+    with attention_hook.sparse_pass(past_dev, spec, get_backend(backend)):
+        return _call(lm, input_ids, positions, cache, logits_to_keep, n_layers), cache
+
+
+def _kv_heads(lm: LoadedModel) -> int:
+    return getattr(lm.config, "num_key_value_heads", None) or lm.config.num_attention_heads
+
+
+def _head_dim(lm: LoadedModel) -> int:
+    return getattr(lm.config, "head_dim", None) or lm.config.hidden_size // lm.config.num_attention_heads
+
+
+def _call(lm: LoadedModel, input_ids: torch.Tensor, positions: torch.Tensor, cache: DynamicCache,
+          logits_to_keep: int, n_layers: int | None) -> torch.Tensor:
+    """The whole model (logits kept) or, with ``n_layers``, only its first layers (no logits)."""
+    if n_layers is None:
+        out = lm.model(input_ids=input_ids[None], position_ids=positions[None], attention_mask=None,
+                       use_cache=True, logits_to_keep=logits_to_keep,
+                       **{attention_hook.cache_keyword(lm.model.forward): cache})
+        return out.logits[0].float()
+    body = lm.model.model
+    hidden = body.embed_tokens(input_ids[None])
+    pos_emb = body.rotary_emb(hidden, position_ids=positions[None])
+    for layer in body.layers[:n_layers]:
+        hidden = layer(hidden, attention_mask=None, position_ids=positions[None], use_cache=True,
+                       position_embeddings=pos_emb, **{attention_hook.cache_keyword(layer.forward): cache})
+        hidden = hidden[0] if isinstance(hidden, tuple) else hidden
+    return torch.empty(0)
 
 
 def forward(
     lm: LoadedModel,
     input_ids: torch.Tensor,
     positions: torch.Tensor,
-    past: KV | DynamicCache | None = None,
-    past_positions: torch.Tensor | None = None,
+    past: KV | None = None,
     past_hidden: torch.Tensor | None = None,
     logits_to_keep: int = 1,
 ) -> ForwardResult:
-    """Run ``input_ids`` at ``positions`` on top of ``past``.
+    """Run ``input_ids`` at ``positions`` (strictly ascending) on top of ``past`` (never modified).
 
-    ``past_positions`` defaults to ``0..len(past)-1`` (an assembled cache starting at 0).
-    A ``DynamicCache`` past is extended in place (used by decoding); a ``KV`` past is
-    copied, so shared caches are never modified.
+    ``past`` holds positions ``past.base_position ..``; ``past_hidden`` marks its stale slots.
     """
-    input_ids = torch.as_tensor(input_ids, dtype=torch.long).reshape(-1)
-    positions = torch.as_tensor(positions, dtype=torch.long).reshape(-1)
-    if isinstance(past, DynamicCache):
-        cache = past
-        past_len = cache.get_seq_length()
-    else:
-        cache = to_dynamic_cache(past)
-        past_len = 0 if past is None else len(past)
-    if past_positions is None:
-        past_positions = torch.arange(past_len)
-    allowed = visibility(past_positions, past_hidden, positions)
-    out = lm.model(
-        input_ids=input_ids[None],
-        position_ids=positions[None],
-        attention_mask=additive_mask(allowed, lm.model.dtype),
-        cache=cache,
-        use_cache=True,
-        logits_to_keep=logits_to_keep,
-    )
-    keys, values = cache_tail(cache, input_ids.numel())
-    return ForwardResult(out.logits[0].float(), keys, values, cache)
+    logits, cache = _run(lm, input_ids, positions, past, past_hidden, logits_to_keep, None)
+    keys, values = cache_tail(cache, int(torch.as_tensor(input_ids).numel()))
+    return ForwardResult(logits, keys, values)
 
 
 def prefill(lm: LoadedModel, input_ids: torch.Tensor, past: KV | None = None, start: int | None = None,
@@ -110,13 +134,10 @@ def prefill(lm: LoadedModel, input_ids: torch.Tensor, past: KV | None = None, st
     The segment starts right after ``past`` unless ``start`` says otherwise. Returns the
     segment's own KV (not including ``past``) and the kept logits.
     """
-    past_len = 0 if past is None else len(past)
-    after_past = 0 if past is None else past.base_position + past_len
+    after_past = 0 if past is None else past.base_position + len(past)
     base = after_past if start is None else start
     n = int(torch.as_tensor(input_ids).numel())
-    past_positions = None if past is None else torch.arange(past.base_position, past.base_position + past_len)
-    res = forward(lm, input_ids, torch.arange(base, base + n), past, past_positions,
-                  logits_to_keep=logits_to_keep)
+    res = forward(lm, input_ids, torch.arange(base, base + n), past, logits_to_keep=logits_to_keep)
     return KV(res.keys, res.values, base), res.logits
 
 
@@ -128,18 +149,5 @@ def forward_first_layers(
     Runs the embedding and the first decoder layers by hand (the model's own modules, in
     its own order), causal over ``past`` + the new tokens. Returns ``[n_layers, H, n, D]``.
     """
-    body = lm.model.model
-    input_ids = torch.as_tensor(input_ids, dtype=torch.long).reshape(1, -1)
-    positions = torch.as_tensor(positions, dtype=torch.long).reshape(1, -1)
-    past_len = 0 if past is None else len(past)
-    cache = to_dynamic_cache(None if past is None else KV(past.keys[:n_layers], past.values[:n_layers],
-                                                          past.base_position))
-    past_positions = torch.arange(past_len) if past is None else torch.arange(
-        past.base_position, past.base_position + past_len)
-    mask = additive_mask(visibility(past_positions, None, positions[0]), lm.model.dtype)
-    hidden = body.embed_tokens(input_ids)
-    pos_emb = body.rotary_emb(hidden, position_ids=positions)
-    for layer in body.layers[:n_layers]:
-        hidden = layer(hidden, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True,
-                       position_embeddings=pos_emb)
-    return cache_tail(cache, input_ids.shape[1])
+    _, cache = _run(lm, input_ids, positions, past, None, 1, n_layers)
+    return cache_tail(cache, int(torch.as_tensor(input_ids).numel()))

@@ -7,6 +7,10 @@ position at or before its own: fresh KV for tokens in ``R`` (computed in this sa
 pass, layer by layer) and reused KV for the rest; the stale KV of ``R`` is hidden.
 The fresh KV is then written into place. With ``R`` = every context token after
 ``S``, this is exactly Full Attention; with ``R`` empty it is Full Reuse.
+
+The pass is sparse (:mod:`fusionrag.execution.forward`): the fresh KV goes to the pass's
+own buffer and the attention backend reads the shared context, which is never written.
+Everything runs on the model's device, in its dtype; the returned prompt KV is there too.
 """
 
 from __future__ import annotations
@@ -47,18 +51,22 @@ def sparse_recompute(
     idx = torch.unique(torch.as_tensor(recompute_idx, dtype=torch.long).reshape(-1))  # sorted, no repeats
     if idx.numel() and (idx[0] < 0 or idx[-1] >= total):
         raise ValueError("recompute indices must lie inside the context")
-    stale = torch.zeros(total, dtype=torch.bool)
+    device = lm.device
+    context = context.to(lm.dtype, device)
+    idx = idx.to(device)
+    stale = torch.zeros(total, dtype=torch.bool, device=device)
     stale[idx] = True
-    positions = torch.cat([idx, torch.arange(total, total + suffix_ids.numel())])
-    res = forward(lm, torch.cat([context_ids[idx], suffix_ids]), positions, context, past_hidden=stale)
+    positions = torch.cat([idx, torch.arange(total, total + suffix_ids.numel(), device=device)])
+    ids = torch.cat([context_ids.to(device)[idx], suffix_ids.to(device)])
+    res = forward(lm, ids, positions, context, past_hidden=stale)
     r = idx.numel()
     # The request's own prompt KV, written once: reused context, fresh KV in place of the stale
     # slots, the question after it (the shared ``context`` is never modified).
     out = []
     for reused, fresh in ((context.keys, res.keys), (context.values, res.values)):
-        t = reused.new_empty((*reused.shape[:2], total + suffix_ids.numel(), reused.shape[3]), dtype=torch.float32)
+        t = reused.new_empty((*reused.shape[:2], total + suffix_ids.numel(), reused.shape[3]))
         t[:, :, :total] = reused
-        t[:, :, idx] = fresh[:, :, :r].to(torch.float32)
-        t[:, :, total:] = fresh[:, :, r:].to(torch.float32)
+        t[:, :, idx] = fresh[:, :, :r].to(t.dtype)
+        t[:, :, total:] = fresh[:, :, r:].to(t.dtype)
         out.append(t)
     return RecomputeResult(KV(out[0], out[1], 0), res.logits[-1], r)

@@ -51,8 +51,12 @@ class KV:
             self.base_position + start,
         )
 
-    def to(self, dtype: torch.dtype) -> KV:
-        return KV(self.keys.to(dtype), self.values.to(dtype), self.base_position)
+    def to(self, dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> KV:
+        """This KV in ``dtype`` on ``device`` (itself when nothing changes: no copy)."""
+        keys, values = self.keys.to(device=device, dtype=dtype), self.values.to(device=device, dtype=dtype)
+        if keys is self.keys and values is self.values:
+            return self
+        return KV(keys, values, self.base_position)
 
     def moved_to(self, new_base: int, inv_freq: torch.Tensor) -> KV:
         """This segment re-positioned to start at ``new_base`` (keys rotated, values shared)."""
@@ -78,18 +82,20 @@ class KV:
         )
 
 
-def assemble(prefix: KV, chunks: Sequence[KV], inv_freq: torch.Tensor) -> tuple[KV, list[tuple[int, int]]]:
+def assemble(prefix: KV, chunks: Sequence[KV], inv_freq: torch.Tensor, device: torch.device | str | None = None,
+             dtype: torch.dtype = torch.float32) -> tuple[KV, list[tuple[int, int]]]:
     """``prefix + chunk_1 + ... + chunk_k`` at consecutive positions (TurboRAG "reordered").
 
-    Each chunk is rotated from wherever it was computed to right after the previous
-    segment. Returns the assembled KV (fp32 for computation) and each chunk's
-    ``(start, stop)`` token span within it.
+    Each chunk is moved to ``device`` as stored (fp16/int8 travel small), widened to fp32,
+    rotated from wherever it was computed to right after the previous segment (fp32 math,
+    on the device), then cast to the compute ``dtype``. Returns the assembled KV and each
+    chunk's ``(start, stop)`` token span within it.
     """
-    parts = [prefix.to(torch.float32)]
+    parts = [prefix.to(device=device).to(torch.float32).to(dtype)]
     spans = []
     pos = prefix.base_position + len(prefix)
     for chunk in chunks:
-        moved = chunk.to(torch.float32).moved_to(pos, inv_freq)
+        moved = chunk.to(device=device).to(torch.float32).moved_to(pos, inv_freq).to(dtype)
         spans.append((pos - prefix.base_position, pos - prefix.base_position + len(chunk)))
         parts.append(moved)
         pos += len(chunk)

@@ -21,6 +21,7 @@ import torch
 
 from fusionrag.errors import FusionRAGError
 from fusionrag.models.compat import check_supported
+from fusionrag.models.devices import resolve_device, resolve_dtype
 from fusionrag.models.fingerprint import make_fingerprint, weights_hash
 from fusionrag.models.gguf import PackagedGGUF, ensure_converted
 from fusionrag.models.rope import inv_freq_of
@@ -58,10 +59,21 @@ class LoadedModel:
     model: Any
     tokenizer: Any
     fingerprint: str
+    attention: str = "auto"  # sparse-pass backend: auto | reference | blocked | triton (execution/attention_backends)
 
     @property
     def config(self) -> Any:
         return self.model.config
+
+    @property
+    def device(self) -> torch.device:
+        """Where the weights are: every tensor a pass creates goes there."""
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The compute dtype (KV handed to the model is cast to it; stored KV keeps its own)."""
+        return next(self.model.parameters()).dtype
 
     @cached_property
     def inv_freq(self) -> torch.Tensor:
@@ -90,13 +102,25 @@ class LoadedModel:
         return sorted(ids)
 
 
-def load_model(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32) -> LoadedModel:
-    """Load ``name_or_path`` (a short name or a local HF checkpoint folder) for inference."""
+def load_model(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype | str | None = torch.float32,
+               device: torch.device | str | None = None, attention: str | None = None) -> LoadedModel:
+    """Load ``name_or_path`` (a short name or a local HF checkpoint folder) for inference.
+
+    ``device`` defaults to CUDA when available (:mod:`fusionrag.models.devices`); ``attention``
+    picks the sparse-pass backend (None: ``auto``). The fingerprint includes the compute
+    dtype (KV computed in bf16 is not the KV computed in fp32) but not the device.
+    """
+    lm = _load(name_or_path, resolve_dtype(dtype), resolve_device(device))
+    lm.attention = attention or "auto"
+    return lm
+
+
+def _load(name_or_path: str, dtype: torch.dtype, dev: torch.device) -> LoadedModel:
     torch.set_grad_enabled(False)
     if name_or_path in TINY:
         from fusionrag.models.tiny import byte_tokenizer, tiny_model
 
-        model = tiny_model(TINY[name_or_path]).to(dtype)
+        model = tiny_model(TINY[name_or_path]).to(device=dev, dtype=dtype)
         digest = hashlib.sha256(json.dumps(model.config.to_dict(), sort_keys=True, default=str).encode())
         fp = make_fingerprint(model.config.model_type, digest.hexdigest(), str(dtype).removeprefix("torch."))
         return LoadedModel(name_or_path, model, byte_tokenizer(), fp)
@@ -111,15 +135,15 @@ def load_model(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype = torch.flo
                 f"unknown model '{name_or_path}': not a short name ({', '.join(KNOWN_NAMES)}) "
                 "and not a local Hugging Face checkpoint folder with a config.json."
             )
-    return _load_checkpoint(folder, name, dtype)
+    return _load_checkpoint(folder, name, dtype, dev)
 
 
-def _load_checkpoint(folder: Path, name: str, dtype: torch.dtype) -> LoadedModel:
+def _load_checkpoint(folder: Path, name: str, dtype: torch.dtype, device: torch.device) -> LoadedModel:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     config = AutoConfig.from_pretrained(folder)
     check_supported(config)  # refuse before spending time on the weights
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa").eval()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa").eval().to(device)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     fp = make_fingerprint(config.model_type, weights_hash(folder), str(dtype).removeprefix("torch."))
     return LoadedModel(name, model, tokenizer, fp)

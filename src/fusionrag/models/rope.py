@@ -7,7 +7,8 @@ computed at position ``p`` is ``R(p) k``; since rotations compose,
 therefore one extra rotation of its keys; values carry no position and stay as they are.
 
 Angles are formed in float64 (``delta * inv_freq`` for deltas of thousands of
-positions loses ~1e-4 rad in fp32) and the rotation itself runs in fp32.
+positions loses ~1e-4 rad in fp32) and the rotation itself runs in fp32, on whatever
+device the keys are (the result keeps the keys' dtype: callers widen fp16/bf16 first).
 """
 
 from __future__ import annotations
@@ -36,8 +37,8 @@ def rotate_keys(keys: torch.Tensor, delta: int | torch.Tensor, inv_freq: torch.T
     """
     if isinstance(delta, int) and delta == 0:
         return keys.clone()
-    delta64 = torch.as_tensor(delta, dtype=torch.float64)
-    angles = delta64.reshape(-1, 1) * inv_freq.reshape(1, -1)  # [seq or 1, head_dim/2]
+    delta64 = torch.as_tensor(delta, dtype=torch.float64, device=keys.device)
+    angles = delta64.reshape(-1, 1) * inv_freq.to(keys.device).reshape(1, -1)  # [seq or 1, head_dim/2]
     angles = torch.cat((angles, angles), dim=-1)
     cos = angles.cos().to(torch.float32)
     sin = angles.sin().to(torch.float32)

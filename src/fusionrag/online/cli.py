@@ -6,13 +6,14 @@ import argparse
 import json
 import sys
 
+from fusionrag.models.devices import add_device_args, device_options
 from fusionrag.online.policies import METHODS
 
 
 def _cmd_ask(args: argparse.Namespace) -> int:
     from fusionrag.online.engine import Engine
 
-    engine = Engine.open(args.store, model=args.model)
+    engine = Engine.open(args.store, model=args.model, **device_options(args))
     options = {"softmax": args.softmax} if args.softmax and args.method in ("fusionrag", "query") else {}
     if args.stream and not (args.json or args.explain):
         for delta in engine.stream(args.question, max_new_tokens=args.max_new_tokens, method=args.method,
@@ -58,4 +59,5 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--stream", action="store_true", help="print tokens as they are generated")
     p.add_argument("--explain", metavar="FILE.html", help="write a page showing which tokens were recomputed")
+    add_device_args(p)
     p.set_defaults(func=_cmd_ask)

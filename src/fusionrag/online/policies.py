@@ -56,7 +56,7 @@ def top_k_of(scores: torch.Tensor, candidates: torch.Tensor, k: int) -> torch.Te
     """The ``k`` best-scoring candidates (scores aligned with candidates), sorted by position."""
     if k <= 0:
         return torch.empty(0, dtype=torch.long)
-    best = torch.topk(scores.float(), k, sorted=False).indices
+    best = torch.topk(scores.float().cpu(), k, sorted=False).indices  # scores may live on the GPU; indices on CPU
     return torch.sort(candidates[best]).values
 
 

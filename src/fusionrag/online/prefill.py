@@ -58,11 +58,14 @@ def assemble_context(
     lm: LoadedModel, system_kv: KV, chunk_kvs: Sequence[KV], system_token_ids: Sequence[int],
     chunk_token_ids: Sequence[Sequence[int]],
 ) -> tuple[KV, torch.Tensor, list[tuple[int, int]]]:
-    """``S`` + chunks at consecutive positions, the matching token ids, and chunk spans."""
+    """``S`` + chunks at consecutive positions, the matching token ids, and chunk spans.
+
+    Stored KV (CPU, fp16/int8/fp32) moves to the model's device here, is rotated there in
+    fp32 math and cast to the compute dtype once, so the passes get KV ready to use."""
     for kv, ids in zip(chunk_kvs, chunk_token_ids, strict=True):
         if len(kv) != len(ids):
             raise ValueError(f"chunk KV has {len(kv)} tokens but its ids have {len(ids)}")
-    context, spans = assemble(system_kv, chunk_kvs, lm.inv_freq)
+    context, spans = assemble(system_kv, chunk_kvs, lm.inv_freq, device=lm.device, dtype=lm.dtype)
     ids = torch.tensor([*system_token_ids, *(t for c in chunk_token_ids for t in c)], dtype=torch.long)
     return context, ids, spans
 

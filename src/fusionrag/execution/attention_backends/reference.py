@@ -1,0 +1,26 @@
+"""The reference backend: the visibility rule as a dense additive mask, SDPA over repeated KV heads.
+
+This is what every forward did before the mask-free paths (and what transformers does
+with a 4D float mask): it is slow (the whole ``[n, T + n]`` score matrix, KV heads
+copied ``Hq / Hkv`` times) but says exactly what each token sees, so the other backends
+are tested against it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from fusionrag.execution.attention_backends.spec import SparseQuery
+from fusionrag.execution.masks import additive_mask, visibility
+
+
+def attend(q: torch.Tensor, k_past: torch.Tensor, v_past: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+           spec: SparseQuery, scale: float) -> torch.Tensor:
+    """``[Hq, n, D]`` attention of ``q`` over past + new KV with the dense visibility mask."""
+    groups = q.shape[0] // k_past.shape[0]
+    allowed = visibility(spec.past_positions(), spec.stale, spec.positions)
+    keys = torch.cat([k_past.to(q.dtype), k_new], dim=1).repeat_interleave(groups, dim=0)
+    values = torch.cat([v_past.to(q.dtype), v_new], dim=1).repeat_interleave(groups, dim=0)
+    mask = additive_mask(allowed, q.dtype)  # [1, 1, n, T + n]
+    return F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask, scale=scale)[0]

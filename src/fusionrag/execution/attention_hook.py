@@ -1,0 +1,100 @@
+"""The model's own attention modules, routed through transformers' attention-function registry.
+
+We register one attention function, ``fusionrag``, with ``transformers.AttentionInterface``
+and switch a loaded model to it (no fork of any model code: every supported architecture
+looks its attention function up in that registry). Outside a sparse pass it is exactly
+transformers' SDPA function: with no mask that is the causal kernel with shared KV heads
+(Full Attention, ``S``), with a 4D mask the masked kernel (the padded decode batch).
+Inside :func:`sparse_pass` it ignores the cache's past (the cache holds only the pass's
+fresh KV) and calls the pass's backend with the reused past of that layer and the
+positions of the queries (see :mod:`fusionrag.execution.attention_backends`).
+
+Transformers builds no mask for an attention function it has no mask function for, so a
+pass with ``attention_mask=None`` reaches us with ``None`` whatever its positions are.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from fusionrag.execution.attention_backends import Attend, SparseQuery
+from fusionrag.kvcache.kv import KV
+
+ATTN_IMPL = "fusionrag"
+
+
+@dataclass(frozen=True)
+class _Pass:
+    past: KV
+    spec: SparseQuery
+    attend: Attend
+
+
+_ACTIVE: ContextVar[_Pass | None] = ContextVar("fusionrag_sparse_pass", default=None)
+
+
+def fusionrag_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                        attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                        **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """The registered attention function (signature of transformers' attention interface)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    active = _ACTIVE.get()
+    if active is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    if query.shape[0] != 1:
+        raise RuntimeError("a sparse pass takes one row (the backend applies the visibility rule)")
+    # A pass never hands the model a mask; should a transformers version build one anyway
+    # (e.g. from ``position_ids``), it is not ours to honour: the backend applies the rule.
+    layer = module.layer_idx
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    out = active.attend(query[0], active.past.keys[layer], active.past.values[layer], key[0], value[0],
+                        active.spec, scale)
+    return out.transpose(0, 1)[None], None  # [1, n, Hq, D], as transformers' functions return
+
+
+def install(model: Any) -> None:
+    """Register the function (idempotent) and make ``model``'s attention modules use it."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_IMPL, fusionrag_attention)
+    if model.config._attn_implementation != ATTN_IMPL:
+        model.config._attn_implementation = ATTN_IMPL
+
+
+@contextmanager
+def attention_implementation(model: Any, name: str) -> Iterator[None]:
+    """Temporarily run ``model`` with transformers' own ``name`` (e.g. ``sdpa``: the plain baseline)."""
+    before = model.config._attn_implementation
+    model.config._attn_implementation = name
+    try:
+        yield
+    finally:
+        model.config._attn_implementation = before
+
+
+@contextmanager
+def sparse_pass(past: KV, spec: SparseQuery, attend: Attend) -> Iterator[None]:
+    """Inside: every attention call of this thread is the sparse pass over ``past``."""
+    token = _ACTIVE.set(_Pass(past, spec, attend))
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def cache_keyword(fn: Any) -> str:
+    """``cache`` (transformers >= 5.2x) or ``past_key_values`` (older 5.x), whichever ``fn`` takes."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return "past_key_values"
+    return "cache" if "cache" in params else "past_key_values"
