@@ -136,8 +136,13 @@ class Engine:
         self._lock = threading.RLock()  # the model runs one request at a time
 
     @classmethod
-    def open(cls, store_dir: str | Path, model: str | None = None, **engine_options: Any) -> Engine:
-        """The store at ``store_dir`` with its model (``model`` overrides where the weights come from)."""
+    def open(cls, store_dir: str | Path, model: str | None = None, device: str | None = None,
+             dtype: str | None = None, attention: str | None = None, **engine_options: Any) -> Engine:
+        """The store at ``store_dir`` with its model (``model`` overrides where the weights come from).
+
+        ``device`` / ``dtype`` / ``attention``: where and how the model computes (defaults: CUDA
+        when available, float32, the device's sparse-attention backend); stored KV is read as stored.
+        """
         from fusionrag.models import load_model
         from fusionrag.retrieval.knowledge import stored_model
 
@@ -146,7 +151,7 @@ class Engine:
             raise FusionRAGError(
                 f"no knowledge store at '{path}'; create one with 'fusionrag ingest FILES --store {path}'"
             )
-        lm = load_model(model or stored_model(path))
+        lm = load_model(model or stored_model(path), dtype=dtype, device=device, attention=attention)
         return cls(KnowledgeStore.open(path, lm=lm), lm, **engine_options)
 
     @property
