@@ -8,7 +8,12 @@ command -v "$PY" >/dev/null 2>&1 || PY=python3
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install --quiet --upgrade pip
 .venv/bin/python -m pip install --quiet "torch==2.13.0"
-.venv/bin/python -m pip install --quiet -e ".[models,dev]"
+.venv/bin/python -m pip install --quiet -e ".[models,dev,ray,redis]"
+# The Redis tier's tests start a real redis-server (Debian package) on loopback.
+if ! command -v redis-server >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ]; then (apt-get install -y -qq redis-server || (apt-get update -qq && apt-get install -y -qq redis-server)) >/dev/null
+  else echo "setup: redis-server is missing (apt-get install redis-server); the Redis tier's tests will be skipped" >&2; fi
+fi
 # The framework integrations' tests need the real packages; they skip (saying why) without them.
 .venv/bin/python -m pip install --quiet -e ".[langchain,llamaindex]" \
     || echo "setup: warning: LangChain/LlamaIndex not installed; their integration tests will be skipped" >&2

@@ -13,6 +13,8 @@ import torch
 from fusionrag.execution.forward import prefill
 from fusionrag.execution.generate import greedy_tokens
 from fusionrag.execution.segments import chunk_kv_plain
+from fusionrag.kvcache.kv import KV
+from fusionrag.kvcache.quant import dequantize_kv, quantize_kv
 from fusionrag.models.registry import LoadedModel
 from fusionrag.online.prefill import (
     all_chunk_indices,
@@ -60,6 +62,10 @@ def run_doctor(lm: LoadedModel, generate_tokens: int = 16) -> dict:
     reuse32 = prefill_reused(lm, ctx, ids, spans, question)
     reuse16 = prefill_reused(lm, ctx16, ids16, spans16, question)
     fp16_diff = (reuse16.last_logits - reuse32.last_logits).abs().max().item()
+    # int8 storage (codes + scales, kvcache.quant): dequantised, then the same fp32 rotation.
+    kvs8 = [KV(*dequantize_kv(quantize_kv(kv.keys, kv.values)), kv.base_position) for kv in kvs]
+    ctx8, ids8, spans8 = assemble_context(lm, system_kv, kvs8, pb.system_token_ids, chunks)
+    int8_diff = (prefill_reused(lm, ctx8, ids8, spans8, question).last_logits - reuse32.last_logits).abs().max().item()
     reuse_gap = (reuse32.last_logits - full.last_logits).abs().max().item()
 
     ours = list(greedy_tokens(lm, full.kv, full.last_logits, generate_tokens, stop_ids=[]))
@@ -80,6 +86,7 @@ def run_doctor(lm: LoadedModel, generate_tokens: int = 16) -> dict:
         "rope_shift_rel_key_diff": key_rel,
         "rope_shift_delta": target,
         "fp16_storage_max_abs_logit_diff": fp16_diff,
+        "int8_storage_max_abs_logit_diff": int8_diff,
         "full_reuse_max_abs_logit_diff": reuse_gap,
         "fa_matches_transformers_generate": ours == ref,
         "generated_tokens": len(ours),

@@ -74,6 +74,7 @@ class QualitySpec:
     reuse_full_cache: bool = False  # True: a cached Full Attention result also serves the `full` cell (no TTFT)
     neighbour_order: str = DEFAULT_NEIGHBOUR_ORDER  # offline: most similar neighbour right after S (measured)
     same_document: bool = False  # offline: neighbours only from the chunk's own document group
+    kv_dtype: str = "float16"  # how the stores keep KV (float16, float32, int8); non-fp16 stores are named so
 
 
 @dataclass(frozen=True)
@@ -272,6 +273,7 @@ def _run_cell(engines, full_cache: FullCache, spec: QualitySpec, dataset: str, e
         "full_from_cache": ttft_from_cache,
         "fused_fallbacks": res.fused_fallbacks,
         "kb": store_name(spec, dataset, run.top_n) if run.reads_store else None,
+        "kv_dtype": spec.kv_dtype if run.kv != "none" else None,
     }
 
 

@@ -52,8 +52,10 @@ def _cmd_quality(args: argparse.Namespace) -> int:
         neighbour_order=args.neighbour_order,
         same_document=args.same_document,
         reuse_full_cache=args.reuse_full_cache,
+        kv_dtype=args.kv_dtype,
         command=_command(),
-        extra_meta={"neighbour_order": args.neighbour_order, "same_document": args.same_document},
+        extra_meta={"neighbour_order": args.neighbour_order, "same_document": args.same_document,
+                    "kv_dtype": args.kv_dtype},
     )
     run_quality(spec)
     print(f"[bench quality] wrote {spec.out}/results.json, results.md and plots")
@@ -190,6 +192,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="offline: where the most similar neighbour goes (ablation)")
     q.add_argument("--same-document", action="store_true",
                    help="offline: neighbours only from the chunk's own question/document (ablation)")
+    q.add_argument("--kv-dtype", choices=["float16", "float32", "int8"], default="float16",
+                   help="storage dtype of the study's stores (a non-fp16 store is a separate store, named so)")
     q.add_argument("--reuse-full-cache", action="store_true",
                    help="let a cached Full Attention result serve the `full` cell too (its TTFT is then not reported)")
     q.add_argument("--out", required=True)

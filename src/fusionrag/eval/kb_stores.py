@@ -37,6 +37,7 @@ class StoreSettings(Protocol):
     cache_dir: Path | None
     out: Path
     progress: bool
+    kv_dtype: str
 
 
 def reads_store(method: str, kv: str) -> bool:
@@ -59,6 +60,8 @@ def kb_size(spec: StoreSettings) -> int | None:
 def store_name(spec: StoreSettings, dataset: str, top_n: int) -> str:
     """The store (= knowledge base and offline settings) a cell of ``dataset`` at ``top_n`` reads."""
     variant = f"-{spec.neighbour_order}" + ("-samedoc" if spec.same_document else "")
+    if spec.kv_dtype != "float16":  # fp16 stores keep the names they had before int8 storage existed
+        variant += f"-{spec.kv_dtype}"
     return f"{spec.model}-{dataset}-n{kb_size(spec)}-top{top_n}" + variant
 
 
@@ -94,8 +97,11 @@ def _fill_store(spec: StoreSettings, path: Path, dataset: str, examples: list[QA
     if (path / "store.sqlite").exists():
         store = KnowledgeStore.open(path, lm=lm, embedder=spec.embedder)
     else:
-        store = build.create_store(path, lm, chunk_tokens=100_000, kv_dtype="float16", embedder=spec.embedder,
+        store = build.create_store(path, lm, chunk_tokens=100_000, kv_dtype=spec.kv_dtype, embedder=spec.embedder,
                                    model_source=spec.model)
+    if store.settings["kv_dtype"] != spec.kv_dtype:
+        store.close()
+        raise FusionRAGError(f"{path} stores {store.settings['kv_dtype']} KV, not {spec.kv_dtype}")
     # The knowledge base is the union of all questions' passages; each passage's document is the
     # first question that retrieves it, so --same-document means "neighbours among co-retrieved passages".
     seen: set = set()

@@ -36,10 +36,12 @@ from fusionrag.offline.compact import after_fuse, keeps_plain
 from fusionrag.offline.preprocess import (
     DEFAULT_NEIGHBOUR_ORDER,
     DEFAULT_TOP_N,
+    LocalRunner,
     PreprocessReport,
     compute_plain,
     fuse_store,
     prefix_order,
+    stale_chunks,
 )
 from fusionrag.retrieval.chunking import DEFAULT_CHUNK_TOKENS, Passage, Problem, dedup, expand_paths, make_chunks
 from fusionrag.retrieval.chunking import read_passages as read_file_passages
@@ -156,8 +158,10 @@ def ensure_system_kv(store: KnowledgeStore, lm: LoadedModel) -> KV:
 
 @_writes
 def ingest(store: KnowledgeStore, lm: LoadedModel, paths: Iterable[Path | str], progress: bool = True,
-           fuse: bool | None = None) -> IngestReport:
+           fuse: bool | None = None, runner: LocalRunner | None = None) -> IngestReport:
     """Read, chunk, dedup, embed and index ``paths``; plain KV for new chunks; then re-fuse.
+
+    ``runner`` computes the KV batches (default in this process; ``offline.distributed`` on Ray).
 
     ``fuse`` None re-fuses a store that was fused before, with its recorded settings
     (new chunks get fused KV; chunks whose neighbour lists now include a new chunk are
@@ -185,10 +189,10 @@ def ingest(store: KnowledgeStore, lm: LoadedModel, paths: Iterable[Path | str], 
     # Every chunk lacking plain KV, not only the new ones: completes an interrupted ingest.
     # A store that drops plain KV (offline.compact) computes only what the re-fuse reads, in the re-fuse.
     report.plain_computed, report.plain_seconds = compute_plain(
-        store, lm, system, progress=progress, chunk_ids=None if keeps_plain(store) else [])
+        store, lm, system, progress=progress, chunk_ids=None if keeps_plain(store) else [], runner=runner)
     settings = recorded_fuse_settings(store)
     if fuse or (fuse is None and settings is not None):
-        pre = _fuse(store, lm, system, settings or FuseSettings(), None, progress, batch_size=4)
+        pre = _fuse(store, lm, system, settings or FuseSettings(), None, progress, batch_size=4, runner=runner)
         report.fuse = pre.to_dict()
         report.changed_keys = pre.changed_keys
     report.seconds = time.perf_counter() - t0
@@ -226,7 +230,8 @@ def add_passages(store: KnowledgeStore, lm: LoadedModel, passages: Sequence[dict
 @_writes
 def fuse(store: KnowledgeStore, lm: LoadedModel, top_n: int | None = None, *, neighbour_order: str | None = None,
          same_document: bool | None = None, chunk_ids: Sequence[int] | None = None, progress: bool = True,
-         batch_size: int = 4, record: bool = True) -> PreprocessReport:
+         batch_size: int = 4, record: bool = True, verify: bool = True,
+         runner: LocalRunner | None = None) -> PreprocessReport:
     """The offline stage: fuse chunks (all by default) with their top-n neighbours; resumable.
 
     Settings come from :func:`resolve_fuse_settings`. With ``record`` (the default) they
@@ -238,16 +243,31 @@ def fuse(store: KnowledgeStore, lm: LoadedModel, top_n: int | None = None, *, ne
     if record:
         store.update_settings(fuse=settings.to_dict())
     store.kv.remove_temp_files()
-    return _fuse(store, lm, ensure_system_kv(store, lm), settings, chunk_ids, progress, batch_size)
+    return _fuse(store, lm, ensure_system_kv(store, lm), settings, chunk_ids, progress, batch_size, verify, runner)
 
 
 def _fuse(store: KnowledgeStore, lm: LoadedModel, system: KV, settings: FuseSettings,
-          chunk_ids: Sequence[int] | None, progress: bool, batch_size: int) -> PreprocessReport:
+          chunk_ids: Sequence[int] | None, progress: bool, batch_size: int, verify: bool = True,
+          runner: LocalRunner | None = None) -> PreprocessReport:
     report = fuse_store(store, lm, system, top_n=settings.top_n, neighbour_order=settings.neighbour_order,
                         same_document=settings.same_document, chunk_ids=chunk_ids, progress=progress,
-                        batch_size=batch_size)
+                        batch_size=batch_size, verify=verify, runner=runner)
     report.removed_keys.extend(after_fuse(store))  # a fused-only store drops the plain KV fusing re-created
     return report
+
+
+def stale_fused(store: KnowledgeStore, settings: FuseSettings, chunk_ids: Sequence[int] | None = None,
+                verify: bool = True) -> list[int]:
+    """The chunks (of ``chunk_ids``, default all) a fuse with ``settings`` would compute now: lets a
+    caller cut one fuse into slices (a server interleaving a document job with chats)."""
+    ids = store.chunk_ids() if chunk_ids is None else [int(c) for c in chunk_ids]
+    return stale_chunks(store, ids, settings.top_n, settings.neighbour_order, settings.same_document, verify)[1]
+
+
+@_writes
+def compute_plain_kv(store: KnowledgeStore, lm: LoadedModel, chunk_ids: Sequence[int]) -> int:
+    """Plain KV of these chunks where it is missing or not current (under the writer lock); how many."""
+    return compute_plain(store, lm, ensure_system_kv(store, lm), chunk_ids=chunk_ids, progress=False)[0]
 
 
 @_writes

@@ -56,9 +56,12 @@ def cmd_ingest(args: argparse.Namespace) -> int:
         lm = load_model(model, **device_options(args))
         store = build.create_store(store_dir, lm, chunk_tokens=args.chunk_tokens or 256,
                                    kv_dtype=args.kv_dtype or "float16", embedder=embedder, model_source=model)
+    runner = _ray_runner(args, store)
     try:
-        report = build.ingest(store, lm, [Path(p) for p in args.paths], progress=not args.quiet)
+        report = build.ingest(store, lm, [Path(p) for p in args.paths], progress=not args.quiet, runner=runner)
     finally:
+        if runner is not None:
+            runner.close()
         store.close()
     for problem in report.problems:
         print(f"fusionrag: skipped {problem}", file=sys.stderr)
@@ -79,19 +82,41 @@ def cmd_preprocess(args: argparse.Namespace) -> int:
     from fusionrag.offline import build, compact
 
     store, lm = _open(Path(args.store), args.model, devices=device_options(args))
+    runner = _ray_runner(args, store)
     try:
-        converted = compact.convert_kv_dtype(store, args.kv_dtype) if args.kv_dtype else []
-        if args.plain_kv == "keep":
-            compact.set_plain_kv(store, "keep")
-        report = build.fuse(store, lm, top_n=args.top_n, progress=not args.quiet,
-                            neighbour_order=args.neighbour_order, same_document=True if args.same_document else None)
-        if args.plain_kv == "drop":
-            compact.set_plain_kv(store, "drop")
-            report.removed_keys.extend(compact.drop_plain(store))
+        with store.writer():  # one writer for the whole run (re-entrant: build.fuse takes it too)
+            converted = compact.convert_kv_dtype(store, args.kv_dtype) if args.kv_dtype else []
+            if args.plain_kv == "keep":
+                compact.set_plain_kv(store, "keep")
+            report = build.fuse(store, lm, top_n=args.top_n, progress=not args.quiet, runner=runner,
+                                neighbour_order=args.neighbour_order,
+                                same_document=True if args.same_document else None)
+            if args.plain_kv == "drop":
+                compact.set_plain_kv(store, "drop")
+                report.removed_keys.extend(compact.drop_plain(store))
     finally:
+        if runner is not None:
+            runner.close()
         store.close()
     print(json.dumps({**report.to_dict(), "kv_converted": len(converted)}, indent=2))
     return 0
+
+
+def _ray_runner(args: argparse.Namespace, store):
+    """A :class:`~fusionrag.offline.distributed.RayRunner` when ``--ray`` was given (else the local default)."""
+    if not getattr(args, "ray", None):
+        return None
+    from fusionrag.offline.distributed import RayRunner
+
+    return RayRunner(store, str(store.settings["model"]), address=args.ray, workers=args.ray_workers)
+
+
+def _add_ray_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--ray", default=None, metavar="auto|ADDRESS",
+                   help="compute the plain and fused KV on a Ray cluster (auto: the running one, else a local one); "
+                        "the entries are still written here, through the same verified store (needs the 'ray' extra)")
+    p.add_argument("--ray-workers", type=int, default=None,
+                   help="Ray workers, one model each (default: the cluster's CPUs)")
 
 
 def cmd_store_info(args: argparse.Namespace) -> int:
@@ -140,6 +165,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="embedding model for a new store: all-MiniLM-L6-v2 (default) or hashing-<dim> (tests)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     add_device_args(p)
+    _add_ray_args(p)
     p.set_defaults(func=cmd_ingest)
 
     p = sub.add_parser("preprocess", help="fuse each chunk's KV with its top-n most similar chunks (resumable)")
@@ -161,6 +187,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default=None, help="load the store's model from here (must be the same weights)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     add_device_args(p)
+    _add_ray_args(p)
     p.set_defaults(func=cmd_preprocess, plain_kv=None)
 
     p = sub.add_parser("store", help="knowledge-base maintenance")

@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -174,13 +174,15 @@ def fuse_key(neighbours: Sequence[int], neighbour_order: str) -> dict[str, Any]:
 
 
 def entry_is_current(store: KnowledgeStore, chunk_id: int, key: dict[str, Any],
-                     kind: str = "fused") -> tuple[bool, bool]:
+                     kind: str = "fused", verify: bool = True) -> tuple[bool, bool]:
     """``(exists, current)`` for one of the chunk's entries.
 
     Current means: made by this model after this ``S`` for the chunk's tokens, with the
     settings in ``key`` (fused: neighbours and order), *and* it passes full verification:
     a truncated or bit-flipped file whose header still looks right is rebuilt, never
-    skipped forever. An entry left by another store (same id, other tokens) is not current.
+    skipped forever (``verify=False`` trusts the header: a server's incremental re-fuse, where
+    reading every entry of the store per document job would cost more than the job).
+    An entry left by another store (same id, other tokens) is not current.
     """
     meta = store.kv.header(chunk_id, kind)
     if meta is None:
@@ -196,7 +198,7 @@ def entry_is_current(store: KnowledgeStore, chunk_id: int, key: dict[str, Any],
         and meta.get("tokens_sha256") == tokens_hash(store.chunk(chunk_id).token_ids)
         and {k: extra.get(k) for k in key} == key
     )
-    if current:
+    if current and verify:
         try:
             store.load_entry(chunk_id, kind)
         except CacheIntegrityError:
@@ -204,12 +206,36 @@ def entry_is_current(store: KnowledgeStore, chunk_id: int, key: dict[str, Any],
     return True, current
 
 
+class LocalRunner:
+    """Runs the pure batch functions in this process, one batch after another (the default).
+
+    A runner maps batches to results and yields ``(batch, results)`` as each one completes; the
+    drivers below only decide what to compute and write what comes back, so a distributed runner
+    (:mod:`fusionrag.offline.distributed`, Ray) can replace this one without changing either.
+    """
+
+    def __init__(self, store: KnowledgeStore, lm: LoadedModel) -> None:
+        self.store, self.lm = store, lm
+
+    def plain(self, system_kv: KV, batches: Sequence[dict[int, Sequence[int]]]) -> Iterator[tuple[dict, dict[int, KV]]]:
+        for batch in batches:
+            yield batch, plain_batch(self.lm, system_kv, batch)
+
+    def fuse(self, system_kv: KV, batches: Sequence[dict[int, Sequence[int]]], neighbours: Mapping[int, Sequence[int]],
+             neighbour_order: str) -> Iterator[tuple[dict, dict[int, FusedKV]]]:
+        loader = PlainCache(self.store)
+        for batch in batches:
+            yield batch, fuse_batch(self.lm, system_kv, list(batch), batch, {c: neighbours[c] for c in batch}, loader,
+                                    neighbour_order)
+
+
 def compute_plain(store: KnowledgeStore, lm: LoadedModel, system_kv: KV, chunk_ids: Sequence[int] | None = None,
-                  progress: bool = True, batch_size: int = 8) -> tuple[int, float]:
+                  progress: bool = True, batch_size: int = 8, runner: LocalRunner | None = None) -> tuple[int, float]:
     """Compute and store the plain KV of every chunk (of ``chunk_ids``) lacking a current one.
 
     Resumable: current, verified entries are skipped (missing, corrupted or foreign ones are
     recomputed), each entry is written atomically. Returns ``(computed, seconds)``.
+    ``runner`` computes the batches (default: :class:`LocalRunner`); entries are written here.
     """
     ids = store.chunk_ids() if chunk_ids is None else list(chunk_ids)
     todo = [c for c in ids if not entry_is_current(store, c, {}, "plain")[1]]
@@ -217,17 +243,34 @@ def compute_plain(store: KnowledgeStore, lm: LoadedModel, system_kv: KV, chunk_i
         return 0, 0.0
     t0 = time.perf_counter()
     with tqdm(total=len(todo), unit="chunk", desc="plain KV (S + chunk)", disable=not progress) as bar:
-        for i in range(0, len(todo), batch_size):
-            batch = {c: store.chunk(c).token_ids for c in todo[i:i + batch_size]}
-            for cid, kv in plain_batch(lm, system_kv, batch).items():
+        batches = [{c: store.chunk(c).token_ids for c in todo[i:i + batch_size]}
+                   for i in range(0, len(todo), batch_size)]
+        for batch, kvs in (runner or LocalRunner(store, lm)).plain(system_kv, batches):
+            for cid, kv in kvs.items():
                 store.kv.save(cid, "plain", kv, batch[cid])
                 bar.update(1)
     return len(todo), time.perf_counter() - t0
 
 
+def stale_chunks(store: KnowledgeStore, ids: Sequence[int], top_n: int, neighbour_order: str,
+                 same_document: bool, verify: bool = True) -> tuple[dict[int, list[int]], list[int], set[int]]:
+    """``(neighbours, todo, replaced)``: each chunk's neighbours now, the chunks whose fused entry is
+    missing or out of date (in ``ids`` order), and which of those had an entry before."""
+    neighbours = compute_neighbours(store, ids, top_n, same_document)
+    todo, replaced = [], set()
+    for cid in ids:
+        exists, current = entry_is_current(store, cid, fuse_key(neighbours[cid], neighbour_order), verify=verify)
+        if not current:
+            todo.append(cid)
+            if exists:
+                replaced.add(cid)
+    return neighbours, todo, replaced
+
+
 def fuse_store(store: KnowledgeStore, lm: LoadedModel, system_kv: KV, top_n: int = DEFAULT_TOP_N,
                neighbour_order: str = DEFAULT_NEIGHBOUR_ORDER, same_document: bool = False,
-               chunk_ids: Sequence[int] | None = None, progress: bool = True, batch_size: int = 4) -> PreprocessReport:
+               chunk_ids: Sequence[int] | None = None, progress: bool = True, batch_size: int = 4,
+               verify: bool = True, runner: LocalRunner | None = None) -> PreprocessReport:
     """Fuse every chunk (of ``chunk_ids``) whose fused entry is missing or out of date.
 
     Neighbours are always searched in the whole store (or document group). A chunk is
@@ -243,34 +286,24 @@ def fuse_store(store: KnowledgeStore, lm: LoadedModel, system_kv: KV, top_n: int
     report.chunks = len(ids)
     if not ids:
         return report
-    neighbours = compute_neighbours(store, ids, top_n, same_document)
-    todo, replaced = [], set()
-    for cid in ids:
-        exists, current = entry_is_current(store, cid, fuse_key(neighbours[cid], neighbour_order))
-        if current:
-            report.skipped += 1
-        else:
-            todo.append(cid)
-            if exists:
-                replaced.add(cid)
+    neighbours, todo, replaced = stale_chunks(store, ids, top_n, neighbour_order, same_document, verify)
+    report.skipped = len(ids) - len(todo)
     # Neighbours need plain KV: every chunk's (completes an interrupted ingest), or on a store that
     # drops plain KV only what this run reads (offline.compact).
-    compute_plain(store, lm, system_kv, progress=progress,
+    runner = runner or LocalRunner(store, lm)
+    compute_plain(store, lm, system_kv, progress=progress, runner=runner,
                   chunk_ids=None if keeps_plain(store) else plain_needed(todo, neighbours))
     todo_set = set(todo)
     store.record_neighbours({c: neighbours[c] for c in ids if c not in todo_set})
     if not todo:
         return report
-    loader = PlainCache(store)
     t0 = time.perf_counter()
     try:
         with tqdm(total=len(todo), unit="chunk", desc=f"fuse (top-{top_n} neighbours)", disable=not progress) as bar:
-            for i in range(0, len(todo), batch_size):
-                batch = todo[i:i + batch_size]
-                tokens = {c: store.chunk(c).token_ids for c in batch}
-                fused = fuse_batch(lm, system_kv, batch, tokens, {c: neighbours[c] for c in batch}, loader,
-                                   neighbour_order)
-                for cid in batch:
+            batches = [{c: store.chunk(c).token_ids for c in todo[i:i + batch_size]}
+                       for i in range(0, len(todo), batch_size)]
+            for tokens, fused in runner.fuse(system_kv, batches, neighbours, neighbour_order):
+                for cid in tokens:
                     f = fused[cid]
                     extra = {**fuse_key(f.neighbours, f.neighbour_order), "top_n": top_n,
                              "same_document": bool(same_document)}

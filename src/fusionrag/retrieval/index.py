@@ -1,9 +1,18 @@
-"""Exact inner-product vector index over unit vectors (cosine similarity), keyed by chunk id.
+"""Inner-product vector index over unit vectors (cosine similarity), keyed by chunk id.
 
-FAISS ``IndexFlatIP`` (exact search; a knowledge base of the size we preprocess on a CPU
-does not need an approximate index), wrapped in ``IndexIDMap2`` so that results are
-chunk ids and a chunk's own vector can be read back for neighbour search. Saved with
-``faiss.write_index`` (no pickle), through a temp file and an atomic rename.
+The source of truth is an exact FAISS ``IndexFlatIP`` wrapped in ``IndexIDMap2`` (results are
+chunk ids; a chunk's own vector can be read back for neighbour search; removal works).
+Exact search is a scan of every vector: fine for the knowledge bases preprocessed here,
+O(N) per query and O(N^2) for the offline stage's all-pairs neighbour lists at a million
+chunks. So once the index holds ``approx_threshold`` vectors (default
+:data:`APPROX_THRESHOLD`), searches go through an HNSW graph built over the same vectors
+(``IndexHNSWFlat``; measured in ``docs/results/ann``: recall@10 and query time at 100K and
+1M against exact search). The graph is built lazily on the first search after a change
+that it cannot absorb (adds are absorbed; a removal means a rebuild). Below the threshold
+every result is exact, as before.
+
+Saved with ``faiss.write_index`` (no pickle), through a temp file and an atomic rename; the
+HNSW graph goes next to it (``<name>.hnsw``) so a large store does not rebuild it on open.
 """
 
 from __future__ import annotations
@@ -17,11 +26,26 @@ import numpy as np
 from fusionrag.errors import FusionRAGError
 from fusionrag.files import atomic_write_with
 
+#: Vectors from which searches use the HNSW graph instead of an exact scan (docs/decisions.md).
+APPROX_THRESHOLD = 50_000
+#: HNSW parameters (docs/results/ann): graph degree, build and search beam widths.
+HNSW_M = 32
+HNSW_EF_CONSTRUCTION = 80
+HNSW_EF_SEARCH = 96
+
 
 class VectorIndex:
-    def __init__(self, dim: int) -> None:
+    def __init__(self, dim: int, approx_threshold: int = APPROX_THRESHOLD) -> None:
         self.dim = dim
         self.index = faiss.IndexIDMap2(faiss.IndexFlatIP(dim))
+        self.approx_threshold = approx_threshold
+        self._hnsw: faiss.IndexHNSWFlat | None = None  # positions follow the id map's order
+        self._hnsw_ids: np.ndarray | None = None
+
+    @property
+    def approximate(self) -> bool:
+        """Whether searches go through the HNSW graph (the index is at or above the threshold)."""
+        return len(self) >= self.approx_threshold
 
     def __len__(self) -> int:
         return int(self.index.ntotal)
@@ -34,11 +58,15 @@ class VectorIndex:
             raise ValueError(f"{len(ids)} ids for {vectors.shape[0]} vectors")
         if len(ids):
             self.index.add_with_ids(vectors, np.asarray(ids, dtype=np.int64))
+            if self._hnsw is not None:  # the graph absorbs additions
+                self._hnsw.add(vectors)
+                self._hnsw_ids = np.concatenate([self._hnsw_ids, np.asarray(ids, dtype=np.int64)])
 
     def remove(self, ids: Sequence[int]) -> int:
         """Drop these chunk ids from the index; returns how many were present."""
         if not len(ids):
             return 0
+        self._hnsw = self._hnsw_ids = None  # HNSW cannot remove: rebuilt at the next search
         return int(self.index.remove_ids(np.asarray(list(ids), dtype=np.int64)))
 
     def ids(self) -> list[int]:
@@ -65,7 +93,23 @@ class VectorIndex:
         if k == 0 or len(self) == 0:
             return (np.zeros((vectors.shape[0], k), dtype=np.float32),
                     np.full((vectors.shape[0], k), -1, dtype=np.int64))
-        return self.index.search(vectors, k)
+        if not self.approximate:
+            return self.index.search(vectors, k)
+        graph, ids = self.hnsw()
+        scores, pos = graph.search(vectors, k)
+        return scores, np.where(pos >= 0, ids[np.clip(pos, 0, None)], -1)
+
+    def hnsw(self) -> tuple[faiss.IndexHNSWFlat, np.ndarray]:
+        """The HNSW graph over the current vectors and its position -> chunk id map (built if needed)."""
+        if self._hnsw is None or self._hnsw.ntotal != len(self):
+            ids = faiss.vector_to_array(self.index.id_map).astype(np.int64)
+            flat = faiss.downcast_index(self.index.index)
+            graph = faiss.IndexHNSWFlat(self.dim, HNSW_M, faiss.METRIC_INNER_PRODUCT)
+            graph.hnsw.efConstruction = HNSW_EF_CONSTRUCTION
+            graph.add(faiss.rev_swig_ptr(flat.get_xb(), len(self) * self.dim).reshape(len(self), self.dim))
+            self._hnsw, self._hnsw_ids = graph, ids
+        self._hnsw.hnsw.efSearch = HNSW_EF_SEARCH
+        return self._hnsw, self._hnsw_ids
 
     def neighbours(self, chunk_id: int, n: int, among: Iterable[int] | None = None) -> list[int]:
         """The ``n`` chunks most similar to ``chunk_id``, most similar first, never itself.
@@ -107,9 +151,15 @@ class VectorIndex:
 
     def save(self, path: Path) -> None:
         atomic_write_with(path, lambda tmp: faiss.write_index(self.index, str(tmp)))
+        side = _hnsw_path(path)
+        if self._hnsw is not None and self.approximate:
+            graph = self._hnsw
+            atomic_write_with(side, lambda tmp: faiss.write_index(graph, str(tmp)))
+        else:
+            side.unlink(missing_ok=True)
 
     @classmethod
-    def load(cls, path: Path, dim: int) -> VectorIndex:
+    def load(cls, path: Path, dim: int, approx_threshold: int = APPROX_THRESHOLD) -> VectorIndex:
         try:
             index = faiss.read_index(str(path))
         except RuntimeError as exc:
@@ -121,7 +171,35 @@ class VectorIndex:
         obj.index = faiss.downcast_index(index) if not isinstance(index, faiss.IndexIDMap2) else index
         if not isinstance(obj.index, faiss.IndexIDMap2):
             raise FusionRAGError(f"vector index {path} is not an id-mapped flat index")
+        obj.approx_threshold = approx_threshold
+        obj._hnsw = obj._hnsw_ids = None
+        obj._load_hnsw(_hnsw_path(path))
         return obj
+
+    def _load_hnsw(self, side: Path) -> None:
+        """Adopt the saved graph if it holds exactly the saved vectors, in order (else it is rebuilt when needed).
+
+        The graph's positions are the id map's; a crash between the two writes could leave a graph of
+        other vectors, so sampled positions are compared vector for vector before it is trusted.
+        """
+        if not side.is_file():
+            return
+        try:
+            graph = faiss.read_index(str(side))  # already the concrete type (a downcast copy would not own it)
+        except RuntimeError:
+            return
+        n = len(self)
+        if not isinstance(graph, faiss.IndexHNSWFlat) or graph.ntotal != n or graph.d != self.dim or n == 0:
+            return
+        ids = faiss.vector_to_array(self.index.id_map).astype(np.int64)
+        for pos in {*np.linspace(0, n - 1, 17).astype(int).tolist()}:
+            if not np.array_equal(graph.reconstruct(int(pos)), self.index.reconstruct(int(ids[pos]))):
+                return
+        self._hnsw, self._hnsw_ids = graph, ids
+
+
+def _hnsw_path(path: Path) -> Path:
+    return Path(path).with_name(Path(path).name + ".hnsw")
 
 
 def _top(pairs: list[tuple[float, int]], n: int) -> list[int]:

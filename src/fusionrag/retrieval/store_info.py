@@ -64,7 +64,9 @@ def store_info(path) -> dict[str, Any]:
         "fused_kv_bytes": fused_bytes,
         # per stored token, headers included (so slightly above the raw tensor size)
         "kv_bytes_per_token": round(plain_bytes / n_tokens, 1) if n_tokens and len(plain) == n_chunks else None,
+        "fused_kv_bytes_per_token": round(fused_bytes / n_tokens, 1) if n_tokens and len(fused) == n_chunks else None,
         "bytes_on_disk": total,
         "settings": {k: settings.get(k) for k in (
-            "fuse", "chunk_tokens", "kv_dtype", "embedder", "embedding_dim", "system_tokens", "created")},
+            "fuse", "chunk_tokens", "kv_dtype", "plain_kv", "converted_from", "embedder", "embedding_dim",
+            "system_tokens", "created")},
     }

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# fp16 vs int8 KV storage on TriviaQA (docs/results/kv_int8): Full Reuse (plain and fused KV) and
+# FusionRAG at 15%, the same 50 questions on both stores, compared paired by question.
+#
+# The fp16 store is built here (plain + fused KV, one thread: ~25 min on this machine when idle).
+# The int8 store is that store converted (`preprocess --kv-dtype int8`: every entry re-encoded, no
+# model run), so both stores hold the same computation and differ only in storage; its fused KV was
+# fused on fp16 neighbours (a store built with --kv-dtype int8 from the start fuses on int8-dequantised
+# neighbours: one more rounding inside each fused entry). Full Attention is computed once (the cache
+# is shared), so the int8 run evaluates only the cells that read stored KV.
+set -euo pipefail
+export OMP_NUM_THREADS=1
+cd "$(dirname "$0")/.."
+source scripts/datasets.sh
+CACHE=${CACHE:-runs/cache}
+OUT=docs/results/kv_int8_quality
+Q() { .venv/bin/fusionrag bench quality --data "$TRI" --limit 50 --kb-limit 50 --ratios 0.15 \
+        --methods full,reuse,fusionrag --max-new-tokens 4 --cache-dir "$CACHE" "$@"; }
+Q --out "$OUT"
+S16=$CACHE/stores/qwen2.5-0.5b-triviaqa-n50-top10-nearest_first
+S8=$S16-int8
+if [ ! -d "$S8" ]; then
+  rm -rf "$S8.tmp" && cp -r "$S16" "$S8.tmp"
+  .venv/bin/fusionrag preprocess --store "$S8.tmp" --kv-dtype int8 --quiet
+  mv "$S8.tmp" "$S8"
+fi
+Q --kv-dtype int8 --out "${OUT}_int8"
+.venv/bin/python scripts/kv_dtype_compare.py --fp16 "$OUT" --int8 "${OUT}_int8" \
+  --fp16-store "$S16" --int8-store "$S8" --out docs/results/kv_int8 \
+  --command "bash scripts/kv_int8_study.sh  # CACHE=$CACHE"
