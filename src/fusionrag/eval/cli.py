@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import shlex
 import sys
 from pathlib import Path
@@ -164,6 +165,28 @@ def _add_serve(bsub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_serve, log_level="warning")
 
 
+def _cmd_faults(args: argparse.Namespace) -> int:
+    from fusionrag.eval.bench_faults import FaultSpec, run_faults
+
+    report = run_faults(FaultSpec(out=Path(args.out), model=args.model, requests=args.requests, load=args.load,
+                                  job_every=args.job_every, max_tokens=args.max_tokens, seed=args.seed,
+                                  command=_command()))
+    print(json.dumps({k: report[k] for k in ("chats", "jobs", "malformed", "store")}, indent=2))
+    return 0
+
+
+def _add_faults(bsub: argparse._SubParsersAction) -> None:
+    p = bsub.add_parser("faults", help="loopback load above capacity with document jobs and induced faults")
+    p.add_argument("--model", default="smollm2-135m", help="model for the store and the server")
+    p.add_argument("--requests", type=int, default=200, help="chats to send (default 200)")
+    p.add_argument("--load", type=float, default=2.0, help="arrival rate as a multiple of measured capacity")
+    p.add_argument("--job-every", type=int, default=25, help="post a document job every N chats (0: none)")
+    p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="docs/results/faults", help="output folder (JSON, Markdown, PNG)")
+    p.set_defaults(func=_cmd_faults)
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     bench = sub.add_parser("bench", help="benchmarks: quality, ttft, serve")
     bsub = bench.add_subparsers(dest="bench_command", required=True)
@@ -221,3 +244,4 @@ def register(sub: argparse._SubParsersAction) -> None:
     t.set_defaults(func=_cmd_ttft)
 
     _add_serve(bsub)
+    _add_faults(bsub)

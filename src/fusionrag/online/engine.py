@@ -16,6 +16,7 @@ memory tier over it); decoding is the shared :class:`~fusionrag.execution.decode
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
@@ -25,7 +26,7 @@ from typing import Any
 
 import torch
 
-from fusionrag.errors import FusionRAGError
+from fusionrag.errors import CacheIntegrityError, FusionRAGError
 from fusionrag.execution.generate import TextStreamer, greedy_tokens
 from fusionrag.execution.segments import chunk_kv_plain
 from fusionrag.execution.segments import system_kv as compute_system_kv
@@ -38,6 +39,8 @@ from fusionrag.online.policies import METHODS, SelectionInput, make_policy, sele
 from fusionrag.online.prefill import Prefilled, assemble_context, prefill_full, prefill_reused
 from fusionrag.prompt import passage_hash
 from fusionrag.retrieval.knowledge import KnowledgeStore
+
+log = logging.getLogger(__name__)
 
 DEFAULT_TOP_K = 5
 #: Which stored KV a method reuses unless ``kv=`` says otherwise. FusionRAG is query-guided
@@ -134,6 +137,7 @@ class Engine:
         # path, so each distinct passage has one ``S + chunk`` replica whatever its position.
         self.prefix_cache = AlternativePathCache(max_bytes=adhoc_cache_bytes)
         self._lock = threading.RLock()  # the model runs one request at a time
+        self.damaged: set[Key] = set()  # stored entries that failed verification (answered around, not repaired)
 
     @classmethod
     def open(cls, store_dir: str | Path, model: str | None = None, device: str | None = None,
@@ -144,7 +148,7 @@ class Engine:
         when available, float32, the device's sparse-attention backend); stored KV is read as stored.
         """
         from fusionrag.models import load_model
-        from fusionrag.retrieval.knowledge import stored_model
+        from fusionrag.retrieval.store_info import stored_model
 
         path = Path(store_dir)
         if not path.exists():
@@ -212,6 +216,8 @@ class Engine:
             raise FusionRAGError(f"kv must be 'plain' or 'fused', got {kv_kind!r}")
         t_start = time.perf_counter()
         timings: dict[str, float] = {}
+        if self.store.refresh():  # another process wrote to the store: its index and KV may have changed
+            self.kv_source.invalidate(None)
 
         t0 = time.perf_counter()
         chunk_ids, passages = self._retrieve(question, top_k, chunks)
@@ -304,7 +310,7 @@ class Engine:
         caching tier), ``prefix_cache`` (PrefixCacheStats of request-supplied passages) and
         ``adhoc_entries`` (how many such KVs are cached)."""
         return {"tiers": dict(self.kv_source.stats()), "prefix_cache": self.prefix_cache.stats(),
-                "adhoc_entries": len(self.prefix_cache)}
+                "adhoc_entries": len(self.prefix_cache), "damaged_entries": len(self.damaged)}
 
     # -- internals --------------------------------------------------------------------
 
@@ -341,7 +347,8 @@ class Engine:
         """One entry per chunk: stored ones from the KV source, the rest through the prefix cache."""
         keys = [self._stored_key(cid, kind) for cid in chunk_ids]
         stored = [k for k in keys if k is not None]
-        loaded = dict(zip(stored, self.kv_source.get_many(stored), strict=True))
+        loaded = self._read_stored(stored)
+        keys = [k if k is None or k in loaded else None for k in keys]  # damaged entries: computed like new passages
         missing = [(passage_hash(p.get("title", ""), p["text"]), ids)
                    for key, p, ids in zip(keys, passages, token_ids, strict=True) if key is None]
         adhoc = iter(self._adhoc_kvs(missing))
@@ -351,6 +358,24 @@ class Engine:
             fallbacks += kind == "fused" and (key is None or key[1] != "fused")
         return entries, fallbacks
 
+    def _read_stored(self, keys: list[Key]) -> dict[Key, KVEntry]:
+        """Stored entries by key; one that fails verification is left out (and reported once), so the
+        request is answered from freshly computed plain KV instead of failing."""
+        try:
+            return dict(zip(keys, self.kv_source.get_many(keys), strict=True))
+        except CacheIntegrityError:
+            pass
+        out: dict[Key, KVEntry] = {}
+        for key in keys:
+            try:
+                out[key] = self.kv_source.get_many([key])[0]
+            except CacheIntegrityError as exc:
+                if key not in self.damaged:
+                    log.error("stored %s KV of chunk %s failed verification (%s); computing it for this request. "
+                              "Run 'fusionrag store verify --repair'.", key[1], key[0], exc)
+                self.damaged.add(key)
+        return out
+
     def _cachecraft_scores(self, chunk_ids: Sequence[int | None], entries: Sequence[KVEntry],
                            kind: str) -> list[torch.Tensor | None]:
         """Cache-Craft's scores are recorded with the fused entries: the ones just loaded when the
@@ -358,7 +383,7 @@ class Engine:
         if kind == "fused":
             return [e.scores for e in entries]
         keys = [(c, "fused") for c in chunk_ids if c is not None and self.store.has_kv(c, "fused")]
-        fused = dict(zip(keys, self.kv_source.get_many(keys), strict=True))
+        fused = self._read_stored(keys)
         return [fused[(c, "fused")].scores if (c, "fused") in fused else None for c in chunk_ids]
 
     def _adhoc_kvs(self, items: list[tuple[str, list[int]]]) -> list[KV]:

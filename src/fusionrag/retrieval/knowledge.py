@@ -2,16 +2,13 @@
 
 A store folder holds:
 
-- ``store.sqlite``: settings, and per chunk its document, title, text, token ids (JSON),
-  token count, content hash, embedding (float32 bytes) and the neighbour list its fused
-  KV was computed with. SQLite is the source of truth.
-- ``index.faiss``: the vector index, checksummed in SQLite (rebuilt from the stored
-  embeddings if missing, corrupted or stale).
-- ``kv/``: one verified safetensors file per (chunk, kind) plus ``S``'s KV
-  (:mod:`fusionrag.kvcache.store`).
+- ``store.sqlite`` (the source of truth): settings; per chunk its text, token ids,
+  content hash, embedding and the neighbours its fused KV was made with; which documents
+  use which chunk. Tables and integrity: :mod:`fusionrag.retrieval.store_files`.
+- ``index.faiss``: the vector index, checksummed in SQLite (rebuilt if it does not match).
+- ``kv/``: one verified safetensors file per (chunk, kind) plus ``S``'s KV.
 
-The store records the model fingerprint and the system-prompt hash; opening it with
-another model, or loading a cache made after another ``S``, raises
+Opening a store with another model, or loading a cache made after another ``S``, raises
 :class:`CacheIntegrityError`.
 
 This module is data and file access only: it never runs the model. Building (ingest,
@@ -239,6 +236,11 @@ class KnowledgeStore:
 
     def _query(self, sql: str, args: tuple = ()) -> list[tuple]:
         with self._lock:
+            return self.db.execute(sql, args).fetchall()
+
+    def execute(self, sql: str, args: tuple = ()) -> list[tuple]:
+        """One statement in its own transaction, for tables upper layers keep here (document jobs)."""
+        with self._lock, self.db:
             return self.db.execute(sql, args).fetchall()
 
     def chunk_ids(self) -> list[int]:

@@ -51,6 +51,12 @@ CREATE TABLE IF NOT EXISTS chunk_refs (
     PRIMARY KEY (chunk_id, doc)
 );
 CREATE INDEX IF NOT EXISTS chunk_refs_doc ON chunk_refs(doc);
+-- Document jobs of a server (POST /v1/documents), kept with the store so a restart resumes them.
+CREATE TABLE IF NOT EXISTS jobs (
+    id TEXT PRIMARY KEY,
+    status TEXT NOT NULL,
+    body TEXT NOT NULL
+);
 """
 
 

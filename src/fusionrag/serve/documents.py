@@ -1,24 +1,49 @@
-"""Documents added through ``POST /v1/documents``: the background job and the table of jobs.
+"""Documents added through ``POST /v1/documents``: durable background jobs that never starve chats.
 
-A job is answered at once (202) and runs later on the model thread, because the store and
-the model are used by one thread at a time; clients poll ``GET /v1/documents/{id}``.
+A job is answered at once (202); clients poll ``GET /v1/documents/{id}``. Three properties:
+
+- **Durable**: a job (its documents, status and outcome) is a row of the store's SQLite
+  ``jobs`` table, written at every change. A server that restarts resumes every job that
+  was pending or running; each step is idempotent (passages dedup by content hash, KV
+  entries that are current are skipped), so resuming redoes nothing that was finished.
+- **Fair**: a job runs on the model thread (the store and the model are used by one thread
+  at a time) as a chain of small *slices* (a few passages added, a few chunks' plain KV, a
+  few chunks fused), each a separate scheduler task. Between two slices the scheduler
+  admits and prefills waiting chats and runs a decode step, so a chat waits for at most
+  one slice, however large the job (``tests/reliability/test_server_faults.py``).
+- **Bounded**: a job is refused with 413 before anything is queued if its passages would
+  make more than ``max_job_chunks`` chunks or ``max_job_tokens`` tokens.
+
+A fused store is re-fused incrementally with its recorded settings (new chunks get fused KV;
+chunks whose neighbour lists now include a new chunk are re-fused); a never-fused store with
+``preprocess_top_n`` fuses only the new chunks. Every entry a slice rewrote is invalidated in
+the engine's KV tiers, so no request reuses old KV.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 import threading
 import time
 from collections import Counter, OrderedDict
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from fusionrag.errors import FusionRAGError
 from fusionrag.offline import build
 from fusionrag.online.engine import Engine
+from fusionrag.serve.protocol import APIError
 from fusionrag.serve.settings import ServerSettings
 
 log = logging.getLogger(__name__)
+
+#: Work per slice: small enough that a waiting chat is never held long, large enough to batch.
+PASSAGES_PER_SLICE = 8
+CHUNKS_PER_PLAIN_SLICE = 8
+CHUNKS_PER_FUSE_SLICE = 4
 
 
 @dataclass
@@ -33,6 +58,7 @@ class DocumentJob:
     created: float = field(default_factory=time.time)
     finished: float | None = None
     preprocess: dict[str, Any] | None = None
+    slices: int = 0  # scheduler tasks this job has run so far
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -48,30 +74,51 @@ class DocumentJob:
         }
 
 
-def run_document_job(engine: Engine, job: DocumentJob, settings: ServerSettings) -> None:
-    """Add ``job``'s documents to ``engine``'s store and fuse their KV; the outcome is recorded on ``job``.
+def check_job_size(engine: Engine, documents: list[dict], settings: ServerSettings) -> None:
+    """413 before queueing a job whose passages would make too many chunks or tokens."""
+    chunk_tokens = int(engine.store.settings["chunk_tokens"])
+    tokens = chunks = 0
+    for d in documents:
+        n = len(engine.prompt.chunk_token_ids(d.get("title", ""), d["text"]))
+        tokens += n
+        chunks += max(1, math.ceil(n / chunk_tokens))
+    if chunks > settings.max_job_chunks or tokens > settings.max_job_tokens:
+        raise APIError(413, f"these documents make about {chunks} chunks and {tokens} tokens; a job may have at "
+                            f"most {settings.max_job_chunks} chunks and {settings.max_job_tokens} tokens "
+                            "(send them in several requests)", code="job_too_large")
 
-    Runs on the model thread (the store and the model are used by one thread at a time).
-    A fused store is re-fused incrementally with its recorded settings (new chunks get fused
-    KV; chunks whose neighbour lists now include a new chunk are re-fused, as ``fusionrag
-    ingest`` does); a never-fused store with ``--preprocess-top-n`` fuses only the new chunks,
-    without switching the whole store to fused mode. Every entry the fuse rewrote is
-    invalidated in the engine's KV tiers, so no request reuses the old KV. Never raises:
-    a failure marks the job failed with its reason.
-    """
-    job.status = "running"
+
+def job_slices(engine: Engine, job: DocumentJob, settings: ServerSettings) -> Iterator[None]:
+    """The job as a sequence of small steps (one per ``next``); records the outcome on ``job``."""
+    store, lm, doc = engine.store, engine.lm, f"api:{job.id}"
     try:
-        store, lm = engine.store, engine.lm
-        job.chunk_ids = [int(c) for c in build.add_passages(store, lm, job.documents, doc=f"api:{job.id}")]
-        report = None
-        if build.recorded_fuse_settings(store) is not None:
-            report = build.fuse(store, lm, progress=False)
-        elif settings.preprocess_top_n is not None:
-            report = build.fuse(store, lm, top_n=int(settings.preprocess_top_n), chunk_ids=job.chunk_ids,
-                                progress=False, record=False)
-        if report is not None:
+        ids: list[int] = []
+        for i in range(0, len(job.documents), PASSAGES_PER_SLICE):
+            ids += build.add_passages(store, lm, job.documents[i:i + PASSAGES_PER_SLICE], doc=doc, plain_kv=False)
+            yield
+        job.chunk_ids = [int(c) for c in ids]
+        unique = list(dict.fromkeys(job.chunk_ids))
+        for i in range(0, len(unique), CHUNKS_PER_PLAIN_SLICE):
+            build.compute_plain_kv(store, lm, unique[i:i + CHUNKS_PER_PLAIN_SLICE])
+            yield
+        recorded = build.recorded_fuse_settings(store)
+        if recorded is not None:  # incremental over the whole store, with its own settings
+            fuse_args: dict[str, Any] = {}
+            todo = build.stale_fused(store, recorded, verify=False)
+        elif settings.preprocess_top_n is not None:  # only the new chunks; the store stays unfused
+            fuse_args = {"top_n": int(settings.preprocess_top_n), "record": False}
+            todo = build.stale_fused(store, build.resolve_fuse_settings(store, top_n=settings.preprocess_top_n),
+                                     unique, verify=False)
+        else:
+            todo = []
+        total: Counter[str] = Counter()
+        for i in range(0, len(todo), CHUNKS_PER_FUSE_SLICE):
+            report = build.fuse(store, lm, chunk_ids=todo[i:i + CHUNKS_PER_FUSE_SLICE], progress=False,
+                                verify=False, **fuse_args)
             engine.invalidate(report.changed_keys)
-            job.preprocess = report.to_dict()
+            total.update({k: v for k, v in report.to_dict().items() if k in ("computed", "new", "replaced")})
+            job.preprocess = {**report.to_dict(), **total, "chunks": len(todo)}
+            yield
         job.status = "ready"
     except Exception as exc:
         log.warning("document job %s failed: %s", job.id, exc)
@@ -87,10 +134,11 @@ def delete_document_job(engine: Engine, job: DocumentJob) -> None:
 
 
 class DocumentJobs:
-    """The jobs a server remembers for ``GET``, oldest first, bounded by ``settings.keep_jobs``.
+    """The jobs a server remembers, in memory for ``GET`` and in the store's SQLite for restarts.
 
-    Read by the event loop and written by request handlers, hence the lock. Jobs still
-    pending or running are never forgotten (dropping stops at the first unfinished one).
+    Read by the event loop and written by request handlers and the model thread, hence the
+    lock. At most ``settings.keep_jobs`` finished jobs are kept in memory (every job stays in
+    SQLite); jobs still pending or running are never forgotten.
     """
 
     def __init__(self, settings: ServerSettings) -> None:
@@ -115,3 +163,57 @@ class DocumentJobs:
         """Jobs by status (for ``/metrics`` and the in-progress limit)."""
         with self._lock:
             return dict(Counter(j.status for j in self._jobs.values()))
+
+    # -- running (the scheduler's model thread) ----------------------------------------------
+
+    def start(self, scheduler: Any, job: DocumentJob) -> None:
+        """Queue ``job``: saved first (so a crash before it runs still resumes it), then its slices."""
+        self.remember(job)
+        scheduler.run_task(self._begin, scheduler, job)
+
+    def resume(self, scheduler: Any) -> None:
+        """Load the store's saved jobs and restart the unfinished ones (queued as a model-thread task)."""
+        scheduler.run_task(self._resume, scheduler)
+
+    def save(self, engine: Engine, job: DocumentJob) -> None:
+        body = {k: v for k, v in asdict(job).items() if k not in ("id", "status")}
+        engine.store.execute("INSERT OR REPLACE INTO jobs(id, status, body) VALUES (?, ?, ?)",
+                             (job.id, job.status, json.dumps(body)))
+
+    def delete(self, scheduler: Any, job: DocumentJob) -> Any:
+        """Remove a ready job's documents (model thread); returns the scheduler's future."""
+
+        def run() -> None:
+            delete_document_job(scheduler.engine, job)
+            job.status = "deleted"
+            self.save(scheduler.engine, job)
+
+        return scheduler.run_task(run)
+
+    def _begin(self, scheduler: Any, job: DocumentJob) -> None:
+        self.save(scheduler.engine, job)
+        job.status = "running"
+        self._run_slice(scheduler, job, job_slices(scheduler.engine, job, self.settings))
+
+    def _run_slice(self, scheduler: Any, job: DocumentJob, steps: Iterator[None]) -> None:
+        try:
+            next(steps)
+        except StopIteration:
+            self.save(scheduler.engine, job)
+            return
+        job.slices += 1
+        self.save(scheduler.engine, job)
+        scheduler.run_task(self._run_slice, scheduler, job, steps)  # the next slice queues behind waiting chats
+
+    def _resume(self, scheduler: Any) -> None:
+        rows = scheduler.engine.store.execute("SELECT id, status, body FROM jobs ORDER BY rowid")
+        for job_id, status, body in rows:
+            data = json.loads(body)
+            job = DocumentJob(job_id, data.pop("documents"), status, **{k: data[k] for k in data if k != "slices"})
+            if status in ("pending", "running"):
+                log.info("resuming document job %s (%s when the server stopped)", job_id, status)
+                job.status, job.error, job.finished = "pending", None, None
+                self.remember(job)
+                self._begin(scheduler, job)
+            else:
+                self.remember(job)

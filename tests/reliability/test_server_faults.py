@@ -1,0 +1,196 @@
+"""The fault battery, server side: job starvation, damaged KV under a live server, kill -9 during a
+document job, an ingest and a preprocess (real subprocesses, killed by PID), overlapping deletes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+
+from fusionrag.models import load_model
+from fusionrag.offline.verify import verify_store
+from fusionrag.retrieval.embedder import HashingEmbedder
+from fusionrag.retrieval.knowledge import KnowledgeStore
+from fusionrag.serve.app import create_app
+from fusionrag.serve.settings import ServerSettings
+from serve_helpers import USER, store_factory
+
+BIG = [{"title": f"Doc {i}", "text": f"document {i} is about subject {i % 7} and carries detail {i * 13}."}
+       for i in range(40)]
+
+
+def _wait_job(client, job_id: str, timeout_s: float = 120) -> dict:
+    deadline = time.monotonic() + timeout_s
+    job = client.get(f"/v1/documents/{job_id}").json()
+    while job["status"] in ("pending", "running") and time.monotonic() < deadline:
+        time.sleep(0.05)
+        job = client.get(f"/v1/documents/{job_id}").json()
+    return job
+
+
+def test_a_chat_is_answered_within_a_bounded_number_of_job_slices(tmp_path):
+    """Before: a job ran as one task on the model thread; a chat waited 600 s and got 504."""
+    app = create_app(store_factory(tmp_path / "kb"), ServerSettings(default_max_tokens=4))
+    sched, jobs = app.state.scheduler, app.state.jobs
+    sched.wait_ready(120)
+    with TestClient(app) as client:
+        gate = sched.run_task(time.sleep, 0.5)  # hold the model thread so the job and the chat both queue
+        job_id = client.post("/v1/documents", json={"documents": BIG}).json()["id"]
+        before = jobs.get(job_id).slices
+        r = client.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 4, "method": "reuse"})
+        assert r.status_code == 200, r.text
+        gate.result(10)
+        job = jobs.get(job_id)
+        # a 4-token answer: one slice before its prefill, one per decode step, plus one of slack
+        assert job.status == "running" and job.slices - before <= 4 + 2, (job.status, job.slices)
+        assert _wait_job(client, job_id)["status"] == "ready"
+        assert jobs.get(job_id).slices > 10  # the job really was cut into many slices
+    sched.close()
+
+
+def test_a_damaged_kv_entry_is_answered_around_and_reported_without_paths(tmp_path):
+    """Before: a corrupted entry was a 400 invalid_request_error carrying the store's file path."""
+    app = create_app(store_factory(tmp_path / "kb"), ServerSettings(default_max_tokens=4, memory_budget_mb=0))
+    sched = app.state.scheduler
+    sched.wait_ready(120)
+    with TestClient(app) as client:
+        store = sched.engine.store
+        for cid in store.chunk_ids():
+            path = store.kv.path(cid, "fused")
+            path.write_bytes(path.read_bytes()[:-40])
+        r = client.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 2, "top_k": 2})
+        assert r.status_code == 200, r.text
+        assert r.json()["fusionrag"]["fused_fallbacks"] == 2  # answered from freshly computed plain KV
+        assert sched.engine.stats()["damaged_entries"] == 2
+        assert str(tmp_path) not in r.text
+    sched.close()
+
+
+def test_overlapping_document_jobs_delete_only_their_own_passages(tmp_path):
+    app = create_app(store_factory(tmp_path / "kb"), ServerSettings(default_max_tokens=2))
+    sched = app.state.scheduler
+    sched.wait_ready(120)
+    a, b, c, d = ({"title": t, "text": f"passage {t} only"} for t in "ABCD")
+    with TestClient(app) as client:
+        j1 = _wait_job(client, client.post("/v1/documents", json=[a, b]).json()["id"])
+        j2 = _wait_job(client, client.post("/v1/documents", json=[c, d, a]).json()["id"])
+        assert client.delete(f"/v1/documents/{j1['id']}").json()["status"] == "deleted"
+        store = sched.engine.store
+        assert set(j2["chunk_ids"]) <= set(store.chunk_ids()) and j1["chunk_ids"][1] not in store.chunk_ids()
+        assert client.get(f"/v1/documents/{j2['id']}").json()["status"] == "ready"
+    sched.close()
+
+
+# ------------------------------------------------------------------- real processes, killed by PID
+
+
+def _cli(*args: str, env: dict) -> list[str]:
+    return [sys.executable, "-m", "fusionrag.cli", *args]
+
+
+def _env(tmp_path: Path) -> dict:
+    return {**os.environ, "FUSIONRAG_HOME": str(tmp_path / "home"), "OMP_NUM_THREADS": "1"}
+
+
+def _corpus(path: Path, n: int) -> Path:
+    path.write_text("".join(json.dumps({"title": f"P{i}", "text": f"passage {i} on theme {i % 5}, fact {i * 7}."})
+                            + "\n" for i in range(n)))
+    return path
+
+
+def _kill_when(proc: subprocess.Popen, ready, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not ready() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    assert proc.poll() is None, "the process finished before it could be killed"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(30)
+
+
+def _kv_files(store: Path, kind: str) -> int:
+    return len(list((store / "kv").glob(f"*/*.{kind}.safetensors")))
+
+
+@pytest.mark.parametrize("stage", ["ingest", "preprocess"])
+def test_kill_9_during_ingest_or_preprocess_then_rerun_completes_a_verified_store(tmp_path, stage):
+    env, kb = _env(tmp_path), tmp_path / "kb"
+    corpus = _corpus(tmp_path / "c.jsonl", 60)
+    ingest = _cli("ingest", str(corpus), "--store", str(kb), "--model", "tiny-llama", "--embedder", "hashing-64",
+                  "--kv-dtype", "float32", "--quiet", env=env)
+    preprocess = _cli("preprocess", "--store", str(kb), "--top-n", "3", "--quiet", env=env)
+    if stage == "preprocess":
+        subprocess.run(ingest, env=env, check=True, capture_output=True, timeout=300)
+    proc = subprocess.Popen(ingest if stage == "ingest" else preprocess, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    kind = "plain" if stage == "ingest" else "fused"
+    _kill_when(proc, lambda: _kv_files(kb, kind) >= 5)
+    assert _kv_files(kb, kind) < 60  # really interrupted
+    for argv in ([ingest] if stage == "ingest" else [preprocess]):
+        done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+    store = KnowledgeStore.open(kb, load_model("tiny-llama"), embedder=HashingEmbedder(64))
+    report = verify_store(store)
+    assert report.ok and len(store.chunk_ids()) == 60 and _kv_files(kb, kind) == 60, report.problems
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _serve(kb: Path, port: int, env: dict) -> subprocess.Popen:
+    proc = subprocess.Popen(_cli("serve", "--store", str(kb), "--port", str(port), "--log-level", "error", env=env),
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        assert proc.poll() is None, "the server exited"
+        time.sleep(0.2)
+    raise AssertionError("the server did not come up")
+
+
+def test_kill_9_during_a_document_job_and_the_restarted_server_finishes_it(tmp_path):
+    """Before: a server killed during a job lost it (333 chunks without plain KV, 773 without fused KV)."""
+    env, kb = _env(tmp_path), tmp_path / "kb"
+    subprocess.run(_cli("ingest", str(_corpus(tmp_path / "c.jsonl", 6)), "--store", str(kb), "--model", "tiny-llama",
+                        "--embedder", "hashing-64", "--quiet", env=env), env=env, check=True, capture_output=True)
+    subprocess.run(_cli("preprocess", "--store", str(kb), "--top-n", "2", "--quiet", env=env), env=env, check=True,
+                   capture_output=True)
+    port = _free_port()
+    server = _serve(kb, port, env)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        job_id = httpx.post(f"{url}/v1/documents", json={"documents": BIG}, timeout=30).json()["id"]
+        _kill_when(server, lambda: _kv_files(kb, "plain") >= 16)
+    finally:
+        if server.poll() is None:
+            server.kill()
+    server = _serve(kb, port, env)
+    try:
+        deadline, job = time.monotonic() + 180, {}
+        while time.monotonic() < deadline:
+            job = httpx.get(f"{url}/v1/documents/{job_id}", timeout=10).json()
+            if job.get("status") not in ("pending", "running"):
+                break
+            time.sleep(0.2)
+        assert job["status"] == "ready", job
+        assert len(job["chunk_ids"]) == len(BIG)
+    finally:
+        server.kill()
+        server.wait(30)
+    store = KnowledgeStore.open(kb, load_model("tiny-llama"), embedder=HashingEmbedder(64))
+    assert verify_store(store).ok and all(store.has_kv(c, "fused") for c in store.chunk_ids())
