@@ -194,3 +194,18 @@ def test_kill_9_during_a_document_job_and_the_restarted_server_finishes_it(tmp_p
         server.wait(30)
     store = KnowledgeStore.open(kb, load_model("tiny-llama"), embedder=HashingEmbedder(64))
     assert verify_store(store).ok and all(store.has_kv(c, "fused") for c in store.chunk_ids())
+
+
+def test_a_job_too_large_is_413_before_anything_is_queued(tmp_path):
+    """Before: one 1 MiB request could enqueue ~1,000 chunks, and 16 such jobs were accepted."""
+    app = create_app(store_factory(tmp_path / "kb"), ServerSettings(max_job_chunks=6, max_job_tokens=10_000))
+    sched = app.state.scheduler
+    sched.wait_ready(120)
+    with TestClient(app) as client:
+        n = len(sched.engine.store.chunk_ids())
+        r = client.post("/v1/documents", json={"documents": BIG[:10]})
+        assert r.status_code == 413 and r.json()["error"]["code"] == "job_too_large", r.text
+        assert client.post("/v1/documents", json={"documents": BIG[:3]}).status_code == 202
+        assert app.state.jobs.counts().get("pending", 0) + app.state.jobs.counts().get("running", 0) <= 1
+        assert len(sched.engine.store.chunk_ids()) <= n + 3
+    sched.close()
