@@ -10,17 +10,8 @@ import hashlib
 import json
 from pathlib import Path
 
+from fusionrag.files import atomic_write, file_sha256
 from fusionrag.paths import fusionrag_home
-
-_CHUNK = 8 << 20
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(_CHUNK):
-            h.update(block)
-    return h.hexdigest()
 
 
 def weights_hash(model_dir: Path) -> str:
@@ -39,14 +30,12 @@ def weights_hash(model_dir: Path) -> str:
         st = p.stat()
         key = f"{p.resolve()}|{st.st_size}|{st.st_mtime_ns}"
         if key not in memo:
-            memo[key] = sha256_file(p)
+            memo[key] = file_sha256(p)
             changed = True
         h.update(p.name.encode())
         h.update(memo[key].encode())
     if changed:
-        tmp = memo_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(memo))
-        tmp.replace(memo_path)
+        atomic_write(memo_path, json.dumps(memo))
     return h.hexdigest()
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from fusionrag.errors import FusionRAGError
-from fusionrag.models.fingerprint import sha256_file
+from fusionrag.files import file_sha256
 from fusionrag.paths import fusionrag_home
 
 MARKER = "fusionrag-model.json"
@@ -70,7 +70,7 @@ def ensure_converted(spec: PackagedGGUF) -> Path:
         with tqdm(total=3, desc=f"first use of {spec.name}: converting GGUF", unit="step") as bar:
             gguf_path = _assemble(parts, work / f"{spec.name}.gguf")
             bar.set_postfix_str("verifying sha256")
-            actual = sha256_file(gguf_path)
+            actual = file_sha256(gguf_path)
             if actual != spec.sha256 or gguf_path.stat().st_size != spec.size:
                 raise FusionRAGError(
                     f"model '{spec.name}': GGUF checksum mismatch (got {actual[:16]}..., expected "
