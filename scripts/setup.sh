@@ -14,6 +14,10 @@ if ! command -v redis-server >/dev/null 2>&1; then
   if [ "$(id -u)" = 0 ]; then (apt-get install -y -qq redis-server || (apt-get update -qq && apt-get install -y -qq redis-server)) >/dev/null
   else echo "setup: redis-server is missing (apt-get install redis-server); the Redis tier's tests will be skipped" >&2; fi
 fi
+# Triton (a ~290 MB wheel, ~10 s here): the sparse-attention kernel's tests run it under its CPU
+# interpreter; without it they skip, saying so.
+.venv/bin/python -m pip install --quiet -e ".[triton]" \
+    || echo "setup: warning: triton not installed; the Q-Sparse-Attn kernel tests will be skipped" >&2
 # The framework integrations' tests need the real packages; they skip (saying why) without them.
 .venv/bin/python -m pip install --quiet -e ".[langchain,llamaindex]" \
     || echo "setup: warning: LangChain/LlamaIndex not installed; their integration tests will be skipped" >&2
