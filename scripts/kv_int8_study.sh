@@ -24,7 +24,7 @@ if [ ! -d "$S8" ]; then
   .venv/bin/fusionrag preprocess --store "$S8.tmp" --kv-dtype int8 --quiet
   mv "$S8.tmp" "$S8"
 fi
-Q --kv-dtype int8 --out "${OUT}_int8"
+Q --kv-dtype int8 --methods reuse,fusionrag --out "${OUT}_int8"  # Full Attention: from the shared cache
 .venv/bin/python scripts/kv_dtype_compare.py --fp16 "$OUT" --int8 "${OUT}_int8" \
   --fp16-store "$S16" --int8-store "$S8" --out docs/results/kv_int8 \
   --command "bash scripts/kv_int8_study.sh  # CACHE=$CACHE"

@@ -143,7 +143,7 @@ def test_cli_ingest_preprocess_info(tmp_path, capsys):
     assert rep["computed"] == 5 and rep["same_document"] is True
     assert run("store", "info", "--store", store) == 0
     info = json.loads(capsys.readouterr().out)
-    assert info["fused_kv"] == 5 and info["settings"]["kv_dtype"] == "float16"
+    assert info["fused_kv"] == 5 and info["settings"]["kv_dtype"] == "int8"  # fusionrag ingest's default
     assert info["settings"]["fuse"] == {"top_n": 2, "neighbour_order": "nearest_first", "same_document": True}
 
 

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from fusionrag.errors import FusionRAGError
-from fusionrag.kvcache.store import STORAGE_DTYPES
+from fusionrag.kvcache.store import DEFAULT_KV_DTYPE, STORAGE_DTYPES
 from fusionrag.models.devices import add_device_args, device_options
 from fusionrag.offline.preprocess import DEFAULT_TOP_N, NEIGHBOUR_ORDERS
 
@@ -55,7 +55,7 @@ def cmd_ingest(args: argparse.Namespace) -> int:
         embedder = get_embedder(args.embedder) if args.embedder else None
         lm = load_model(model, **device_options(args))
         store = build.create_store(store_dir, lm, chunk_tokens=args.chunk_tokens or 256,
-                                   kv_dtype=args.kv_dtype or "float16", embedder=embedder, model_source=model)
+                                   kv_dtype=args.kv_dtype or DEFAULT_KV_DTYPE, embedder=embedder, model_source=model)
     runner = _ray_runner(args, store)
     try:
         report = build.ingest(store, lm, [Path(p) for p in args.paths], progress=not args.quiet, runner=runner)
@@ -159,8 +159,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default=None, help=_MODEL_HELP)
     p.add_argument("--chunk-tokens", type=int, default=None, help="max tokens per chunk, title included (default 256)")
     p.add_argument("--kv-dtype", choices=list(STORAGE_DTYPES), default=None,
-                   help="KV storage dtype of a new store (default float16; int8: codes + scales, ~half of fp16; "
-                        "rotation is always fp32)")
+                   help=f"KV storage dtype of a new store (default {DEFAULT_KV_DTYPE}: int8 codes + fp16 scales, "
+                        "half of float16, no resolved fidelity loss measured; rotation is always fp32)")
     p.add_argument("--embedder", default=None,
                    help="embedding model for a new store: all-MiniLM-L6-v2 (default) or hashing-<dim> (tests)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
