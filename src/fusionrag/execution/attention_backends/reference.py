@@ -19,8 +19,10 @@ def attend(q: torch.Tensor, k_past: torch.Tensor, v_past: torch.Tensor, k_new: t
            spec: SparseQuery, scale: float) -> torch.Tensor:
     """``[Hq, n, D]`` attention of ``q`` over past + new KV with the dense visibility mask."""
     groups = q.shape[0] // k_past.shape[0]
-    allowed = visibility(spec.past_positions(), spec.stale, spec.positions)
+    key = ("reference_mask", q.dtype)
+    if key not in spec.memo:  # built once per pass and shared by the layers, as the old path did
+        spec.memo[key] = additive_mask(visibility(spec.past_positions(), spec.stale, spec.positions), q.dtype)
+    mask = spec.memo[key]  # [1, 1, n, T + n]
     keys = torch.cat([k_past.to(q.dtype), k_new], dim=1).repeat_interleave(groups, dim=0)
     values = torch.cat([v_past.to(q.dtype), v_new], dim=1).repeat_interleave(groups, dim=0)
-    mask = additive_mask(allowed, q.dtype)  # [1, 1, n, T + n]
     return F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask, scale=scale)[0]
