@@ -271,3 +271,20 @@ def test_queued_requests_are_prefetched_by_the_asynchronous_loader(tmp_path):
         assert tokens == serial(s, question, 4, method="fusionrag", top_k=2)
     finally:
         s.close()
+
+
+def test_a_sampling_failure_fails_only_its_own_request(sched):
+    gate = hold(sched)
+    try:
+        bad = sched.submit("Who discovered polonium?", max_new_tokens=6, top_k=2)
+        good = sched.submit("Capital of France?", max_new_tokens=6, top_k=2)
+
+        def broken(_logits):
+            raise RuntimeError("sampler exploded")
+
+        bad.sampler.pick = broken
+    finally:
+        gate.set()
+    with pytest.raises(RuntimeError, match="sampler exploded"):
+        bad.result(60)
+    assert good.result(60).token_ids == serial(sched, "Capital of France?", 6, top_k=2)

@@ -65,3 +65,8 @@ def test_top_k_and_top_p_restrict_the_candidates():
     assert {s.pick(logits).token for _ in range(200)} == {0, 1}
     s = TokenSampler(SamplingParams(temperature=1.0, top_p=0.4, seed=0))
     assert {s.pick(logits).token for _ in range(50)} == {0}
+
+
+def test_a_vanishing_temperature_is_greedy_not_an_overflow():
+    logits = torch.tensor([0.0, 3.0, 1.0])
+    assert TokenSampler(SamplingParams(temperature=1e-300, seed=1)).pick(logits).token == 1

@@ -306,7 +306,12 @@ class BatchScheduler:
 
     def _emit_token(self, req: DecodeRequest, logits: torch.Tensor) -> bool:
         """Pick the request's next token from ``logits`` and emit it; False once the request has finished."""
-        picked = req.sampler.pick(logits)
+        try:
+            picked = req.sampler.pick(logits)
+        except Exception as exc:  # this request's sampling, not the batch, failed
+            log.warning("sampling failed for request %s", req.id, exc_info=True)
+            self._fail(req, exc)
+            return False
         if picked.token in self.stop_ids:
             self._finish(req, "stop")
             return False

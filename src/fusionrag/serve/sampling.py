@@ -33,7 +33,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature <= 0.0
+        """Below 1e-5 a temperature is greedy in effect, and dividing by it would overflow the logits."""
+        return self.temperature < 1e-5
 
 
 @dataclass
