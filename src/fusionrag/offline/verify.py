@@ -24,6 +24,7 @@ from fusionrag.files import remove_temp_files
 from fusionrag.kvcache.store import CHUNK_KINDS
 from fusionrag.models.registry import LoadedModel
 from fusionrag.offline import build
+from fusionrag.offline.compact import keeps_plain
 from fusionrag.offline.preprocess import compute_plain
 from fusionrag.retrieval.knowledge import KnowledgeStore
 from fusionrag.retrieval.store_files import index_digest
@@ -69,7 +70,8 @@ def verify_store(store: KnowledgeStore, lm: LoadedModel | None = None, repair: b
         _check_entries(store, ids, fused_store, report, repair)
         _check_files(store, set(ids), report, repair)
         if repair and lm is not None:
-            compute_plain(store, lm, build.ensure_system_kv(store, lm), progress=progress)
+            if keeps_plain(store):  # a fused-only store re-creates plain KV only where a fuse needs it
+                compute_plain(store, lm, build.ensure_system_kv(store, lm), progress=progress)
             if fused_store:
                 build.fuse(store, lm, progress=progress)
             for p in report.problems:
@@ -104,7 +106,7 @@ def _check_entries(store: KnowledgeStore, ids: list[int], fused_store: bool, rep
         for kind in CHUNK_KINDS:
             path = store.kv.path(cid, kind)
             if not path.exists():
-                if kind == "plain" or fused_store:
+                if (kind == "plain" and keeps_plain(store)) or (kind == "fused" and fused_store):
                     report.problems.append(Problem("kv", f"{kind} KV of chunk {cid}", "missing"))
                 continue
             report.entries_checked += 1

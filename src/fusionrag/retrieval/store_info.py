@@ -41,7 +41,9 @@ def store_info(path) -> dict[str, Any]:
     try:
         settings = read_settings(db)
         n_chunks, n_tokens = db.execute("SELECT COUNT(*), COALESCE(SUM(n_tokens), 0) FROM chunks").fetchone()
-        n_docs = db.execute("SELECT COUNT(DISTINCT doc) FROM chunk_refs").fetchone()[0]
+        has_refs = db.execute("SELECT 1 FROM sqlite_master WHERE name = 'chunk_refs'").fetchone() is not None
+        n_docs = db.execute("SELECT COUNT(DISTINCT doc) FROM "  # stores made before chunk_refs: chunks.doc
+                            + ("chunk_refs" if has_refs else "chunks")).fetchone()[0]
     finally:
         db.close()
     kv_root = path / KV_DIR
