@@ -40,3 +40,19 @@ def shared_data_file(rel: str) -> Path:
     if not path.is_file():
         pytest.skip(f"evaluation data not found at {path} (expected ../shared/data next to the repository)")
     return path
+
+
+@pytest.fixture(scope="module")
+def app(tmp_path_factory):
+    """A server app over a small preprocessed store with small limits (the route and protocol tests)."""
+    from serve_helpers import small_limits_app
+
+    return small_limits_app(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def client(app):
+    from fastapi.testclient import TestClient
+
+    with TestClient(app, raise_server_exceptions=False) as c:
+        yield c

@@ -25,22 +25,9 @@ from serve_helpers import (
     error_of,
     live_server,
     serial,
-    small_limits_app,
     sse_events,
     store_factory,
 )
-
-
-@pytest.fixture(scope="module")
-def app(tmp_path_factory):
-    return small_limits_app(tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def client(app):
-    with TestClient(app, raise_server_exceptions=False) as c:
-        yield c
-
 
 # ------------------------------------------------------------------------------- happy paths
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
@@ -11,37 +10,11 @@ import torch
 from fusionrag.errors import CacheIntegrityError, FusionRAGError
 from fusionrag.kvcache.kv import KV
 from fusionrag.kvcache.store import KVStore
-from fusionrag.models import load_model
-from fusionrag.retrieval.embedder import HashingEmbedder
-from fusionrag.retrieval.knowledge import KnowledgeStore
-
-PASSAGES = [
-    {"title": "Paris", "text": "Paris is the capital of France. It lies on the Seine river."},
-    {"title": "Lyon", "text": "Lyon is a city in France on the Rhone and Saone rivers."},
-    {"title": "Berlin", "text": "Berlin is the capital of Germany. It lies on the Spree river."},
-    {"title": "Rhine", "text": "The Rhine river flows through Germany and the Netherlands."},
-    {"title": "Cats", "text": "Cats are small domesticated carnivorous mammals that purr."},
-]
-
-
-@pytest.fixture(scope="module")
-def lm():
-    return load_model("tiny-llama")
 
 
 def _kv(n=5, seed=0, base=7):
     g = torch.Generator().manual_seed(seed)
     return KV(torch.randn(2, 2, n, 16, generator=g), torch.randn(2, 2, n, 16, generator=g), base)
-
-
-def _write_corpus(path, passages=PASSAGES, doc="q1"):
-    path.write_text(json.dumps({"id": doc, "question": "?", "passages": passages}) + "\n")
-    return path
-
-
-def _store(tmp_path, lm, **kw):
-    kw.setdefault("kv_dtype", "float32")
-    return KnowledgeStore.create(tmp_path / "kb", lm, chunk_tokens=160, embedder=HashingEmbedder(64), **kw)
 
 
 # ---------------------------------------------------------------- KVStore

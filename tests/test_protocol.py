@@ -7,20 +7,8 @@ send what a careless or hostile client might and check the status and the error 
 from __future__ import annotations
 
 import pytest
-from fastapi.testclient import TestClient
 
-from serve_helpers import USER, error_of, small_limits_app
-
-
-@pytest.fixture(scope="module")
-def app(tmp_path_factory):
-    return small_limits_app(tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def client(app):
-    with TestClient(app, raise_server_exceptions=False) as c:
-        yield c
+from serve_helpers import USER, error_of
 
 
 @pytest.mark.parametrize(("content", "code"), [(b"{not json", "invalid_json"), (b"", "invalid_json"),

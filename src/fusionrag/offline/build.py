@@ -43,7 +43,7 @@ from fusionrag.offline.preprocess import (
     prefix_order,
     stale_chunks,
 )
-from fusionrag.retrieval.chunking import DEFAULT_CHUNK_TOKENS, Passage, Problem, dedup, expand_paths, make_chunks
+from fusionrag.retrieval.chunking import DEFAULT_CHUNK_TOKENS, Chunk, Passage, Problem, dedup, expand_paths, make_chunks
 from fusionrag.retrieval.chunking import read_passages as read_file_passages
 from fusionrag.retrieval.embedder import Embedder
 from fusionrag.retrieval.knowledge import KnowledgeStore
@@ -182,8 +182,7 @@ def ingest(store: KnowledgeStore, lm: LoadedModel, paths: Iterable[Path | str], 
     new = [c for c in unique if store.find_by_hash(c.content_hash) is None]
     report.duplicates = dups + len(unique) - len(new)
     report.new_ids, report.embed_seconds = store.insert_chunks(new, progress)
-    for c in chunks:  # a passage another document already brought in is referenced by this one too
-        store.add_refs([store.find_by_hash(c.content_hash)], c.doc)
+    _add_refs(store, chunks)  # a passage another document already brought in is referenced by this one too
     report.new_chunks = len(new)
     system = ensure_system_kv(store, lm)
     # Every chunk lacking plain KV, not only the new ones: completes an interrupted ingest.
@@ -218,13 +217,22 @@ def add_passages(store: KnowledgeStore, lm: LoadedModel, passages: Sequence[dict
     unique, _ = dedup(chunks)
     store.insert_chunks([c for c in unique if store.find_by_hash(c.content_hash) is None])
     ids = [store.find_by_hash(c.content_hash) for c in chunks]
-    for c, cid in zip(chunks, ids, strict=True):  # passages already stored are used by this document too
-        if cid is not None:
-            store.add_refs([cid], c.doc)
+    _add_refs(store, chunks)  # passages already stored are used by this document too
     if plain_kv:
         compute_plain(store, lm, ensure_system_kv(store, lm),
                       chunk_ids=[i for i in dict.fromkeys(ids) if i is not None], progress=False)
     return [int(i) for i in ids if i is not None]
+
+
+def _add_refs(store: KnowledgeStore, chunks: Sequence[Chunk]) -> None:
+    """Reference every chunk from its document: one transaction per document, not per chunk."""
+    by_doc: dict[str, list[int]] = {}
+    for c in chunks:
+        cid = store.find_by_hash(c.content_hash)
+        if cid is not None:
+            by_doc.setdefault(c.doc, []).append(cid)
+    for doc, ids in by_doc.items():
+        store.add_refs(ids, doc)
 
 
 @_writes
