@@ -19,7 +19,9 @@ def test_paired_comparisons_pair_by_question_and_skip_unmatched_cells():
         records.append(_rec(q, "reuse", "plain", 0.0, 0.5 + 0.1 * i, 0.1, float(i % 2)))  # identical but top-1
     records.append(_rec("e", "cacheblend", "plain", 0.15, 0.0, 9.0, 0.0))  # no fusionrag answer for "e"
     rows = {(c["baseline"], c["baseline_ratio"]): c for c in paired_comparisons(records)}
-    assert set(rows) == {("cacheblend", 0.15), ("reuse", 0.0)}  # not Full Attention, not the other ratio
+    # Full Attention too (gold NLL can be lower than Full Attention's); not the other ratio
+    assert set(rows) == {("cacheblend", 0.15), ("reuse", 0.0), ("full", 1.0)}
+    assert abs(rows[("full", 1.0)]["kl_first_diff"] - 0.1) < 1e-9
     cb = rows[("cacheblend", 0.15)]
     assert cb["n"] == 4
     assert abs(cb["agree_f1_diff"] - 0.2) < 1e-9 and cb["agree_f1_diff_ci"][0] > 0.19  # a constant gap: tight CI
@@ -53,3 +55,19 @@ def test_top_n_sweep_compares_within_one_offline_setting():
     assert sorted((c["top_n"], c["baseline_kv"], c["baseline_top_n"]) for c in comps) == [
         (2, "fused", 2), (2, "plain", 0), (10, "fused", 10), (10, "plain", 0)]  # fmt: skip
     assert "| dataset | top-n | ratio |" in comparisons_markdown(comps)
+
+
+def test_kl_recovery_is_a_ratio_of_means_paired_by_question():
+    from fusionrag.eval.aggregate import aggregate
+
+    records = []
+    for q, reuse_kl in zip("abcd", (1.0, 2.0, 3.0, 2.0), strict=True):
+        records.append({**_rec(q, "reuse", "plain", 0.0, 0.5, 0.1, 1.0), "kl_answer": reuse_kl, "ctx_tokens": 10,
+                        "recomputed_tokens": 0})
+        records.append({**_rec(q, "fusionrag", "fused", 0.15, 0.5, 0.1, 1.0), "kl_answer": reuse_kl / 4,
+                        "ctx_tokens": 10, "recomputed_tokens": 2})
+    rows = {(r["method"], r["kv"]): r for r in aggregate(records)}
+    assert abs(rows[("fusionrag", "fused")]["kl_recovery"] - 0.75) < 1e-9
+    assert rows[("reuse", "plain")]["kl_recovery"] == 0.0
+    lo, hi = rows[("fusionrag", "fused")]["kl_recovery_ci"]
+    assert abs(lo - 0.75) < 1e-9 and abs(hi - 0.75) < 1e-9  # the same share on every question: a tight interval

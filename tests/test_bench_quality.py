@@ -56,7 +56,8 @@ def test_report_from_records_reaggregates_without_running(tmp_path):
 def test_cached_full_attention_serves_the_full_cell_without_a_ttft(tmp_path):
     data = sample_data(tmp_path)
     common = dict(data=[data], model="tiny-llama", limit=3, ratios=[0.15], methods=["full", "reuse"], top_n=[2],
-                  max_new_tokens=3, progress=False, embedder=HashingEmbedder(), cache_dir=tmp_path / "cache")
+                  max_new_tokens=3, progress=False, embedder=HashingEmbedder(), cache_dir=tmp_path / "cache",
+                  full_reference=tmp_path / "reference")
     first = {r["method"]: r for r in run_quality(QualitySpec(out=tmp_path / "a", **common))}
     second = {r["method"]: r for r in run_quality(QualitySpec(out=tmp_path / "b", reuse_full_cache=True, **common))}
     recs = [json.loads(line) for line in (tmp_path / "b" / "records.jsonl").read_text().splitlines()]

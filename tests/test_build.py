@@ -35,7 +35,7 @@ def test_settings_resolve_explicit_then_recorded_then_defaults(store, lm):
     assert (report.top_n, report.neighbour_order) == (2, "nearest_last")
     assert recorded_fuse_settings(store) == FuseSettings(2, "nearest_last", False)
     assert store_info(store.path)["settings"]["fuse"] == {"top_n": 2, "neighbour_order": "nearest_last",
-                                                           "same_document": False}
+                                                           "same_document": False, "min_similarity": None}
     assert resolve_fuse_settings(store, top_n=3) == FuseSettings(3, "nearest_last", False)
     assert build.fuse(store, lm, progress=False).computed == 0  # the recorded settings: nothing stale
 

@@ -61,6 +61,22 @@ def test_ratio_one_equals_full_and_fused_kv_differs_from_plain(engine):
     assert fused.fused_fallbacks == 0
 
 
+def test_plain_first_reuses_plain_kv_for_the_first_chunk_and_fused_for_the_rest(engine):
+    """``plain-first``: the first chunk's plain KV is exactly Full Attention's; the others are fused."""
+    kw = dict(top_k=3, max_new_tokens=1)
+    mixed = engine.prepare(QUESTION, method="reuse", kv="plain-first", top_k=3)
+    plain = engine.prepare(QUESTION, method="reuse", kv="plain", top_k=3)
+    fused = engine.prepare(QUESTION, method="reuse", kv="fused", top_k=3)
+    (a, b), rest = mixed.pre.spans[0], mixed.pre.spans[1][0]
+    assert torch.equal(mixed.pre.kv.keys[:, :, a:b], plain.pre.kv.keys[:, :, a:b])
+    assert torch.equal(mixed.pre.kv.keys[:, :, rest:rest + 5], fused.pre.kv.keys[:, :, rest:rest + 5])
+    assert not torch.equal(mixed.pre.kv.keys[:, :, a:b], fused.pre.kv.keys[:, :, a:b])
+    assert mixed.fused_fallbacks == 0
+    full = engine.answer(QUESTION, method="full", **kw)
+    one = engine.answer(QUESTION, method="fusionrag", ratio=1.0, kv="plain-first", **kw)
+    assert (one.first_logits - full.first_logits).abs().max() < 1e-4
+
+
 def test_explicit_chunks_bypass_retrieval_and_unknown_passages_are_computed(engine):
     ex = load_sample()[1]
     known = engine.answer(ex["question"], method="reuse", chunks=ex["passages"], max_new_tokens=2)

@@ -121,3 +121,57 @@ def test_cachecraft_without_scores_is_clear(tiny_llama):
     inp.chunk_scores = [None, None, None]
     with pytest.raises(FusionRAGError, match="preprocess"):
         select(make_policy("cachecraft"), inp, 0.2)
+
+
+def test_authors_scores_equal_explicit_attention_against_base_position_keys(tiny_lm):
+    """The authors' scoring: the model's eager last-layer attention with each chunk's keys at their
+    stored base position (len(S)), renormalised within the chunk; the first chunk skipped if asked."""
+    from fusionrag.execution.forward import to_dynamic_cache
+    from fusionrag.kvcache.kv import KV
+
+    system, chunks, question, inp = _setup(tiny_lm)
+    s_kv, _ = prefill(tiny_lm, torch.tensor(system))
+    base_keys = [chunk_kv_plain(tiny_lm, s_kv, c).keys[-1] for c in chunks]  # as stored: at len(S), never moved
+    keys = inp.context.keys.clone()
+    for (a, b), k in zip(inp.spans, base_keys, strict=True):
+        keys[-1, :, a:b] = k  # only the last layer changes, so the question's last-layer queries are the same
+    T = len(inp.context)
+    model = tiny_lm.model
+    model.set_attn_implementation("eager")
+    try:
+        out = model(input_ids=inp.question_token_ids[None], position_ids=torch.arange(T, T + len(question))[None],
+                    cache=to_dynamic_cache(KV(keys, inp.context.values, 0)), use_cache=True, output_attentions=True)
+    finally:
+        model.set_attn_implementation("sdpa")
+    att = out.attentions[-1][0]
+    expected = torch.cat([(att[:, :, a:b] / att[:, :, a:b].sum(-1, keepdim=True)).sum(dim=(0, 1))
+                          for a, b in inp.spans])
+    assert torch.allclose(question_attention(inp, "authors"), expected, atol=1e-5)
+    assert not torch.allclose(question_attention(inp, "per_chunk"), expected, atol=1e-3)  # re-positioning matters
+    skipped = question_attention(inp, "authors", skip_first_chunk=True)
+    first = inp.spans[0][1] - inp.spans[0][0]
+    assert torch.isinf(skipped[:first]).all() and torch.allclose(skipped[first:], expected[first:], atol=1e-5)
+    idx = select(make_policy("fusionrag", softmax="authors", skip_first_chunk=True), inp, 0.3)
+    assert idx.numel() == budget(0.3, inp.candidates.numel()) and (idx >= inp.spans[1][0]).all()
+
+
+@pytest.mark.parametrize("options", [{"softmax": "authors", "skip_first_chunk": True}, {"softmax": "authors"},
+                                     {"sinks": 4}, {"floor": 0.05}, {"sinks": 2, "floor": 0.1}])
+def test_selection_variants_at_ratio_one_are_full_attention(tiny_lm, options):
+    system, chunks, question, inp = _setup(tiny_lm)
+    full = prefill_full(tiny_lm, system, chunks, question)
+    idx = select(make_policy("fusionrag", **options), inp, 1.0)
+    at_one = prefill_reused(tiny_lm, inp.context, inp.context_ids, inp.spans, question, idx)
+    assert (at_one.last_logits - full.last_logits).abs().max() < 1e-4
+
+
+def test_sinks_and_floor_reserve_part_of_the_budget(tiny_llama):
+    _, _, _, inp = _setup(tiny_llama, lengths=(40, 40, 40))
+    idx = select(make_policy("fusionrag", sinks=3), inp, 0.2)  # 24 tokens, 9 of them the chunks' first three
+    assert idx.numel() == 24
+    for a, _b in inp.spans:
+        assert {a, a + 1, a + 2} <= set(idx.tolist())
+    floor = select(make_policy("fusionrag", floor=0.1), inp, 0.15)  # >= 4 tokens in every chunk
+    assert floor.numel() == 18
+    for a, b in inp.spans:
+        assert ((floor >= a) & (floor < b)).sum() >= 4

@@ -31,14 +31,14 @@ import torch
 from tqdm.auto import tqdm
 
 from fusionrag.errors import FusionRAGError
-from fusionrag.eval import metrics
 from fusionrag.eval.aggregate import aggregate, all_comparisons, knowledge_base_stores
-from fusionrag.eval.datasets import QAExample, load_questions
-from fusionrag.eval.kb_stores import kb_size, open_store, reads_store, store_name
+from fusionrag.eval.cells import VARIANTS, run_cell
+from fusionrag.eval.datasets import load_questions
+from fusionrag.eval.full_reference import FullReference
+from fusionrag.eval.kb_stores import kb_size, open_store, reads_store, store_composition, store_name
 from fusionrag.eval.records import (
     FullCache,
     append_record,
-    example_sha,
     read_records,
     refuse_other_files,
     supersede_other_kb_records,
@@ -75,6 +75,11 @@ class QualitySpec:
     neighbour_order: str = DEFAULT_NEIGHBOUR_ORDER  # offline: most similar neighbour right after S (measured)
     same_document: bool = False  # offline: neighbours only from the chunk's own document group
     kv_dtype: str = "float16"  # how the stores keep KV (float16, float32, int8); non-fp16 stores are named so
+    neighbours: str = "corpus"  # offline: where neighbours come from (eval.neighbour_sources)
+    min_similarity: float | None = None  # offline: a similarity floor instead of a fixed top-n
+    max_passages: int | None = None  # passages per question (supporting ones kept); None: as in the file
+    decode: bool = True  # False: teacher-forced metrics only (no greedy answer, no F1/agreement)
+    full_reference: Path | None = None  # committed Full Attention reference (default: OUT/full_reference)
 
 
 @dataclass(frozen=True)
@@ -110,8 +115,11 @@ def plan_runs(spec: QualitySpec) -> list[Run]:
             runs.extend(Run("reuse", "fused", 0.0, n) for n in top_ns)
         elif m == "fusionrag":
             runs.extend(Run("fusionrag", "fused", r, n) for n in top_ns for r in ratios)
-        elif m == "fusionrag-perchunk":  # the softmax ablation: per-chunk instead of global normalisation
-            runs.extend(Run(m, "fused", r, main_n) for r in ratios)
+        elif m in VARIANTS:  # selection variants: the authors' scoring, our own ideas
+            kv = {"query-authors": "plain", "fusionrag-plainfirst": "plain-first"}.get(m, "fused")
+            runs.extend(Run(m, kv, r, 0 if kv == "plain" else main_n) for r in ratios)
+            if m == "query-authors" and spec.kv == "both":
+                runs.extend(Run(m, "fused", r, main_n) for r in ratios)
         elif m == "query":
             runs.extend(Run("query", "plain", r, 0) for r in ratios)
         elif m in POLICY_METHODS:
@@ -140,12 +148,15 @@ def run_quality(spec: QualitySpec) -> list[dict]:
     runs = plan_runs(spec)
     lm = load_model(spec.model)
     full_cache = FullCache(spec.cache_dir or spec.out / "cache", lm.name)
+    full_ref = FullReference(spec.full_reference or spec.out / "full_reference", lm.name)
+    compositions: dict[str, dict] = {}
     t_start = time.process_time()
     wall_start = time.perf_counter()
     done: dict[tuple[str, str, str], dict] = {}
     for data_file in spec.data:
         # The whole file is parsed (and validated) anyway; its ids also guard the records against other files.
-        in_file = load_questions(data_file, None, seed=spec.seed, max_passage_words=spec.max_passage_words)
+        in_file = load_questions(data_file, None, seed=spec.seed, max_passage_words=spec.max_passage_words,
+                                 max_passages=spec.max_passages)
         kb_examples = in_file[:kb_n] if kb_n is not None else in_file
         examples = kb_examples[:spec.limit] if spec.limit is not None else kb_examples
         if not examples:
@@ -163,6 +174,8 @@ def run_quality(spec: QualitySpec) -> list[dict]:
         needed = {r.top_n for _, r in todo if r.reads_store}
         engines = {n: Engine(open_store(spec, dataset, kb_examples, n, lm, fused=n in needed), lm)
                    for n in sorted(needed or {spec.top_n[0]})} if todo else {}
+        for n in needed:
+            compositions[store_name(spec, dataset, n)] = store_composition(spec, engines[n].store, kb_examples, n)
         print(
             f"[bench quality] {dataset}: {len(examples)} questions x {len(runs)} runs (knowledge base: the "
             f"passages of the first {len(kb_examples)}); "
@@ -172,7 +185,7 @@ def run_quality(spec: QualitySpec) -> list[dict]:
         estimated = False
         cells_start = time.perf_counter()  # after the store is built: the estimate is for the cells only
         for ex, run in bar:
-            rec = _run_cell(engines, full_cache, spec, dataset, ex, run)
+            rec = run_cell(engines, full_ref, full_cache, spec, dataset, ex, run)
             append_record(rec_path, rec)
             done[(dataset, ex.id, run.key)] = rec
             if not estimated and bar.n >= min(len(runs), len(todo)) - 1 and bar.n > 0:
@@ -196,6 +209,11 @@ def run_quality(spec: QualitySpec) -> list[dict]:
             "limit": spec.limit,
             "kb_limit": kb_n,
             "knowledge_base_stores": knowledge_base_stores(mine),
+            "neighbour_composition": compositions,
+            "neighbours": spec.neighbours,
+            "min_similarity": spec.min_similarity,
+            "max_passages": spec.max_passages,
+            "decode": spec.decode,
             "max_new_tokens": spec.max_new_tokens,
             "torch_threads": torch.get_num_threads(),
             **spec.extra_meta,
@@ -208,73 +226,6 @@ def _datasets_of(spec: QualitySpec) -> set[str]:
     from fusionrag.eval.datasets import infer_dataset_name
 
     return {infer_dataset_name(p) for p in spec.data}
-
-
-@dataclass
-class _CachedFull:
-    """A Full Attention result read back from :class:`FullCache` (no TTFT: it was not measured now)."""
-
-    text: str
-    first_logits: torch.Tensor
-    context_tokens: int
-    fused_fallbacks: int = 0
-    ttft_ms: dict = field(default_factory=dict)
-
-    @property
-    def recomputed_tokens(self) -> int:
-        return self.context_tokens  # Full Attention computes every context token
-
-
-def _run_cell(engines, full_cache: FullCache, spec: QualitySpec, dataset: str, ex: QAExample, run: Run) -> dict:
-    """One question in one cell, scored against Full Attention (computed once per question, then cached)."""
-    chunks = [{"title": p.title, "text": p.text} for p in ex.passages]
-    engine = engines.get(run.top_n) or next(iter(engines.values()))
-    input_sha = example_sha(ex)
-    cached = full_cache.get(dataset, ex.id, spec.max_new_tokens, input_sha)
-    res = None
-    if cached is None or (run.method == "full" and not spec.reuse_full_cache):
-        full = engine.answer(ex.question, method="full", chunks=chunks, max_new_tokens=spec.max_new_tokens)
-        info = {"ttft_ms": full.ttft_ms, "context_tokens": full.context_tokens, "input_sha": input_sha}
-        full_cache.put(dataset, ex.id, spec.max_new_tokens, full.text, full.first_logits, info)
-        cached = (full.text, full.first_logits, info)
-        if run.method == "full":
-            res = full
-    full_text, full_logits, full_info = cached
-    ttft_from_cache = run.method == "full" and res is None
-    if ttft_from_cache:
-        # Served from the cache (answer and logits are deterministic): its TTFT was measured by an
-        # earlier run under possibly other conditions (threads, load), so it is left out, not mixed in.
-        res = _CachedFull(full_text, full_logits, int(full_info.get("context_tokens", 0)))
-    if run.method != "full":
-        method, options = run.method, {}
-        if method == "fusionrag-perchunk":
-            method, options = "fusionrag", {"softmax": "per_chunk"}
-        res = engine.answer(ex.question, method=method, ratio=run.ratio, chunks=chunks, kv=run.kv,
-                            max_new_tokens=spec.max_new_tokens, **options)
-    scores = metrics.answer_scores(res.text, ex.answers)
-    return {
-        "dataset": dataset,
-        "qid": ex.id,
-        "run": run.key,
-        "method": run.method,
-        "kv": run.kv,
-        "ratio": run.ratio,
-        "top_n": run.top_n,
-        "answer": res.text,
-        "full_answer": full_text,
-        **scores,
-        "agree_f1": metrics.agreement_f1(res.text, full_text),
-        "kl_first": float(metrics.kl_first_token(full_logits, res.first_logits)),
-        "top1_agree": float(metrics.top1_agree(full_logits, res.first_logits)),
-        "ctx_tokens": res.context_tokens,
-        "recomputed_tokens": res.recomputed_tokens,
-        "ttft_ms": None if ttft_from_cache else res.ttft_ms.get("total"),
-        "ttft_breakdown_ms": {} if ttft_from_cache else res.ttft_ms,
-        "full_from_cache": ttft_from_cache,
-        "fused_fallbacks": res.fused_fallbacks,
-        "kb": store_name(spec, dataset, run.top_n) if run.reads_store else None,
-        "kv_dtype": spec.kv_dtype if run.kv != "none" else None,
-    }
 
 
 def report_from_records(out: Path, command: str | None = None, data_files: Sequence[Path] = (),

@@ -8,6 +8,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from fusionrag.eval.neighbour_sources import NEIGHBOUR_SOURCES
 from fusionrag.models.devices import add_device_args
 from fusionrag.models.registry import DEFAULT_MODEL
 from fusionrag.offline.preprocess import DEFAULT_NEIGHBOUR_ORDER, NEIGHBOUR_ORDERS
@@ -54,6 +55,11 @@ def _cmd_quality(args: argparse.Namespace) -> int:
         same_document=args.same_document,
         reuse_full_cache=args.reuse_full_cache,
         kv_dtype=args.kv_dtype,
+        neighbours=args.neighbours,
+        min_similarity=args.min_similarity,
+        max_passages=args.max_passages,
+        decode=not args.no_decode,
+        full_reference=Path(args.full_reference) if args.full_reference else None,
         command=_command(),
         extra_meta={"neighbour_order": args.neighbour_order, "same_document": args.same_document,
                     "kv_dtype": args.kv_dtype},
@@ -217,6 +223,18 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="offline: neighbours only from the chunk's own question/document (ablation)")
     q.add_argument("--kv-dtype", choices=["float16", "float32", "int8"], default="float16",
                    help="storage dtype of the study's stores (a non-fp16 store is a separate store, named so)")
+    q.add_argument("--neighbours", choices=NEIGHBOUR_SOURCES, default="corpus",
+                   help="offline: where a chunk's neighbours come from: the whole corpus (default), the passages "
+                        "of the questions that retrieve it, the passages before it in its prompt (upper bound), or "
+                        "the corpus without those questions' passages")
+    q.add_argument("--min-similarity", type=float, default=None, metavar="COS",
+                   help="offline: keep only neighbours at least this similar (up to --top-n)")
+    q.add_argument("--max-passages", type=int, default=None,
+                   help="passages per question: the supporting ones, then the earliest others (MuSiQue 20 -> 10)")
+    q.add_argument("--no-decode", action="store_true",
+                   help="teacher-forced metrics only (gold NLL, KL to Full Attention): no greedy answer, no F1")
+    q.add_argument("--full-reference", default=None,
+                   help="compact Full Attention reference, meant to be committed (default OUT/full_reference)")
     q.add_argument("--reuse-full-cache", action="store_true",
                    help="let a cached Full Attention result serve the `full` cell too (its TTFT is then not reported)")
     q.add_argument("--out", required=True)

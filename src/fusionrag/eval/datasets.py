@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import random
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -87,6 +87,24 @@ def _str_list(value: Any, key: str, path: Path, lineno: int) -> list[str]:
     return list(value)
 
 
+def cut_passages(passages: list[Passage], supporting_titles: list[str], n: int) -> list[Passage]:
+    """At most ``n`` passages: every supporting one (gold evidence) and then the earliest others, in file order.
+
+    Cutting MuSiQue's 20 paragraphs to the paper's 10 by position alone would drop gold evidence
+    from some questions; this keeps the question answerable from its context.
+    """
+    if len(passages) <= n:
+        return passages
+    gold = set(supporting_titles)
+    keep = {i for i, p in enumerate(passages) if p.title in gold}
+    keep = set(sorted(keep)[:n])
+    for i in range(len(passages)):
+        if len(keep) >= n:
+            break
+        keep.add(i)
+    return [p for i, p in enumerate(passages) if i in keep]
+
+
 def _parse_line(line: str, path: Path, lineno: int, dataset: str, max_passage_words: int | None) -> QAExample:
     try:
         obj = json.loads(line)
@@ -131,6 +149,7 @@ def load_questions(
     *,
     dataset: str | None = None,
     max_passage_words: int | None = None,
+    max_passages: int | None = None,
 ) -> list[QAExample]:
     """Read a QA JSONL file into :class:`QAExample` objects.
 
@@ -138,8 +157,11 @@ def load_questions(
     ``seed``, then cut to the first ``limit`` questions: the same arguments always
     pick the same questions, which caching and resuming depend on. ``dataset``
     overrides the name inferred from the path; ``max_passage_words`` truncates
-    every passage (see :func:`truncate_passage_words`).
+    every passage (see :func:`truncate_passage_words`); ``max_passages`` keeps at most that many
+    passages per question (see :func:`cut_passages`).
     """
+    if max_passages is not None and max_passages < 1:
+        raise FusionRAGError(f"--max-passages must be >= 1, got {max_passages}")
     p = Path(path)
     if limit is not None and limit < 0:
         raise FusionRAGError(f"--limit must be >= 0, got {limit}")
@@ -154,6 +176,9 @@ def load_questions(
                 if not line.strip():
                     continue
                 ex = _parse_line(line, p, lineno, name, max_passage_words)
+                if max_passages is not None:
+                    ex = replace(ex, passages=cut_passages(ex.passages, ex.supporting_titles,
+                                                                        max_passages))
                 if ex.id in seen:
                     # Results are keyed by question id (resume, FA cache): duplicates would collide.
                     raise _bad(p, lineno, f"duplicate id {ex.id!r} (first on line {seen[ex.id]})")

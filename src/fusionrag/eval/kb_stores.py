@@ -17,8 +17,9 @@ from typing import Protocol
 
 from fusionrag.errors import FusionRAGError
 from fusionrag.eval.datasets import QAExample
+from fusionrag.eval.neighbour_sources import membership, neighbour_composition, neighbour_lists
 from fusionrag.offline import build
-from fusionrag.offline.preprocess import compute_plain
+from fusionrag.offline.preprocess import compute_neighbours, compute_plain
 from fusionrag.retrieval.knowledge import KnowledgeStore
 
 
@@ -38,11 +39,14 @@ class StoreSettings(Protocol):
     out: Path
     progress: bool
     kv_dtype: str
+    neighbours: str  # eval.neighbour_sources.NEIGHBOUR_SOURCES
+    min_similarity: float | None
+    max_passages: int | None
 
 
 def reads_store(method: str, kv: str) -> bool:
     """Plain KV is a function of the chunk alone; fused KV and Cache-Craft's scores depend on its neighbours."""
-    return kv == "fused" or method == "cachecraft"
+    return kv in ("fused", "plain-first") or method == "cachecraft"
 
 
 def kb_size(spec: StoreSettings) -> int | None:
@@ -60,6 +64,12 @@ def kb_size(spec: StoreSettings) -> int | None:
 def store_name(spec: StoreSettings, dataset: str, top_n: int) -> str:
     """The store (= knowledge base and offline settings) a cell of ``dataset`` at ``top_n`` reads."""
     variant = f"-{spec.neighbour_order}" + ("-samedoc" if spec.same_document else "")
+    if spec.neighbours != "corpus":
+        variant += f"-nb{spec.neighbours}"
+    if spec.min_similarity is not None:
+        variant += f"-sim{spec.min_similarity:g}"
+    if spec.max_passages is not None:  # the knowledge base itself differs: passages were cut per question
+        variant += f"-p{spec.max_passages}"
     if spec.kv_dtype != "float16":  # fp16 stores keep the names they had before int8 storage existed
         variant += f"-{spec.kv_dtype}"
     return f"{spec.model}-{dataset}-n{kb_size(spec)}-top{top_n}" + variant
@@ -142,6 +152,17 @@ def open_store(spec: StoreSettings, dataset: str, examples: list[QAExample], top
     # Plain KV once for the whole knowledge base, with a progress bar.
     compute_plain(store, lm, build.ensure_system_kv(store, lm), progress=spec.progress)
     if fused and top_n > 0:
+        lists = neighbour_lists(store, membership(store, examples), spec.neighbours, top_n, spec.min_similarity)
         build.fuse(store, lm, top_n=top_n, progress=spec.progress, neighbour_order=spec.neighbour_order,
-                   same_document=spec.same_document)
+                   same_document=spec.same_document, min_similarity=spec.min_similarity, neighbour_lists=lists)
     return store
+
+
+def store_composition(spec: StoreSettings, store: KnowledgeStore, examples: list[QAExample], top_n: int) -> dict:
+    """The neighbour composition of the store a study's fused cells read (see ``neighbour_sources``)."""
+    members = membership(store, examples)
+    lists = neighbour_lists(store, members, spec.neighbours, top_n, spec.min_similarity)
+    if lists is None:
+        lists = compute_neighbours(store, store.chunk_ids(), top_n, spec.same_document, spec.min_similarity)
+    return {"source": spec.neighbours, "min_similarity": spec.min_similarity, "top_n": top_n,
+            **neighbour_composition(store, members, lists)}

@@ -46,6 +46,11 @@ QUALITY_COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("norm_agree", "norm. agree", ".3f"),
     ("kl_first", "KL first tok.", ".3f"),
     ("top1_agree", "top-1 agree", ".3f"),
+    ("gold_nll", "gold NLL", ".3f"),
+    ("gold_nll_eot", "gold NLL +EOT", ".3f"),
+    ("kl_first_c", "KL first (top-64)", ".3f"),
+    ("kl_answer", "KL answer", ".3f"),
+    ("kl_recovery", "KL recovery", ".2f"),
     ("ctx_tokens", "ctx tokens", ".0f"),
     ("recomputed_tokens", "recomputed", ".0f"),
     ("ttft_ms_median", "TTFT ms (median)", ".0f"),
@@ -253,6 +258,8 @@ COMPARISON_COLUMNS: tuple[tuple[str, str], ...] = (
     ("agree_f1", "agree F1 diff"),
     ("kl_first", "KL diff (< 0: closer to FA)"),
     ("top1_agree", "top-1 diff"),
+    ("gold_nll", "gold NLL diff (< 0: more likely gold)"),
+    ("kl_answer", "answer KL diff"),
 )
 
 
@@ -336,6 +343,10 @@ QUALITY_PLOTS: tuple[tuple[str, str, str, tuple[float, ...]], ...] = (
     ("norm_f1_vs_ratio.png", "norm_f1", "normalised F1", (0.0, 1.0)),
     ("agree_f1_vs_ratio.png", "agree_f1", "agreement F1 with Full Attention", (1.0,)),
     ("norm_agree_vs_ratio.png", "norm_agree", "normalised agreement F1", (0.0, 1.0)),
+    # The paper's Figure 13 in teacher-forced metrics (Full Attention and Full Reuse as reference lines).
+    ("gold_nll_vs_ratio.png", "gold_nll", "gold-answer NLL per token (nats)", ()),
+    ("kl_first_vs_ratio.png", "kl_first_c", "first-token KL to Full Attention (top-64)", ()),
+    ("kl_answer_vs_ratio.png", "kl_answer", "answer-level KL to Full Attention (top-64)", ()),
 )
 
 
@@ -371,6 +382,8 @@ def write_quality_report(
     }
     if plots:
         for name, metric, ylabel, hlines in QUALITY_PLOTS:
+            if not any(metric in r for r in rows):  # e.g. an older study without teacher-forced metrics
+                continue
             written[metric] = plot_metric_vs_ratio(
                 rows, metric, out / name, ylabel=ylabel, hlines=hlines, title=f"{ylabel} ({model})" if model else None
             )

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -70,10 +70,13 @@ class FuseSettings:
     top_n: int = DEFAULT_TOP_N
     neighbour_order: str = DEFAULT_NEIGHBOUR_ORDER
     same_document: bool = False
+    min_similarity: float | None = None  # keep only neighbours at least this similar (None: the top-n)
 
     def __post_init__(self) -> None:
         if int(self.top_n) < 0:
             raise FusionRAGError(f"top-n must be >= 0, got {self.top_n}")
+        if self.min_similarity is not None and not -1.0 <= float(self.min_similarity) <= 1.0:
+            raise FusionRAGError(f"min-similarity is a cosine similarity in [-1, 1], got {self.min_similarity}")
         prefix_order([], self.neighbour_order)  # validates the name
 
     def to_dict(self) -> dict[str, Any]:
@@ -84,7 +87,8 @@ def recorded_fuse_settings(store: KnowledgeStore) -> FuseSettings | None:
     """The settings the store was last fused with (None: never fused)."""
     rec = store.settings.get("fuse")
     if rec:
-        return FuseSettings(int(rec["top_n"]), rec["neighbour_order"], bool(rec["same_document"]))
+        return FuseSettings(int(rec["top_n"]), rec["neighbour_order"], bool(rec["same_document"]),
+                            rec.get("min_similarity"))
     if store.settings.get("top_n") is not None:  # stores written before the settings moved under "fuse"
         return FuseSettings(int(store.settings["top_n"]),
                             store.settings.get("neighbour_order") or DEFAULT_NEIGHBOUR_ORDER,
@@ -93,13 +97,14 @@ def recorded_fuse_settings(store: KnowledgeStore) -> FuseSettings | None:
 
 
 def resolve_fuse_settings(store: KnowledgeStore, top_n: int | None = None, neighbour_order: str | None = None,
-                          same_document: bool | None = None) -> FuseSettings:
+                          same_document: bool | None = None, min_similarity: float | None = None) -> FuseSettings:
     """The one place fuse settings are decided: explicit values, else the store's recorded ones, else defaults."""
     base = recorded_fuse_settings(store) or FuseSettings()
     return FuseSettings(
         base.top_n if top_n is None else int(top_n),
         neighbour_order or base.neighbour_order,
         base.same_document if same_document is None else bool(same_document),
+        base.min_similarity if min_similarity is None else float(min_similarity),
     )
 
 
@@ -239,27 +244,33 @@ def _add_refs(store: KnowledgeStore, chunks: Sequence[Chunk]) -> None:
 def fuse(store: KnowledgeStore, lm: LoadedModel, top_n: int | None = None, *, neighbour_order: str | None = None,
          same_document: bool | None = None, chunk_ids: Sequence[int] | None = None, progress: bool = True,
          batch_size: int = 4, record: bool = True, verify: bool = True,
-         runner: LocalRunner | None = None) -> PreprocessReport:
+         runner: LocalRunner | None = None, min_similarity: float | None = None,
+         neighbour_lists: Mapping[int, Sequence[int]] | None = None) -> PreprocessReport:
     """The offline stage: fuse chunks (all by default) with their top-n neighbours; resumable.
 
+    ``neighbour_lists`` gives each chunk's neighbours (in prefix order) instead of the similarity
+    search; they are not a setting a later ingest could repeat, so such a fuse records nothing.
     Settings come from :func:`resolve_fuse_settings`. With ``record`` (the default) they
     become the store's settings, so later ingests keep it fused the same way; a server
     fusing only the chunks of one request without switching the store to fused mode passes
     ``record=False``. The report's ``changed_keys`` are the entries rewritten.
     """
-    settings = resolve_fuse_settings(store, top_n, neighbour_order, same_document)
-    if record:
+    settings = resolve_fuse_settings(store, top_n, neighbour_order, same_document, min_similarity)
+    if record and neighbour_lists is None:
         store.update_settings(fuse=settings.to_dict())
     store.kv.remove_temp_files()
-    return _fuse(store, lm, ensure_system_kv(store, lm), settings, chunk_ids, progress, batch_size, verify, runner)
+    return _fuse(store, lm, ensure_system_kv(store, lm), settings, chunk_ids, progress, batch_size, verify, runner,
+                 neighbour_lists)
 
 
 def _fuse(store: KnowledgeStore, lm: LoadedModel, system: KV, settings: FuseSettings,
           chunk_ids: Sequence[int] | None, progress: bool, batch_size: int, verify: bool = True,
-          runner: LocalRunner | None = None) -> PreprocessReport:
+          runner: LocalRunner | None = None,
+          neighbour_lists: Mapping[int, Sequence[int]] | None = None) -> PreprocessReport:
     report = fuse_store(store, lm, system, top_n=settings.top_n, neighbour_order=settings.neighbour_order,
                         same_document=settings.same_document, chunk_ids=chunk_ids, progress=progress,
-                        batch_size=batch_size, verify=verify, runner=runner)
+                        batch_size=batch_size, verify=verify, runner=runner,
+                        min_similarity=settings.min_similarity, neighbour_lists=neighbour_lists)
     report.removed_keys.extend(after_fuse(store))  # a fused-only store drops the plain KV fusing re-created
     return report
 
@@ -269,7 +280,8 @@ def stale_fused(store: KnowledgeStore, settings: FuseSettings, chunk_ids: Sequen
     """The chunks (of ``chunk_ids``, default all) a fuse with ``settings`` would compute now: lets a
     caller cut one fuse into slices (a server interleaving a document job with chats)."""
     ids = store.chunk_ids() if chunk_ids is None else [int(c) for c in chunk_ids]
-    return stale_chunks(store, ids, settings.top_n, settings.neighbour_order, settings.same_document, verify)[1]
+    return stale_chunks(store, ids, settings.top_n, settings.neighbour_order, settings.same_document, verify,
+                        settings.min_similarity)[1]
 
 
 @_writes

@@ -90,7 +90,8 @@ def cmd_preprocess(args: argparse.Namespace) -> int:
                 compact.set_plain_kv(store, "keep")
             report = build.fuse(store, lm, top_n=args.top_n, progress=not args.quiet, runner=runner,
                                 neighbour_order=args.neighbour_order,
-                                same_document=True if args.same_document else None)
+                                same_document=True if args.same_document else None,
+                                min_similarity=args.min_similarity)
             if args.plain_kv == "drop":
                 compact.set_plain_kv(store, "drop")
                 report.removed_keys.extend(compact.drop_plain(store))
@@ -176,6 +177,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="where the most similar neighbour goes: first, right after S (nearest_first, the default) "
                         "or right before the chunk (nearest_last); default: the store's recorded setting")
     p.add_argument("--same-document", action="store_true", help="take neighbours only from the chunk's document")
+    p.add_argument("--min-similarity", type=float, default=None, metavar="COS",
+                   help="keep only neighbours at least this similar (cosine of the embeddings): up to --top-n, "
+                        "fewer where the corpus has nothing close (default: the store's setting, else plain top-n)")
     p.add_argument("--kv-dtype", choices=list(STORAGE_DTYPES), default=None,
                    help="convert the store's KV to this storage dtype first (re-encoded, no model run)")
     plain = p.add_mutually_exclusive_group()

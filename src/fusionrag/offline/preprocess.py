@@ -100,13 +100,15 @@ def fuse_batch(lm: LoadedModel, system_kv: KV, chunk_ids: Sequence[int], token_i
 
 
 def compute_neighbours(store: KnowledgeStore, chunk_ids: Sequence[int], top_n: int,
-                       same_document: bool = False) -> dict[int, list[int]]:
-    """Top-``top_n`` most similar other chunks of each chunk (most similar first, never itself)."""
+                       same_document: bool = False, min_similarity: float | None = None) -> dict[int, list[int]]:
+    """Top-``top_n`` most similar other chunks of each chunk (most similar first, never itself),
+    at least ``min_similarity`` similar when given."""
     if not same_document:
-        return store.index.neighbours_many(list(chunk_ids), top_n)
+        return store.index.neighbours_many(list(chunk_ids), top_n, min_similarity=min_similarity)
     groups = store.doc_groups()
     doc_of = {cid: doc for doc, ids in groups.items() for cid in ids}
-    return store.index.neighbours_many(list(chunk_ids), top_n, among={c: groups[doc_of[c]] for c in chunk_ids})
+    return store.index.neighbours_many(list(chunk_ids), top_n, among={c: groups[doc_of[c]] for c in chunk_ids},
+                                       min_similarity=min_similarity)
 
 
 class PlainCache:
@@ -253,10 +255,18 @@ def compute_plain(store: KnowledgeStore, lm: LoadedModel, system_kv: KV, chunk_i
 
 
 def stale_chunks(store: KnowledgeStore, ids: Sequence[int], top_n: int, neighbour_order: str,
-                 same_document: bool, verify: bool = True) -> tuple[dict[int, list[int]], list[int], set[int]]:
+                 same_document: bool, verify: bool = True, min_similarity: float | None = None,
+                 neighbour_lists: Mapping[int, Sequence[int]] | None = None,
+                 ) -> tuple[dict[int, list[int]], list[int], set[int]]:
     """``(neighbours, todo, replaced)``: each chunk's neighbours now, the chunks whose fused entry is
-    missing or out of date (in ``ids`` order), and which of those had an entry before."""
-    neighbours = compute_neighbours(store, ids, top_n, same_document)
+    missing or out of date (in ``ids`` order), and which of those had an entry before.
+
+    ``neighbour_lists`` replaces the similarity search with given lists (in prefix order; a study
+    of where neighbours come from, or an application that knows which chunks go together)."""
+    if neighbour_lists is not None:
+        neighbours = {int(c): [int(n) for n in neighbour_lists.get(int(c), [])][:top_n] for c in ids}
+    else:
+        neighbours = compute_neighbours(store, ids, top_n, same_document, min_similarity)
     todo, replaced = [], set()
     for cid in ids:
         exists, current = entry_is_current(store, cid, fuse_key(neighbours[cid], neighbour_order), verify=verify)
@@ -270,10 +280,12 @@ def stale_chunks(store: KnowledgeStore, ids: Sequence[int], top_n: int, neighbou
 def fuse_store(store: KnowledgeStore, lm: LoadedModel, system_kv: KV, top_n: int = DEFAULT_TOP_N,
                neighbour_order: str = DEFAULT_NEIGHBOUR_ORDER, same_document: bool = False,
                chunk_ids: Sequence[int] | None = None, progress: bool = True, batch_size: int = 4,
-               verify: bool = True, runner: LocalRunner | None = None) -> PreprocessReport:
+               verify: bool = True, runner: LocalRunner | None = None, min_similarity: float | None = None,
+               neighbour_lists: Mapping[int, Sequence[int]] | None = None) -> PreprocessReport:
     """Fuse every chunk (of ``chunk_ids``) whose fused entry is missing or out of date.
 
-    Neighbours are always searched in the whole store (or document group). A chunk is
+    Neighbours are searched in the whole store (or document group), unless ``neighbour_lists``
+    gives them. A chunk is
     skipped when its entry was made with the same neighbours, order, model, ``S`` and
     tokens, so an interrupted run resumes where it stopped and an incremental ingest
     re-fuses only chunks whose neighbour lists changed.
@@ -286,7 +298,8 @@ def fuse_store(store: KnowledgeStore, lm: LoadedModel, system_kv: KV, top_n: int
     report.chunks = len(ids)
     if not ids:
         return report
-    neighbours, todo, replaced = stale_chunks(store, ids, top_n, neighbour_order, same_document, verify)
+    neighbours, todo, replaced = stale_chunks(store, ids, top_n, neighbour_order, same_document, verify,
+                                              min_similarity, neighbour_lists)
     report.skipped = len(ids) - len(todo)
     # Neighbours need plain KV: every chunk's (completes an interrupted ingest), or on a store that
     # drops plain KV only what this run reads (offline.compact).
@@ -306,7 +319,7 @@ def fuse_store(store: KnowledgeStore, lm: LoadedModel, system_kv: KV, top_n: int
                 for cid in tokens:
                     f = fused[cid]
                     extra = {**fuse_key(f.neighbours, f.neighbour_order), "top_n": top_n,
-                             "same_document": bool(same_document)}
+                             "same_document": bool(same_document), "min_similarity": min_similarity}
                     store.kv.save(cid, "fused", f.kv, tokens[cid], scores=f.scores, extra=extra)
                     store.record_neighbours({cid: f.neighbours})
                     report.computed += 1

@@ -46,6 +46,9 @@ DEFAULT_TOP_K = 5
 #: Which stored KV a method reuses unless ``kv=`` says otherwise. FusionRAG is query-guided
 #: selection on the fused (offline-preprocessed) caches; every baseline uses plain caches.
 DEFAULT_KV = {"fusionrag": "fused"}
+#: What a request reuses: plain KV, fused KV, or fused KV except the prompt's first chunk
+#: (``plain-first``: right after ``S`` a chunk's plain KV is exactly Full Attention's).
+KV_KINDS = ("plain", "fused", "plain-first")
 
 
 @dataclass
@@ -212,8 +215,8 @@ class Engine:
         if not 0.0 <= float(ratio) <= 1.0:
             raise FusionRAGError(f"ratio must be within [0, 1], got {ratio}")
         kv_kind = kv or DEFAULT_KV.get(method, "plain")
-        if kv_kind not in ("plain", "fused"):
-            raise FusionRAGError(f"kv must be 'plain' or 'fused', got {kv_kind!r}")
+        if kv_kind not in KV_KINDS:
+            raise FusionRAGError(f"kv must be one of {', '.join(KV_KINDS)}, got {kv_kind!r}")
         t_start = time.perf_counter()
         timings: dict[str, float] = {}
         if self.store.refresh():  # another process wrote to the store: its index and KV may have changed
@@ -299,7 +302,9 @@ class Engine:
 
     def prefetch_chunks(self, chunk_ids: Sequence[int | None], kv: str = "fused") -> None:
         """Start loading these chunks' KV in the background (a no-op without a caching tier)."""
-        self.kv_source.prefetch([k for k in (self._stored_key(c, kv) for c in chunk_ids) if k is not None])
+        kinds = [("plain" if i == 0 else "fused") if kv == "plain-first" else kv for i in range(len(chunk_ids))]
+        keys = (self._stored_key(c, k) for c, k in zip(chunk_ids, kinds, strict=True))
+        self.kv_source.prefetch([k for k in keys if k is not None])
 
     def invalidate(self, keys: Iterable[Key]) -> None:
         """Forget cached copies of entries a store change rewrote or removed (every tier down to disk)."""
@@ -345,7 +350,8 @@ class Engine:
     def _load(self, chunk_ids: Sequence[int | None], passages: Sequence[dict], token_ids: Sequence[list[int]],
               kind: str) -> tuple[list[KVEntry], int]:
         """One entry per chunk: stored ones from the KV source, the rest through the prefix cache."""
-        keys = [self._stored_key(cid, kind) for cid in chunk_ids]
+        kinds = [("plain" if i == 0 else "fused") if kind == "plain-first" else kind for i in range(len(chunk_ids))]
+        keys = [self._stored_key(cid, k) for cid, k in zip(chunk_ids, kinds, strict=True)]
         stored = [k for k in keys if k is not None]
         loaded = self._read_stored(stored)
         keys = [k if k is None or k in loaded else None for k in keys]  # damaged entries: computed like new passages
@@ -353,9 +359,9 @@ class Engine:
                    for key, p, ids in zip(keys, passages, token_ids, strict=True) if key is None]
         adhoc = iter(self._adhoc_kvs(missing))
         entries, fallbacks = [], 0
-        for key in keys:
+        for key, k in zip(keys, kinds, strict=True):
             entries.append(loaded[key] if key is not None else KVEntry(next(adhoc), None, {}))
-            fallbacks += kind == "fused" and (key is None or key[1] != "fused")
+            fallbacks += k == "fused" and (key is None or key[1] != "fused")
         return entries, fallbacks
 
     def _read_stored(self, keys: list[Key]) -> dict[Key, KVEntry]:

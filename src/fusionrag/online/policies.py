@@ -17,6 +17,7 @@ Attention and ``ratio <= 0`` Full Reuse, whatever the policy.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -27,9 +28,12 @@ from fusionrag.execution.attention import attention_probs, attention_scale, capt
 from fusionrag.execution.forward import forward, forward_first_layers, visibility
 from fusionrag.kvcache.kv import KV
 from fusionrag.models.registry import LoadedModel
+from fusionrag.models.rope import rotate_keys
 from fusionrag.online.prefill import all_chunk_indices
 
 EPIC_MAX_PER_CHUNK = 32
+#: Added to a forced token's score so any budget takes it before the rest (scores are probabilities).
+FORCED_BONUS = 1e6
 
 
 @dataclass
@@ -84,11 +88,14 @@ def select(policy: Policy, inp: SelectionInput, ratio: float) -> torch.Tensor:
 # --- query-guided (FusionRAG) ---------------------------------------------------------
 
 
-def question_attention(inp: SelectionInput, softmax: str = "global") -> torch.Tensor:
+def question_attention(inp: SelectionInput, softmax: str = "global", skip_first_chunk: bool = False) -> torch.Tensor:
     """Critical score per candidate: the question's last-layer attention, summed over question tokens and heads.
 
-    ``per_chunk`` normalises attention within each chunk (the public research code);
-    ``global`` uses the model's real attention distribution over the whole prompt.
+    ``global`` uses the model's real attention distribution over the whole prompt (our default);
+    ``per_chunk`` normalises it within each chunk against the re-positioned keys; ``authors`` is
+    the public research code's scoring: softmax within each chunk against the chunk's keys at
+    their **stored base position** (``len(S)``, not where the chunk sits in this prompt).
+    ``skip_first_chunk`` (their Qwen2 code) never selects the first chunk's tokens.
     """
     lm, T = inp.lm, len(inp.context)
     q_pos = torch.arange(T, T + inp.question_token_ids.numel())
@@ -100,29 +107,70 @@ def question_attention(inp: SelectionInput, softmax: str = "global") -> torch.Te
         keys = torch.cat([inp.context.keys[-1].float(), res.keys[-1]], dim=1)
         allowed = visibility(torch.arange(T), None, q_pos)
         probs = attention_probs(queries, keys, allowed, scale)  # [heads, q, T+q]
-        per_token = probs.sum(dim=(0, 1))[:T]
-        return per_token[inp.candidates]
-    if softmax != "per_chunk":
+        scores = probs.sum(dim=(0, 1))[:T][inp.candidates]
+    elif softmax in ("per_chunk", "authors"):
+        base = inp.spans[0][0] if inp.spans else 0  # len(S): where stored chunk KV starts
+        parts = []
+        for a, b in inp.spans:
+            keys = inp.context.keys[-1, :, a:b].float()
+            if softmax == "authors":
+                keys = rotate_keys(keys, base - a, lm.inv_freq)
+            allowed = torch.ones(q_pos.numel(), b - a, dtype=torch.bool)
+            parts.append(attention_probs(queries, keys, allowed, scale).sum(dim=(0, 1)))
+        scores = torch.cat(parts) if parts else torch.empty(0)
+    else:
         raise ValueError(f"unknown softmax mode {softmax!r}")
-    parts = []
-    for a, b in inp.spans:
-        keys = inp.context.keys[-1, :, a:b].float()
-        allowed = torch.ones(q_pos.numel(), b - a, dtype=torch.bool)
-        parts.append(attention_probs(queries, keys, allowed, scale).sum(dim=(0, 1)))
-    return torch.cat(parts) if parts else torch.empty(0)
+    if skip_first_chunk and inp.spans:
+        a, b = inp.spans[0]
+        scores = scores.clone()
+        scores[: b - a] = -float("inf")  # candidates are in span order: the first chunk comes first
+    return scores
+
+
+def forced_tokens(spans: list[tuple[int, int]], sinks: int = 0, floor: float = 0.0,
+                  scores: torch.Tensor | None = None) -> torch.Tensor:
+    """Candidates (as a bool mask over ``inp.candidates``) that a budget must take first.
+
+    ``sinks``: the first tokens of every chunk (its own attention sinks, whose reused KV deviates
+    most: EPIC's signal). ``floor``: within each chunk, its best-scoring ``ceil(floor * length)``
+    tokens, so no chunk is left with nothing recomputed when the question's attention
+    concentrates on one passage.
+    """
+    n = sum(b - a for a, b in spans)
+    forced = torch.zeros(n, dtype=torch.bool)
+    start = 0
+    for a, b in spans:
+        length = b - a
+        if sinks > 0:
+            forced[start:start + min(sinks, length)] = True
+        if floor > 0.0 and scores is not None and length:
+            m = min(length, math.ceil(floor * length))
+            best = torch.topk(scores[start:start + length].float(), m).indices
+            forced[start + best] = True
+        start += length
+    return forced
 
 
 @dataclass
 class QueryGuided:
     """Query-guided selection. Default ``global`` softmax: measured better than ``per_chunk``
     on HotpotQA and TriviaQA (agreement with Full Attention, first-token KL, top-1; see
-    docs/decisions.md), since it ranks tokens by the attention the model actually pays."""
+    docs/decisions.md), since it ranks tokens by the attention the model actually pays.
+    ``sinks`` / ``floor`` reserve part of the budget (see :func:`forced_tokens`); the budget is
+    unchanged, forced tokens go first and the question's attention ranks the rest."""
 
     name: str = "fusionrag"
     softmax: str = "global"
+    skip_first_chunk: bool = False
+    sinks: int = 0
+    floor: float = 0.0
 
     def scores(self, inp: SelectionInput) -> torch.Tensor:
-        return question_attention(inp, self.softmax)
+        scores = question_attention(inp, self.softmax, self.skip_first_chunk)
+        if self.sinks or self.floor:
+            forced = forced_tokens(inp.spans, self.sinks, self.floor, scores)
+            scores = torch.where(forced & torch.isfinite(scores), scores + FORCED_BONUS, scores)
+        return scores
 
 
 # --- CacheBlend -----------------------------------------------------------------------

@@ -119,9 +119,13 @@ class VectorIndex:
         return self.neighbours_many([chunk_id], n, among=None if among is None else {chunk_id: among})[chunk_id]
 
     def neighbours_many(self, chunk_ids: Sequence[int], n: int,
-                        among: dict[int, Iterable[int]] | None = None) -> dict[int, list[int]]:
+                        among: dict[int, Iterable[int]] | None = None,
+                        min_similarity: float | None = None) -> dict[int, list[int]]:
         """:meth:`neighbours` for many chunks; one batched FAISS search when unrestricted.
 
+        ``among`` restricts each chunk's candidates; ``min_similarity`` keeps only neighbours at
+        least that similar (inner product of the normalised embeddings), so a chunk in a sparse
+        region of the corpus gets fewer (even no) neighbours instead of unrelated ones.
         Ties are broken by chunk id so that the lists are reproducible (incremental
         updates compare them to decide what to re-fuse).
         """
@@ -136,7 +140,7 @@ class VectorIndex:
             for row, cid in enumerate(chunk_ids):
                 pairs = [(float(s), int(i)) for s, i in zip(scores[row], ids[row], strict=True)
                          if i >= 0 and int(i) != int(cid)]
-                out[int(cid)] = _top(pairs, n)
+                out[int(cid)] = _top(pairs, n, min_similarity)
             return out
         for cid in chunk_ids:
             cands = [int(c) for c in among.get(int(cid), []) if int(c) != int(cid)]
@@ -144,7 +148,7 @@ class VectorIndex:
                 out[int(cid)] = []
                 continue
             sims = self.vectors(cands) @ self.vector(cid)
-            out[int(cid)] = _top(list(zip(sims.tolist(), cands, strict=True)), n)
+            out[int(cid)] = _top(list(zip(sims.tolist(), cands, strict=True)), n, min_similarity)
         return out
 
     # ------------------------------------------------------------ persistence
@@ -202,7 +206,9 @@ def _hnsw_path(path: Path) -> Path:
     return Path(path).with_name(Path(path).name + ".hnsw")
 
 
-def _top(pairs: list[tuple[float, int]], n: int) -> list[int]:
+def _top(pairs: list[tuple[float, int]], n: int, min_similarity: float | None = None) -> list[int]:
+    if min_similarity is not None:
+        pairs = [p for p in pairs if p[0] >= min_similarity]
     # Round the scores so float noise does not decide between equally similar chunks.
     pairs.sort(key=lambda p: (-round(p[0], 5), p[1]))
     return [i for _, i in pairs[:n]]

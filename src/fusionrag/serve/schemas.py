@@ -82,7 +82,7 @@ class _Generation(_Body):
     method: str | None = None
     ratio: float | None = None
     top_k: int | None = Field(None, description="retrieval depth: how many chunks to retrieve")
-    kv: Literal["plain", "fused"] | None = None
+    kv: Literal["plain", "fused", "plain-first"] | None = None
     documents: list[Any] | None = Field(None, description="[{title, text}] passages used instead of retrieval")
 
 
