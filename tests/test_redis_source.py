@@ -141,3 +141,23 @@ def test_killing_redis_mid_run_degrades_to_disk_with_no_failed_request(server, s
     assert again == answers  # every request answered, from disk
     assert down.errors >= 1 and down.available == 0 and down.disk_hits > warm.disk_hits
     assert a.stats()["tiers"]["redis"].available == 0
+
+
+def test_a_server_config_file_selects_the_redis_tier(server, store_dir, lm, tmp_path):
+    """``kv_tier`` in ``--config server.yaml`` (no flag) builds the server's engine over Redis."""
+    import argparse
+
+    from fusionrag.serve.launch import add_server_args, engine_factory, settings_from_args
+
+    cfg = tmp_path / "server.yaml"
+    cfg.write_text(f"kv_tier: {server.url}\nmemory_budget_mb: 16\n")
+    p = argparse.ArgumentParser()
+    add_server_args(p)
+    settings = settings_from_args(p.parse_args(["--store", str(store_dir), "--config", str(cfg)]))
+    assert settings.kv_tier == server.url
+    engine = engine_factory(str(store_dir), "tiny-llama", settings.memory_budget_mb, settings.kv_tier)()
+    engine.answer(QUESTION, method="fusionrag", ratio=0.15, max_new_tokens=2)
+    assert engine.stats()["tiers"]["redis"].stores > 0  # what it loaded from disk went into Redis
+    flag = settings_from_args(p.parse_args(["--store", str(store_dir), "--config", str(cfg), "--kv-tier",
+                                            "redis://127.0.0.1:1"]))
+    assert flag.kv_tier == "redis://127.0.0.1:1"  # the flag over the file

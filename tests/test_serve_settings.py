@@ -55,3 +55,9 @@ def test_help_lists_every_setting_and_its_variable():
     text = p.format_help()
     for name in ServerSettings.model_fields:
         assert f"FUSIONRAG_{name.upper()}" in text, name
+
+
+def test_a_kv_tier_password_never_reaches_logs():
+    s = ServerSettings(kv_tier="redis://user:secret@10.0.0.5:6379/0")
+    assert s.to_json()["kv_tier"] == "redis://***@10.0.0.5:6379/0"
+    assert ServerSettings(kv_tier="unix:///tmp/r.sock").to_json()["kv_tier"] == "unix:///tmp/r.sock"

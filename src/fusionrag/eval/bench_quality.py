@@ -80,6 +80,7 @@ class QualitySpec:
     max_passages: int | None = None  # passages per question (supporting ones kept); None: as in the file
     decode: bool = True  # False: teacher-forced metrics only (no greedy answer, no F1/agreement)
     full_reference: Path | None = None  # committed Full Attention reference (default: OUT/full_reference)
+    fuse_only_evaluated: bool = False  # offline: fuse only the evaluated questions' chunks (kb_limit > limit)
 
 
 @dataclass(frozen=True)
@@ -172,7 +173,8 @@ def run_quality(spec: QualitySpec) -> list[dict]:
         # One store per offline top-n; plain KV is the same in all of them, so plain runs use the first
         # (and build no fused KV when no cell reads it). Nothing left to compute: no store is opened at all.
         needed = {r.top_n for _, r in todo if r.reads_store}
-        engines = {n: Engine(open_store(spec, dataset, kb_examples, n, lm, fused=n in needed), lm)
+        only = examples if spec.fuse_only_evaluated else None
+        engines = {n: Engine(open_store(spec, dataset, kb_examples, n, lm, fused=n in needed, fuse_only=only), lm)
                    for n in sorted(needed or {spec.top_n[0]})} if todo else {}
         for n in needed:
             compositions[store_name(spec, dataset, n)] = store_composition(spec, engines[n].store, kb_examples, n)

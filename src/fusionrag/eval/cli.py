@@ -59,6 +59,7 @@ def _cmd_quality(args: argparse.Namespace) -> int:
         min_similarity=args.min_similarity,
         max_passages=args.max_passages,
         decode=not args.no_decode,
+        fuse_only_evaluated=args.fuse_only_evaluated,
         full_reference=Path(args.full_reference) if args.full_reference else None,
         command=_command(),
         extra_meta={"neighbour_order": args.neighbour_order, "same_document": args.same_document,
@@ -231,6 +232,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="offline: keep only neighbours at least this similar (up to --top-n)")
     q.add_argument("--max-passages", type=int, default=None,
                    help="passages per question: the supporting ones, then the earliest others (MuSiQue 20 -> 10)")
+    q.add_argument("--fuse-only-evaluated", action="store_true",
+                   help="offline: fuse only the evaluated questions' chunks (a --limit below --kb-limit costs less)")
     q.add_argument("--no-decode", action="store_true",
                    help="teacher-forced metrics only (gold NLL, KL to Full Attention): no greedy answer, no F1")
     q.add_argument("--full-reference", default=None,

@@ -4,7 +4,7 @@ Every method is scored against Full Attention, and Full Attention is the slowest
 prefill of every prompt). Its results were lost twice with machine changes because the
 cache held whole first-token logit vectors (600 KB per question). This keeps, per question:
 Full Attention's greedy answer (text and token ids), its top-``k`` log-probabilities at every
-answer position (:class:`~fusionrag.eval.likelihood.TopKReference`, ~8 KB) and its own
+answer position (:class:`~fusionrag.eval.likelihood.TopKReference`, ~17 KB) and its own
 gold-answer NLL, in one safetensors file under the results folder, so a rerun on a new
 machine scores every method without recomputing Full Attention.
 """

@@ -34,7 +34,7 @@ from fusionrag.models.registry import LoadedModel
 #: Aliases scored per question (TriviaQA lists dozens; the first ones are the canonical spellings).
 MAX_ALIASES = 5
 #: Full Attention's top tokens kept per position in the committed reference.
-REFERENCE_TOP_K = 64
+REFERENCE_TOP_K = 128
 #: Below this Full Reuse KL the recovery ratio is undefined (Full Reuse already equals FA).
 KL_RECOVERY_EPS = 1e-6
 

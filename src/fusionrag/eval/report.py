@@ -48,7 +48,7 @@ QUALITY_COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("top1_agree", "top-1 agree", ".3f"),
     ("gold_nll", "gold NLL", ".3f"),
     ("gold_nll_eot", "gold NLL +EOT", ".3f"),
-    ("kl_first_c", "KL first (top-64)", ".3f"),
+    ("kl_first_c", "KL first (top-128)", ".3f"),
     ("kl_answer", "KL answer", ".3f"),
     ("kl_recovery", "KL recovery", ".2f"),
     ("ctx_tokens", "ctx tokens", ".0f"),
@@ -345,8 +345,8 @@ QUALITY_PLOTS: tuple[tuple[str, str, str, tuple[float, ...]], ...] = (
     ("norm_agree_vs_ratio.png", "norm_agree", "normalised agreement F1", (0.0, 1.0)),
     # The paper's Figure 13 in teacher-forced metrics (Full Attention and Full Reuse as reference lines).
     ("gold_nll_vs_ratio.png", "gold_nll", "gold-answer NLL per token (nats)", ()),
-    ("kl_first_vs_ratio.png", "kl_first_c", "first-token KL to Full Attention (top-64)", ()),
-    ("kl_answer_vs_ratio.png", "kl_answer", "answer-level KL to Full Attention (top-64)", ()),
+    ("kl_first_vs_ratio.png", "kl_first_c", "first-token KL to Full Attention (top-128)", ()),
+    ("kl_answer_vs_ratio.png", "kl_answer", "answer-level KL to Full Attention (top-128)", ()),
 )
 
 

@@ -49,9 +49,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="model (default: the one the store was built with; or FUSIONRAG_MODEL)")
     p.add_argument("--config", default=os.environ.get("FUSIONRAG_CONFIG"), metavar="FILE.yaml",
                    help="server settings in YAML (keys: the setting names below; or FUSIONRAG_CONFIG)")
-    p.add_argument("--kv-tier", default=os.environ.get("FUSIONRAG_KV_TIER"), metavar="redis://HOST:PORT",
+    p.add_argument("--kv-tier", default=None, metavar="redis://HOST:PORT",
                    help="a KV tier shared by servers, between the memory tier and the disk: redis://HOST:PORT[/DB] "
-                        "or unix:///PATH.sock (needs the 'redis' extra; or FUSIONRAG_KV_TIER)")
+                        "or unix:///PATH.sock (needs the 'redis' extra; or FUSIONRAG_KV_TIER, or kv_tier in --config)")
     add_device_args(p)
     defaults = ServerSettings.model_fields
     for flag, name, type_, help_ in _FLAGS:
@@ -66,7 +66,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
     """:class:`ServerSettings` from :func:`add_server_args` options plus ``host``/``port`` (flags win)."""
     flags = {name: getattr(args, name, None) for _, name, _, _ in _FLAGS}
     return load_settings(getattr(args, "config", None), host=getattr(args, "host", None),
-                         port=getattr(args, "port", None), **flags)
+                         port=getattr(args, "port", None), kv_tier=getattr(args, "kv_tier", None), **flags)
 
 
 def kv_tier_source(url: str, store: Any) -> Any:
@@ -106,7 +106,7 @@ def build_app(args: argparse.Namespace) -> tuple[FastAPI, ServerSettings]:
 
     settings = settings_from_args(args)
     app = create_app(engine_factory(args.store, args.model, settings.memory_budget_mb,
-                                    getattr(args, "kv_tier", None), device_options(args)), settings)
+                                    settings.kv_tier, device_options(args)), settings)
     print(f"fusionrag: loading the model for {args.store} ...", file=sys.stderr)
     app.state.scheduler.wait_ready()  # a bad store or model fails here, as one line, before binding
     return app, settings

@@ -54,11 +54,16 @@ class ServerSettings(BaseModel):
     preprocess_top_n: int | None = Field(10, description="fused preprocess after adding documents (None: plain)")
     keep_jobs: int = Field(1000, description="finished document jobs remembered for GET")
     memory_budget_mb: int = Field(1024, description="in-memory KV tier in MiB (0 reads the store directly)")
+    kv_tier: str | None = Field(None, description="a KV tier shared by servers, between the memory tier and the "
+                                                  "disk: redis://HOST:PORT[/DB] or unix:///PATH.sock")
 
     def to_json(self) -> dict[str, Any]:
         """The settings for logs and reports, with the API key reduced to whether one is set."""
         d = self.model_dump()
         d["api_key"] = "set" if self.api_key else None
+        if self.kv_tier and "@" in self.kv_tier:  # redis://user:password@host: keep the host, not the password
+            scheme, _, rest = self.kv_tier.partition("://")
+            d["kv_tier"] = f"{scheme}://***@{rest.rpartition('@')[2]}"
         return d
 
 

@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# The paper-shaped study of #14 (docs/results/paper, docs/results/paper_neighbours): 10 passages per
+# question, a knowledge base of 100 questions' passages, teacher-forced metrics (gold-answer NLL, KL
+# to Full Attention along its answer). Resumable: rerunning skips finished cells.
+#
+# Two single-threaded lanes (`bash scripts/paper_study.sh a` / `... b`), sharing one committed Full
+# Attention reference (docs/results/paper/full_reference), so a new machine never recomputes it.
+# Stores (plain + fused KV, gigabytes) live in runs/cache and are rebuilt by the same line.
+#   a: 2WikiMQA, the core methods at 15% on 100 questions (with greedy answers), then the selection
+#      variants at 15% and the 5%/30% curve on the first 50 (teacher-forced metrics only).
+#   b: where neighbours come from (2WikiMQA, the first 30 questions, the same 100-question knowledge
+#      base; only the evaluated chunks are fused), then HotpotQA's core methods at 15%.
+# MuSiQue (`... musique`): HippoRAG's 100 train questions cut to 10 passages (--max-passages keeps the
+# supporting ones), the core methods at 15%.
+set -euo pipefail
+export OMP_NUM_THREADS=1
+cd "$(dirname "$0")/.."
+source scripts/datasets.sh
+MUS_TRAIN=$D/musique/musique_train_paragraphs_hipporag.jsonl
+OUT=docs/results/paper
+REF=(--full-reference "$OUT/full_reference" --cache-dir runs/cache --max-new-tokens 16)
+CORE=full,reuse,cacheblend,cachecraft,query,fusionrag
+VARIANTS=fusionrag-authors,query-authors,fusionrag-sinks,fusionrag-floor,fusionrag-plainfirst,epic
+Q() { .venv/bin/fusionrag bench quality "${REF[@]}" "$@"; }
+lane_a() {
+  Q --data "$WIKI" --limit 100 --kb-limit 100 --ratios 0.15 --methods $CORE --out $OUT
+  Q --data "$WIKI" --limit 50 --kb-limit 100 --ratios 0.15 --methods $VARIANTS --no-decode --out $OUT
+  Q --data "$WIKI" --limit 50 --kb-limit 100 --ratios 0.05,0.3 --methods cacheblend,query,fusionrag,fusionrag-authors \
+    --no-decode --out $OUT
+}
+neighbours() {
+  for nb in preceding question other-questions; do
+    Q --data "$WIKI" --limit 30 --kb-limit 100 --neighbours $nb --fuse-only-evaluated --ratios 0.15 \
+      --methods reuse,fusionrag --no-decode --out docs/results/paper_neighbours/$nb
+  done
+  # A similarity floor instead of a fixed top-10 (0.5: about the median similarity of a top-10 neighbour
+  # in this knowledge base, docs/results/paper/results.json -> neighbour_composition)
+  Q --data "$WIKI" --limit 30 --kb-limit 100 --min-similarity 0.5 --fuse-only-evaluated --ratios 0.15 \
+    --methods reuse,fusionrag --no-decode --out docs/results/paper_neighbours/corpus-sim0.5
+}
+lane_b() {
+  neighbours
+  Q --data "$HOT" --limit 100 --kb-limit 100 --ratios 0.15 --methods $CORE --out $OUT
+}
+musique() {
+  Q --data "$MUS_TRAIN" --max-passages 10 --limit 100 --kb-limit 100 --ratios 0.15 --methods $CORE --out $OUT
+}
+mkdir -p runs
+case "${1:-both}" in
+  a) lane_a > runs/paper_a.log 2>&1 ;;
+  b) lane_b > runs/paper_b.log 2>&1 ;;
+  musique) musique > runs/paper_musique.log 2>&1 ;;
+  report) ;;
+  *) lane_a > runs/paper_a.log 2>&1 &
+     lane_b > runs/paper_b.log 2>&1 &
+     wait ;;
+esac
+.venv/bin/fusionrag bench report --out $OUT --model qwen2.5-0.5b --data "$WIKI" "$HOT" "$MUS_TRAIN"
+.venv/bin/python scripts/paper_summary.py --out docs/results
