@@ -68,3 +68,25 @@ def test_cached_full_attention_serves_the_full_cell_without_a_ttft(tmp_path):
     assert second["full"]["agree_f1"] == 1.0 and second["full"]["f1"] == first["full"]["f1"]
     assert second["full"]["ttft_ms_median"] is None and second["full"]["ttft_n"] == 0
     assert first["full"]["ttft_n"] == 3 and second["reuse"]["ttft_n"] == 3
+
+
+def test_a_neighbour_source_store_is_seeded_from_the_same_knowledge_base(tmp_path, capsys):
+    """Another neighbour source reuses the plain KV of the store it shares a knowledge base with, fuses
+    only the evaluated chunks with its own lists, and reports its neighbour composition."""
+    data = sample_data(tmp_path)
+    common = dict(data=[data], model="tiny-llama", limit=2, kb_limit=3, ratios=[0.15], methods=["reuse"],
+                  top_n=[2], max_new_tokens=2, progress=False, embedder=HashingEmbedder(),
+                  cache_dir=tmp_path / "cache", full_reference=tmp_path / "ref", decode=False)
+    run_quality(QualitySpec(out=tmp_path / "corpus", **common))
+    capsys.readouterr()
+    run_quality(QualitySpec(out=tmp_path / "pre", neighbours="preceding", fuse_only_evaluated=True, **common))
+    assert "seeded from tiny-llama-hotpotqa-n3-top2-nearest_first " in capsys.readouterr().out
+    stores = sorted(p.name for p in (tmp_path / "cache" / "stores").iterdir())
+    assert stores == ["tiny-llama-hotpotqa-n3-top2-nearest_first",
+                      "tiny-llama-hotpotqa-n3-top2-nearest_first-nbpreceding"]
+    meta = json.loads((tmp_path / "pre" / "results.json").read_text())["meta"]
+    comp = meta["neighbour_composition"]["tiny-llama-hotpotqa-n3-top2-nearest_first-nbpreceding"]
+    assert comp["source"] == "preceding" and comp["preceding_share"] in (1.0, None)
+    recs = [json.loads(line) for line in (tmp_path / "pre" / "records.jsonl").read_text().splitlines()]
+    assert {r["run"] for r in recs} == {"reuse|plain|0|0", "reuse|fused|0|2"} and all(r.get("f1") is None for r in recs)
+    assert all(r["gold_nll"] > 0 and r["kl_answer"] >= 0 for r in recs)

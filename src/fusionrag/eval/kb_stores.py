@@ -76,7 +76,8 @@ def store_name(spec: StoreSettings, dataset: str, top_n: int) -> str:
 
 
 def _seed_from_smaller_store(path: Path) -> Path | None:
-    """Copy the largest store of the same model/dataset/offline settings built on fewer questions.
+    """Copy the largest store of the same model/dataset/offline settings built on fewer questions,
+    else a store of the same knowledge base under other offline settings.
 
     The first N questions of a file are a prefix of the first M > N, chunk ids are assigned
     by content in insertion order, and every fused entry records the neighbour ids and the
@@ -93,13 +94,28 @@ def _seed_from_smaller_store(path: Path) -> Path | None:
         if mm and int(mm.group(1)) < n and (p / "store.sqlite").is_file():
             smaller.append((int(mm.group(1)), p))
     if not smaller:
-        return None
+        # The same knowledge base under other offline settings (another neighbour source, a similarity
+        # floor): its plain KV is the same, and fused entries made with other neighbours are re-fused.
+        same_kb = [p for p in path.parent.glob(f"{prefix}-n{n}-top*")
+                   if p != path and (p / "store.sqlite").is_file() and _same_kb_suffix(p.name, path.name)]
+        if not same_kb:
+            return None
+        smaller = [(0, min(same_kb, key=lambda p: (len(p.name), p.name)))]  # the plainest settings
     source = max(smaller)[1]
     tmp = path.with_name(path.name + ".seeding")
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.copytree(source, tmp)
     os.replace(tmp, path)
     return source
+
+
+def _same_kb_suffix(a: str, b: str) -> bool:
+    """Whether two store names describe the same knowledge base (passage cut and KV dtype), whatever
+    their neighbour settings."""
+    def kb_part(name: str) -> tuple:
+        return (re.search(r"-p\d+", name) or [None])[0], (re.search(r"-(int8|float32)$", name) or [None])[0]
+
+    return kb_part(a) == kb_part(b)
 
 
 def _fill_store(spec: StoreSettings, path: Path, dataset: str, examples: list[QAExample], lm):
