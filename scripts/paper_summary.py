@@ -88,9 +88,41 @@ def core_section(cs, ds: str) -> tuple[list[str], dict]:
                "authors fused-plain": paired(cs.get((ds, "fusionrag-authors", "fused", 0.15), {}),
                                              cs.get((ds, "query-authors", "plain", 0.15), {}), "gold_nll")}
     out["offline_stage_gold_nll"] = offline
+    out["targets"] = targets(cs, ds)
+    lines += ["", "Targets at 15%: " + "; ".join(f"{k} = {v}" for k, v in out["targets"].items())]
     lines += ["", "The offline stage alone (gold NLL, fused minus plain KV under the same selection): "
               + "; ".join(f"{k}: {fmt(v)}" for k, v in offline.items()), ""]
     return lines, out
+
+
+def ratio_of_means(a: dict[str, dict], b: dict[str, dict], metric: str) -> str:
+    """mean_a / mean_b over shared questions with a paired bootstrap interval, as text."""
+    import numpy as np
+
+    qids = [q for q in set(a) & set(b) if a[q].get(metric) is not None and b[q].get(metric) is not None]
+    if not qids:
+        return "n/a"
+    x = np.array([a[q][metric] for q in qids])
+    y = np.array([b[q][metric] for q in qids])
+    idx = np.random.default_rng(0).integers(0, len(qids), size=(1000, len(qids)))
+    boots = x[idx].mean(1) / np.maximum(y[idx].mean(1), 1e-12)
+    return f"{x.mean() / max(y.mean(), 1e-12):.2f} [{np.quantile(boots, 0.025):.2f}, {np.quantile(boots, 0.975):.2f}]"
+
+
+def targets(cs, ds: str) -> dict[str, str]:
+    """#14's fidelity targets at 15%: first-token KL <= half CacheBlend's, KL recovery >= 0.8, agreement >= 0.85."""
+    fr = cs.get((ds, "fusionrag", "fused", 0.15), {})
+    cb = cs.get((ds, "cacheblend", "plain", 0.15), {})
+    reuse = cs.get((ds, "reuse", "plain", 0.0), {})
+    agree = mean_cell(fr, "agree_f1")
+    recovery = ratio_of_means(fr, reuse, "kl_answer")
+    if recovery != "n/a":  # 1 - ratio, interval flipped
+        r, lo, hi = (float(v) for v in recovery.replace("[", "").replace("]", "").replace(",", "").split())
+        recovery = f"{1 - r:.2f} [{1 - hi:.2f}, {1 - lo:.2f}]"
+    return {"KL first FusionRAG / CacheBlend (target <= 0.5)": ratio_of_means(fr, cb, "kl_first_c"),
+            "KL recovery along the answer (target >= 0.8)": recovery,
+            "agreement F1 with FA (target >= 0.85)": "n/a" if agree is None else
+            f"{agree['mean']:.2f} [{agree['ci'][0]:.2f}, {agree['ci'][1]:.2f}]"}
 
 
 def neighbour_section(root: Path, cs_main) -> tuple[list[str], dict]:
