@@ -144,7 +144,8 @@ def test_cli_ingest_preprocess_info(tmp_path, capsys):
     assert run("store", "info", "--store", store) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["fused_kv"] == 5 and info["settings"]["kv_dtype"] == "int8"  # fusionrag ingest's default
-    assert info["settings"]["fuse"] == {"top_n": 2, "neighbour_order": "nearest_first", "same_document": True}
+    assert info["settings"]["fuse"] == {"top_n": 2, "neighbour_order": "nearest_first", "same_document": True,
+                                        "min_similarity": None}
 
 
 def test_delete_doc_removes_chunks_vectors_and_kv(tmp_path):
