@@ -126,7 +126,7 @@ def targets(cs, ds: str) -> dict[str, str]:
 
 
 def neighbour_section(root: Path, cs_main) -> tuple[list[str], dict]:
-    lines = ["## Where neighbours come from (2WikiMQA, the first 30 questions, 100-question knowledge base)", "",
+    lines = ["## Where neighbours come from (2WikiMQA, the first 20 questions, 100-question knowledge base)", "",
              "| source | same-question share | preceding share | mean similarity | neighbours/chunk | "
              "Full Reuse fused - plain (gold NLL) | (KL answer) | FusionRAG 15% - query 15% on plain (gold NLL) "
              "| (KL answer) |", "|---|---|---|---|---|---|---|---|---|"]

@@ -150,7 +150,7 @@ def run_quality(spec: QualitySpec) -> list[dict]:
     lm = load_model(spec.model)
     full_cache = FullCache(spec.cache_dir or spec.out / "cache", lm.name)
     full_ref = FullReference(spec.full_reference or spec.out / "full_reference", lm.name)
-    compositions: dict[str, dict] = {}
+    compositions = _previous_compositions(spec.out)  # other runs into this folder read other stores
     t_start = time.process_time()
     wall_start = time.perf_counter()
     done: dict[tuple[str, str, str], dict] = {}
@@ -224,6 +224,15 @@ def run_quality(spec: QualitySpec) -> list[dict]:
     return rows
 
 
+def _previous_compositions(out: Path) -> dict[str, dict]:
+    """The neighbour compositions an earlier run into ``out`` recorded (one folder, several runs)."""
+    from fusionrag.eval.report import read_results
+
+    if not (out / "results.json").is_file():
+        return {}
+    return dict(read_results(out / "results.json")[0].get("neighbour_composition") or {})
+
+
 def _datasets_of(spec: QualitySpec) -> set[str]:
     from fusionrag.eval.datasets import infer_dataset_name
 
@@ -251,5 +260,6 @@ def report_from_records(out: Path, command: str | None = None, data_files: Seque
                          model=model or previous.get("model"),
                          data_files=list(data_files) or [f["path"] for f in previous.get("data_files", [])],
                          meta={"questions_per_dataset": counts, "knowledge_base_stores": stores,
+                               "neighbour_composition": _previous_compositions(out),
                                "aggregated_from": "records.jsonl"})
     return rows
