@@ -30,7 +30,7 @@ lane_a() {
   ref --data "$WIKI" --limit 100
   Q --data "$WIKI" --limit 100 --kb-limit 100 --ratios 0.15 --methods $CORE --reuse-full-cache --out $OUT
   Q --data "$WIKI" --limit 50 --kb-limit 100 --ratios 0.15 --methods $VARIANTS --no-decode --out $OUT
-  Q --data "$WIKI" --limit 50 --kb-limit 100 --ratios 0.05,0.3 --methods fusionrag,fusionrag-authors,query,query-authors,cacheblend \
+  Q --data "$WIKI" --limit 50 --kb-limit 100 --ratios 0.05,0.3 --methods fusionrag,fusionrag-authors,cacheblend \
     --no-decode --out $OUT
 }
 neighbours() {
