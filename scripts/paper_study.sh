@@ -23,7 +23,7 @@ MUS_TRAIN=$D/musique/musique_train_paragraphs_hipporag.jsonl
 OUT=docs/results/paper
 REF=(--full-reference "$OUT/full_reference" --cache-dir runs/cache --max-new-tokens 16)
 CORE=full,reuse,cacheblend,cachecraft,query,fusionrag
-VARIANTS=fusionrag-authors,query-authors,fusionrag-sinks,fusionrag-floor,fusionrag-plainfirst,epic
+VARIANTS=fusionrag-authors,query-authors,fusionrag-plainfirst,epic  # + fusionrag-sinks,fusionrag-floor when measured (removed since)
 Q() { .venv/bin/fusionrag bench quality "${REF[@]}" "$@"; }
 ref() { .venv/bin/python scripts/full_reference.py --reference "$OUT/full_reference" --cache-dir runs/cache "$@"; }
 lane_a() {

@@ -156,22 +156,10 @@ def test_authors_scores_equal_explicit_attention_against_base_position_keys(tiny
 
 
 @pytest.mark.parametrize("options", [{"softmax": "authors", "skip_first_chunk": True}, {"softmax": "authors"},
-                                     {"sinks": 4}, {"floor": 0.05}, {"sinks": 2, "floor": 0.1}])
+                                     {"softmax": "global", "skip_first_chunk": True}])
 def test_selection_variants_at_ratio_one_are_full_attention(tiny_lm, options):
     system, chunks, question, inp = _setup(tiny_lm)
     full = prefill_full(tiny_lm, system, chunks, question)
     idx = select(make_policy("fusionrag", **options), inp, 1.0)
     at_one = prefill_reused(tiny_lm, inp.context, inp.context_ids, inp.spans, question, idx)
     assert (at_one.last_logits - full.last_logits).abs().max() < 1e-4
-
-
-def test_sinks_and_floor_reserve_part_of_the_budget(tiny_llama):
-    _, _, _, inp = _setup(tiny_llama, lengths=(40, 40, 40))
-    idx = select(make_policy("fusionrag", sinks=3), inp, 0.2)  # 24 tokens, 9 of them the chunks' first three
-    assert idx.numel() == 24
-    for a, _b in inp.spans:
-        assert {a, a + 1, a + 2} <= set(idx.tolist())
-    floor = select(make_policy("fusionrag", floor=0.1), inp, 0.15)  # >= 4 tokens in every chunk
-    assert floor.numel() == 18
-    for a, b in inp.spans:
-        assert ((floor >= a) & (floor < b)).sum() >= 4

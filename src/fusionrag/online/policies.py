@@ -17,7 +17,6 @@ Attention and ``ratio <= 0`` Full Reuse, whatever the policy.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -32,8 +31,6 @@ from fusionrag.models.rope import rotate_keys
 from fusionrag.online.prefill import all_chunk_indices
 
 EPIC_MAX_PER_CHUNK = 32
-#: Added to a forced token's score so any budget takes it before the rest (scores are probabilities).
-FORCED_BONUS = 1e6
 
 
 @dataclass
@@ -127,50 +124,19 @@ def question_attention(inp: SelectionInput, softmax: str = "global", skip_first_
     return scores
 
 
-def forced_tokens(spans: list[tuple[int, int]], sinks: int = 0, floor: float = 0.0,
-                  scores: torch.Tensor | None = None) -> torch.Tensor:
-    """Candidates (as a bool mask over ``inp.candidates``) that a budget must take first.
-
-    ``sinks``: the first tokens of every chunk (its own attention sinks, whose reused KV deviates
-    most: EPIC's signal). ``floor``: within each chunk, its best-scoring ``ceil(floor * length)``
-    tokens, so no chunk is left with nothing recomputed when the question's attention
-    concentrates on one passage.
-    """
-    n = sum(b - a for a, b in spans)
-    forced = torch.zeros(n, dtype=torch.bool)
-    start = 0
-    for a, b in spans:
-        length = b - a
-        if sinks > 0:
-            forced[start:start + min(sinks, length)] = True
-        if floor > 0.0 and scores is not None and length:
-            m = min(length, math.ceil(floor * length))
-            best = torch.topk(scores[start:start + length].float(), m).indices
-            forced[start + best] = True
-        start += length
-    return forced
-
-
 @dataclass
 class QueryGuided:
     """Query-guided selection. Default ``global`` softmax: measured better than ``per_chunk``
     on HotpotQA and TriviaQA (agreement with Full Attention, first-token KL, top-1; see
     docs/decisions.md), since it ranks tokens by the attention the model actually pays.
-    ``sinks`` / ``floor`` reserve part of the budget (see :func:`forced_tokens`); the budget is
-    unchanged, forced tokens go first and the question's attention ranks the rest."""
+    ``authors`` (the research code's scoring) measured no different at 15% (docs/decisions.md)."""
 
     name: str = "fusionrag"
     softmax: str = "global"
     skip_first_chunk: bool = False
-    sinks: int = 0
-    floor: float = 0.0
 
     def scores(self, inp: SelectionInput) -> torch.Tensor:
-        scores = question_attention(inp, self.softmax, self.skip_first_chunk)
-        if self.sinks or self.floor:
-            forced = forced_tokens(inp.spans, self.sinks, self.floor, scores)
-            scores = torch.where(forced & torch.isfinite(scores), scores + FORCED_BONUS, scores)
-        return scores
+        return question_attention(inp, self.softmax, self.skip_first_chunk)
 
 
 # --- CacheBlend -----------------------------------------------------------------------
