@@ -17,7 +17,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from fusionrag.eval.cells import full_attention
+from fusionrag.eval.cells import full_attention, keep_full
 from fusionrag.eval.datasets import load_questions
 from fusionrag.eval.full_reference import FullReference
 from fusionrag.eval.records import FullCache, example_sha
@@ -48,9 +48,7 @@ def main() -> None:
             if ref.get(ex.dataset, ex.id, args.max_new_tokens, sha) is not None:
                 continue
             result, prep = full_attention(engine, ex, args.max_new_tokens)
-            ref.put(ex.dataset, ex.id, args.max_new_tokens, result)
-            cache.put(ex.dataset, ex.id, args.max_new_tokens, result.text, prep.pre.last_logits,
-                      {k: result.info[k] for k in ("input_sha", "context_tokens", "ttft_ms")})
+            keep_full(ref, cache, ex.dataset, ex.id, args.max_new_tokens, result, prep)
 
 
 if __name__ == "__main__":

@@ -79,6 +79,14 @@ def full_attention(engine, ex: QAExample, max_new_tokens: int) -> tuple[FullResu
     return FullResult(text, ref, info), prep
 
 
+def keep_full(full_ref: FullReference, full_cache: FullCache, dataset: str, qid: str, max_new_tokens: int,
+              result: FullResult, prep) -> None:
+    """Write a fresh Full Attention result to the committed reference and the local full-logit cache."""
+    full_ref.put(dataset, qid, max_new_tokens, result)
+    full_cache.put(dataset, qid, max_new_tokens, result.text, prep.pre.last_logits,
+                   {k: result.info[k] for k in ("input_sha", "context_tokens", "ttft_ms")})
+
+
 def score_prepared(engine, prep, ex: QAExample, ref: TopKReference, max_new_tokens: int, decode: bool) -> Scored:
     """Teacher-forced metrics of a prepared prompt, then (optionally) its greedy answer."""
     lm = engine.lm
@@ -98,17 +106,16 @@ def run_cell(engines, full_ref: FullReference, full_cache: FullCache, spec, data
     engine = engines.get(run.top_n) or next(iter(engines.values()))
     input_sha = example_sha(ex)
     full = full_ref.get(dataset, ex.id, spec.max_new_tokens, input_sha)
-    cached = full_cache.get(dataset, ex.id, spec.max_new_tokens, input_sha)
     fresh_full = None
     # The committed reference alone is enough: without the local cache only the full-vocabulary
     # first-token KL is missing (kl_first_c, from the reference, is always there).
     if full is None or (run.method == "full" and not spec.reuse_full_cache):
         full, fresh_full = full_attention(engine, ex, spec.max_new_tokens)
-        full_ref.put(dataset, ex.id, spec.max_new_tokens, full)
-        full_cache.put(dataset, ex.id, spec.max_new_tokens, full.text, fresh_full.pre.last_logits,
-                       {k: full.info[k] for k in ("input_sha", "context_tokens", "ttft_ms")})
+        keep_full(full_ref, full_cache, dataset, ex.id, spec.max_new_tokens, full, fresh_full)
+        full_logits: torch.Tensor | None = fresh_full.pre.last_logits.float()
+    else:
         cached = full_cache.get(dataset, ex.id, spec.max_new_tokens, input_sha)
-    full_logits: torch.Tensor | None = cached[1] if cached is not None else None
+        full_logits = cached[1] if cached is not None else None
     ttft_from_cache = False
     if run.method == "full" and fresh_full is None:
         # Served from the reference: answer, gold NLL and (by definition) zero KL; its TTFT was measured

@@ -36,6 +36,12 @@ class FullResult:
     info: dict  # input_sha, context_tokens, gold_nll, gold_nll_eot, reencodes, ...
 
 
+def question_file(root: Path, dataset: str, qid: str, max_new_tokens: int) -> Path:
+    """``root/<dataset>/<question id, made file-safe>.t<max_new_tokens>.safetensors``."""
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in qid)
+    return root / dataset / f"{safe}.t{max_new_tokens}.safetensors"
+
+
 class FullReference:
     """Files ``<root>/<model>/<dataset>/<question>.t<max_new_tokens>.safetensors``."""
 
@@ -43,8 +49,7 @@ class FullReference:
         self.root = Path(root) / model.replace("/", "_")
 
     def path(self, dataset: str, qid: str, max_new_tokens: int) -> Path:
-        safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in qid)
-        return self.root / dataset / f"{safe}.t{max_new_tokens}.safetensors"
+        return question_file(self.root, dataset, qid, max_new_tokens)
 
     def get(self, dataset: str, qid: str, max_new_tokens: int, input_sha: str) -> FullResult | None:
         """The stored result, or None when absent or made for other input (same id, other passages)."""

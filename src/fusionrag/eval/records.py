@@ -19,6 +19,7 @@ from safetensors.torch import load_file, save_file
 
 from fusionrag.errors import FusionRAGError
 from fusionrag.eval.datasets import QAExample
+from fusionrag.eval.full_reference import question_file
 from fusionrag.eval.kb_stores import StoreSettings, reads_store, store_name
 from fusionrag.files import atomic_write, atomic_write_with
 
@@ -38,8 +39,7 @@ class FullCache:
         self.root = root / "full" / model.replace("/", "_")
 
     def _path(self, dataset: str, qid: str, max_new_tokens: int) -> Path:
-        safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in qid)
-        return self.root / dataset / f"{safe}.t{max_new_tokens}.safetensors"
+        return question_file(self.root, dataset, qid, max_new_tokens)
 
     def get(self, dataset: str, qid: str, max_new_tokens: int,
             input_sha: str | None = None) -> tuple[str, torch.Tensor, dict] | None:
