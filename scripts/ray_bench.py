@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -46,6 +47,35 @@ def build(path: Path, lm, passages, top_n: int, runner_factory=None) -> dict:
             "fuse_chunks_per_s": round(rep.computed / rep.seconds, 4)}
 
 
+def markdown(res: dict) -> str:
+    """The report: the table, then the three ratios the issue asks about, read from the same run."""
+    rows = res["rows"]
+    md = ["# Preprocessing on Ray vs serial", "", f"Command: `{res['command']}`", "",
+          f"{res['model']}, {res['chunks']} TriviaQA passages, top-{res['top_n']} fusion, fp16 store; one run, "
+          "configurations in sequence on this 2-core machine (1-minute load average before/after each row).", "",
+          "| configuration | plain chunks/s | fused chunks/s | plain vs serial 2 threads | fused vs serial 2 threads | "
+          "start-up (s) | 1M chunks (days) | load avg before/after |", "|---|---|---|---|---|---|---|---|"]
+    for name, r in rows.items():
+        md.append(f"| {name} | {r['plain_chunks_per_s']:.3f} | {r['fuse_chunks_per_s']:.3f} | "
+                  f"{r['plain_vs_serial_2_threads']:.2f}x | {r['fuse_vs_serial_2_threads']:.2f}x | {r['startup_s']} | "
+                  f"{r['projected_1M_chunks_days']} | {r.get('load_avg_1min_before_after', '')} |")
+
+    def ratio(a: str, b: str) -> str:
+        return " / ".join(f"{rows[a][f'{s}_chunks_per_s'] / rows[b][f'{s}_chunks_per_s']:.2f}x"
+                          for s in ("plain", "fuse"))
+
+    md += ["", "Ratios (plain / fused stage):", "",
+           "- Ray's overhead, 1 one-thread worker vs the serial 1-thread run: "
+           f"{ratio('ray_1_worker', 'serial_1_thread')}.",
+           f"- Scaling, 2 workers vs 1: {ratio('ray_2_workers', 'ray_1_worker')} (2 cores).",
+           f"- The target, 2 one-thread workers vs the serial run with 2 threads: "
+           f"{ratio('ray_2_workers', 'serial_2_threads')}.", "",
+           "1M-chunk projection: (1 / plain chunks/s + 1 / fused chunks/s) x 1M, on this machine; with W such "
+           "workers on W cores it divides by W (each worker holds one model and needs no other worker). Start-up "
+           "(the cluster plus one model load per worker) is reported apart and paid once per run.", ""]
+    return "\n".join(md)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data", required=True)
@@ -53,7 +83,12 @@ def main() -> int:
     ap.add_argument("--chunks", type=int, default=24)
     ap.add_argument("--top-n", type=int, default=4)
     ap.add_argument("--out", default="docs/results/ray")
+    ap.add_argument("--report-only", action="store_true", help="rewrite results.md from results.json")
     args = ap.parse_args()
+    if args.report_only:
+        res = json.loads((Path(args.out) / "results.json").read_text())
+        (Path(args.out) / "results.md").write_text(markdown(res))
+        return 0
 
     import ray
 
@@ -84,8 +119,10 @@ def main() -> int:
                 def factory(store, w=workers):
                     return RayRunner(store, args.model, workers=w,
                                      init_options={"num_cpus": 2, "object_store_memory": 300 << 20})
+            load_before = os.getloadavg()[0]
             rows[name] = {"torch_threads_driver": threads, "workers": workers or 0,
-                          **build(tmp / name, lm, passages, args.top_n, factory)}
+                          **build(tmp / name, lm, passages, args.top_n, factory),
+                          "load_avg_1min_before_after": [round(load_before, 2), round(os.getloadavg()[0], 2)]}
             print(name, rows[name], flush=True)
             if workers:
                 ray.shutdown()
@@ -102,19 +139,8 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(res, indent=2) + "\n")
-    md = ["# Preprocessing on Ray vs serial", "", f"Command: `{res['command']}`", "",
-          f"{args.model}, {len(passages)} TriviaQA passages, top-{args.top_n} fusion, fp16 store; one run, "
-          "configurations in sequence on a shared 2-core machine.", "",
-          "| configuration | plain chunks/s | fused chunks/s | plain vs serial 2 threads | fused vs serial 2 threads | "
-          "start-up (s) | 1M chunks (days) |", "|---|---|---|---|---|---|---|"]
-    for name, r in rows.items():
-        md.append(f"| {name} | {r['plain_chunks_per_s']:.3f} | {r['fuse_chunks_per_s']:.3f} | "
-                  f"{r['plain_vs_serial_2_threads']:.2f}x | {r['fuse_vs_serial_2_threads']:.2f}x | {r['startup_s']} | "
-                  f"{r['projected_1M_chunks_days']} |")
-    md += ["", "1M-chunk projection: (1 / plain chunks/s + 1 / fused chunks/s) x 1M, on this machine; with W such "
-           "workers on W cores it divides by W (each worker holds one model and needs no other worker).", ""]
-    (out / "results.md").write_text("\n".join(md))
-    print("\n".join(md))
+    (out / "results.md").write_text(markdown(res))
+    print(markdown(res))
     return 0
 
 

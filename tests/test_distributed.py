@@ -78,15 +78,10 @@ def test_ray_store_is_identical_to_the_serial_one_and_survives_a_killed_worker(t
         runner.close()
         ray.shutdown()
     assert report.computed == len(PASSAGES)
-    assert _checksums(dist).keys() == ref.keys()
-    # Entry for entry, plain and fused. Alone this test gets identical checksums; inside the full
-    # suite it did not (some process-wide state changes float reductions on the serial side: not
-    # yet found), so what is asserted is equality of the tensors to fp32 rounding.
-    for cid in dist.chunk_ids():
-        for kind in ("plain", "fused"):
-            a, b = dist.load_entry(cid, kind), serial.load_entry(cid, kind)
-            torch.testing.assert_close(a.kv.keys, b.kv.keys, atol=1e-5, rtol=1e-5)
-            torch.testing.assert_close(a.kv.values, b.kv.values, atol=1e-5, rtol=1e-5)
+    # Entry for entry, plain and fused: the same bytes (checksums over the stored tensors). An
+    # earlier note saw this differ inside the full suite only; a full-suite run with this exact
+    # assertion at its end (session 9) matched 16 of 16, so identity is what is asserted.
+    assert _checksums(dist) == ref
 
     # Resuming: an entry removed after the run is the only one recomputed (locally here).
     dist.kv.remove(dist.chunk_ids()[0], "fused")
@@ -94,3 +89,10 @@ def test_ray_store_is_identical_to_the_serial_one_and_survives_a_killed_worker(t
     assert again.computed == 1 and again.skipped == len(PASSAGES) - 1
     serial.close()
     dist.close()
+
+
+def test_first_batches_go_round_robin_so_two_batches_use_two_workers():
+    from fusionrag.offline.distributed import initial_slots
+
+    assert initial_slots(["a", "b"], per_actor=2) == ["a", "b", "a", "b"]
+    assert initial_slots(["a"], per_actor=2) == ["a", "a"]
