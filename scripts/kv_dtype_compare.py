@@ -75,7 +75,8 @@ def paired(fp16: dict, int8: dict) -> list[dict]:
 def markdown(res: dict) -> str:
     s16, s8 = res["sizes"]["float16"], res["sizes"]["int8"]
     mb = 1 << 20
-    lines = ["# fp16 vs int8 KV storage", "", "Commands:", "", *[f"    {c}" for c in res["commands"]], "",
+    title = res.get("title", "fp16 vs int8 KV storage")
+    lines = [f"# {title}", "", "Commands:", "", *[f"    {c}" for c in res["commands"]], "",
              "## Store size (TriviaQA 50-question knowledge base, qwen2.5-0.5b)", "",
              "| store | plain KV | fused KV | plain B/token | fused B/token | on disk | fused-only on disk |",
              "|---|---|---|---|---|---|---|"]
@@ -111,10 +112,12 @@ def main() -> int:
     ap.add_argument("--fp16-store", required=True)
     ap.add_argument("--int8-store", required=True)
     ap.add_argument("--out", default="docs/results/kv_int8")
+    ap.add_argument("--title", default="fp16 vs int8 KV storage", help="the report's heading")
     ap.add_argument("--command", action="append", default=[], help="the commands that made the runs (for the report)")
     args = ap.parse_args()
     s16, s8 = sizes(Path(args.fp16_store)), sizes(Path(args.int8_store))
     res = {
+        "title": args.title,
         "commands": [*args.command, " ".join([".venv/bin/python", *sys.argv])],
         "sizes": {"float16": s16, "int8": s8},
         "ratios": {"plain_kv": s16["plain_kv_bytes"] / s8["plain_kv_bytes"],

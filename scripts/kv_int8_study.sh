@@ -28,3 +28,13 @@ Q --kv-dtype int8 --methods reuse,fusionrag --out "${OUT}_int8"  # Full Attentio
 .venv/bin/python scripts/kv_dtype_compare.py --fp16 "$OUT" --int8 "${OUT}_int8" \
   --fp16-store "$S16" --int8-store "$S8" --out docs/results/kv_int8 \
   --command "bash scripts/kv_int8_study.sh  # CACHE=$CACHE"
+# int8 from the start (docs/results/kv_int8_scratch): a store built with --kv-dtype int8 fuses on
+# int8-dequantised neighbours, the path a user of `fusionrag ingest` (int8 by default) takes. Its own
+# cache folder so it does not reuse the converted store of the same name; Full Attention is shared.
+SCRATCH=$CACHE/int8-from-scratch
+mkdir -p "$SCRATCH" && ln -sfn "$(realpath "$CACHE/full")" "$SCRATCH/full"
+Q --kv-dtype int8 --methods reuse,fusionrag --cache-dir "$SCRATCH" --out "${OUT}_int8_scratch"
+.venv/bin/python scripts/kv_dtype_compare.py --fp16 "$OUT" --int8 "${OUT}_int8_scratch" \
+  --fp16-store "$S16" --int8-store "$SCRATCH/stores/$(basename "$S8")" --out docs/results/kv_int8_scratch \
+  --title "fp16 vs int8 KV storage, the int8 store built from scratch" \
+  --command "bash scripts/kv_int8_study.sh  # CACHE=$CACHE"
