@@ -9,7 +9,7 @@
 #   a: 2WikiMQA, the core methods at 15% on 100 questions (with greedy answers), then the selection
 #      variants at 15% and the 5%/30% curve on the first 50 (teacher-forced metrics only).
 #   b: where neighbours come from (2WikiMQA, the first 20 questions, the same 100-question knowledge
-#      base; only the evaluated chunks are fused), then HotpotQA's core methods at 15% on the first 50
+#      base; only the evaluated chunks are fused), then HotpotQA's core methods at 15% on the 100
 #      questions of a 100-question knowledge base.
 # Full Attention is computed ahead, without a store (scripts/full_reference.py), so `full` cells are
 # served from the reference (--reuse-full-cache: no TTFT; this study measures quality).
@@ -45,9 +45,9 @@ neighbours() {
     --methods reuse,fusionrag --no-decode --out docs/results/paper_neighbours/corpus-sim0.5
 }
 lane_b() {
-  ref --data "$HOT" --limit 50
+  ref --data "$HOT" --limit 100
   neighbours
-  Q --data "$HOT" --limit 50 --kb-limit 100 --fuse-only-evaluated --ratios 0.15 --methods $CORE --reuse-full-cache \
+  Q --data "$HOT" --limit 100 --kb-limit 100 --fuse-only-evaluated --ratios 0.15 --methods $CORE --reuse-full-cache \
     --out $OUT
 }
 musique() {
