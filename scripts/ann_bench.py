@@ -122,7 +122,9 @@ def markdown(res: dict) -> str:
     lines = ["# HNSW vs exact neighbour search (synthetic 384-d embeddings)", "",
              f"Command: `{res['command']}`", "",
              f"Machine: {res['machine']}; faiss {res['faiss']} with {res['threads']} OpenMP threads "
-             "(single queries are single-threaded); other work was running on the same 2 cores.", "",
+             "(single queries are single-threaded); 1-minute load average at start / end "
+             f"{res.get('load_avg_1min', '?')} "
+             "(2 cores: a load above 1 means other work shared them).", "",
              "| chunks | HNSW build | exact query | HNSW query (efSearch) | recall@10 | neighbour lists, all chunks: "
              "exact -> HNSW |", "|---|---|---|---|---|---|"]
     for r in res["sizes"]:
@@ -157,10 +159,11 @@ def main() -> int:
         faiss.omp_set_num_threads(args.threads)
     res = {"command": " ".join([".venv/bin/python", *sys.argv]), "machine": f"{platform.machine()}, "
            f"{os.cpu_count()} cores", "faiss": faiss.__version__, "threads": faiss.omp_get_max_threads(),
-           "sizes": []}
+           "sizes": [], "load_avg_1min": [round(os.getloadavg()[0], 2)]}
     for n in (int(s) for s in args.sizes.split(",")):
         print(f"n={n} ...", flush=True)
         res["sizes"].append(run_size(n, args.dim, args.queries, [int(e) for e in args.ef.split(",")], args.seed))
+    res["load_avg_1min"].append(round(os.getloadavg()[0], 2))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(res, indent=2) + "\n")
