@@ -8,7 +8,7 @@
 # Stores (plain + fused KV, gigabytes) live in runs/cache and are rebuilt by the same line.
 #   a: 2WikiMQA, the core methods at 15% on 100 questions (with greedy answers), then the selection
 #      variants at 15% and the 5%/30% curve on the first 50 (teacher-forced metrics only).
-#   b: where neighbours come from (2WikiMQA, the first 20 questions, the same 100-question knowledge
+#   b: where neighbours come from (2WikiMQA, the first 50 questions, the same 100-question knowledge
 #      base; only the evaluated chunks are fused), then HotpotQA's core methods at 15% on the 100
 #      questions of a 100-question knowledge base.
 # Full Attention is computed ahead, without a store (scripts/full_reference.py), so `full` cells are
@@ -33,16 +33,21 @@ lane_a() {
   Q --data "$WIKI" --limit 50 --kb-limit 100 --ratios 0.05,0.3 --methods fusionrag,fusionrag-authors,cacheblend \
     --no-decode --out $OUT
 }
-neighbours() {
-  for nb in preceding question other-questions; do
-    Q --data "$WIKI" --limit 20 --kb-limit 100 --neighbours $nb --fuse-only-evaluated --ratios 0.15 \
-      --methods reuse,fusionrag --no-decode --out docs/results/paper_neighbours/$nb
+neighbours() {  # the settings to run: preceding question other-questions sim0.5 (default: all four)
+  for nb in "${@:-preceding question other-questions sim0.5}"; do
+    for one in $nb; do
+      if [ "$one" = sim0.5 ]; then
+        # A similarity floor instead of a fixed top-10. 0.5 is set from this knowledge base's similarities
+        # alone (MiniLM cosine of a chunk's top-10: median 0.39, 1st 0.56, 10th 0.36): it keeps 2.5
+        # neighbours per chunk on average, only the close ones.
+        Q --data "$WIKI" --limit 50 --kb-limit 100 --min-similarity 0.5 --fuse-only-evaluated --ratios 0.15 \
+          --methods reuse,fusionrag --no-decode --out docs/results/paper_neighbours/corpus-sim0.5
+      else
+        Q --data "$WIKI" --limit 50 --kb-limit 100 --neighbours "$one" --fuse-only-evaluated --ratios 0.15 \
+          --methods reuse,fusionrag --no-decode --out "docs/results/paper_neighbours/$one"
+      fi
+    done
   done
-  # A similarity floor instead of a fixed top-10. 0.5 is set from this knowledge base's similarities
-  # alone (MiniLM cosine of a chunk's top-10: median 0.39, 1st 0.56, 10th 0.36): it keeps 2.5
-  # neighbours per chunk on average, only the close ones.
-  Q --data "$WIKI" --limit 20 --kb-limit 100 --min-similarity 0.5 --fuse-only-evaluated --ratios 0.15 \
-    --methods reuse,fusionrag --no-decode --out docs/results/paper_neighbours/corpus-sim0.5
 }
 lane_b() {
   ref --data "$HOT" --limit 100
@@ -59,6 +64,7 @@ case "${1:-both}" in
   a) lane_a > runs/paper_a.log 2>&1 ;;
   b) lane_b > runs/paper_b.log 2>&1 ;;
   musique) musique > runs/paper_musique.log 2>&1 ;;
+  neighbours) shift; neighbours "$@" > "runs/paper_neighbours_${1:-all}.log" 2>&1 ;;  # e.g. neighbours preceding
   report) ;;
   *) lane_a > runs/paper_a.log 2>&1 &
      lane_b > runs/paper_b.log 2>&1 &

@@ -99,7 +99,7 @@ def ratio_of_means(a: dict[str, dict], b: dict[str, dict], metric: str) -> str:
     """mean_a / mean_b over shared questions with a paired bootstrap interval, as text."""
     import numpy as np
 
-    qids = [q for q in set(a) & set(b) if a[q].get(metric) is not None and b[q].get(metric) is not None]
+    qids = sorted(q for q in set(a) & set(b) if a[q].get(metric) is not None and b[q].get(metric) is not None)
     if not qids:
         return "n/a"
     x = np.array([a[q][metric] for q in qids])
@@ -154,16 +154,17 @@ def gold_targets(per_dataset: dict) -> tuple[list[str], dict]:
 
 
 def neighbour_section(root: Path, cs_main) -> tuple[list[str], dict]:
-    lines = ["## Where neighbours come from (2WikiMQA, the first 20 questions, 100-question knowledge base)", "",
-             "| source | same-question share | preceding share | mean similarity | neighbours/chunk | "
+    lines = ["| source | same-question share | preceding share | mean similarity | neighbours/chunk | "
              "Full Reuse fused - plain (gold NLL) | (KL answer) | FusionRAG 15% - query 15% on plain (gold NLL) "
              "| (KL answer) |", "|---|---|---|---|---|---|---|---|---|"]
     out: dict = {}
     variants = sorted((p.name, p) for p in (root / "paper_neighbours").glob("*") if (p / "records.jsonl").is_file())
     folders = [("corpus", root / "paper"), *variants]
-    study_qids: set[str] = set()  # the neighbour study's questions (the first 30): every setting has them
+    study_qids: set[str] = set()  # the neighbour study's questions: every setting has them
     for _, folder in folders[1:]:
         study_qids |= {r["qid"] for r in read_records(folder / "records.jsonl").values()}
+    lines[:0] = [f"## Where neighbours come from (2WikiMQA, the first {len(study_qids)} questions, "
+                 "100-question knowledge base)", ""]
     for name, folder in folders:
         recs = [r for r in read_records(folder / "records.jsonl").values()
                 if r["dataset"] == "2wikimqa" and (not study_qids or r["qid"] in study_qids)]
