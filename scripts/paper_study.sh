@@ -33,20 +33,17 @@ lane_a() {
   Q --data "$WIKI" --limit 50 --kb-limit 100 --ratios 0.05,0.3 --methods fusionrag,fusionrag-authors,cacheblend \
     --no-decode --out $OUT
 }
-neighbours() {  # the settings to run: preceding question other-questions sim0.5 (default: all four)
-  for nb in "${@:-preceding question other-questions sim0.5}"; do
-    for one in $nb; do
-      if [ "$one" = sim0.5 ]; then
-        # A similarity floor instead of a fixed top-10. 0.5 is set from this knowledge base's similarities
-        # alone (MiniLM cosine of a chunk's top-10: median 0.39, 1st 0.56, 10th 0.36): it keeps 2.5
-        # neighbours per chunk on average, only the close ones.
-        Q --data "$WIKI" --limit 50 --kb-limit 100 --min-similarity 0.5 --fuse-only-evaluated --ratios 0.15 \
-          --methods reuse,fusionrag --no-decode --out docs/results/paper_neighbours/corpus-sim0.5
-      else
-        Q --data "$WIKI" --limit 50 --kb-limit 100 --neighbours "$one" --fuse-only-evaluated --ratios 0.15 \
-          --methods reuse,fusionrag --no-decode --out "docs/results/paper_neighbours/$one"
-      fi
-    done
+neighbours() {  # the settings to run (default: all four): preceding question other-questions sim0.5
+  local settings=("$@") one
+  [ ${#settings[@]} -gt 0 ] || settings=(preceding question other-questions sim0.5)
+  for one in "${settings[@]}"; do
+    # sim0.5: a similarity floor instead of a fixed top-10. 0.5 is set from this knowledge base's
+    # similarities alone (MiniLM cosine of a chunk's top-10: median 0.39, 1st 0.56, 10th 0.36): it
+    # keeps 2.5 neighbours per chunk on average, only the close ones.
+    local source=(--neighbours "$one") out=$one
+    [ "$one" != sim0.5 ] || { source=(--min-similarity 0.5); out=corpus-sim0.5; }
+    Q --data "$WIKI" --limit 50 --kb-limit 100 "${source[@]}" --fuse-only-evaluated --ratios 0.15 \
+      --methods reuse,fusionrag --no-decode --out "docs/results/paper_neighbours/$out"
   done
 }
 lane_b() {

@@ -154,17 +154,17 @@ def gold_targets(per_dataset: dict) -> tuple[list[str], dict]:
 
 
 def neighbour_section(root: Path, cs_main) -> tuple[list[str], dict]:
-    lines = ["| source | same-question share | preceding share | mean similarity | neighbours/chunk | "
-             "Full Reuse fused - plain (gold NLL) | (KL answer) | FusionRAG 15% - query 15% on plain (gold NLL) "
-             "| (KL answer) |", "|---|---|---|---|---|---|---|---|---|"]
     out: dict = {}
     variants = sorted((p.name, p) for p in (root / "paper_neighbours").glob("*") if (p / "records.jsonl").is_file())
     folders = [("corpus", root / "paper"), *variants]
     study_qids: set[str] = set()  # the neighbour study's questions: every setting has them
     for _, folder in folders[1:]:
         study_qids |= {r["qid"] for r in read_records(folder / "records.jsonl").values()}
-    lines[:0] = [f"## Where neighbours come from (2WikiMQA, the first {len(study_qids)} questions, "
-                 "100-question knowledge base)", ""]
+    lines = [f"## Where neighbours come from (2WikiMQA, the first {len(study_qids)} questions, "
+             "100-question knowledge base)", "",
+             "| source | same-question share | preceding share | mean similarity | neighbours/chunk | "
+             "Full Reuse fused - plain (gold NLL) | (KL answer) | FusionRAG 15% - query 15% on plain (gold NLL) "
+             "| (KL answer) |", "|---|---|---|---|---|---|---|---|---|"]
     for name, folder in folders:
         recs = [r for r in read_records(folder / "records.jsonl").values()
                 if r["dataset"] == "2wikimqa" and (not study_qids or r["qid"] in study_qids)]

@@ -78,7 +78,7 @@ def markdown(res: dict) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--data", required=True)
+    ap.add_argument("--data", help="data file whose first passages are built (not with --report-only)")
     ap.add_argument("--model", default="qwen2.5-0.5b")
     ap.add_argument("--chunks", type=int, default=24)
     ap.add_argument("--top-n", type=int, default=4)
@@ -89,6 +89,8 @@ def main() -> int:
         res = json.loads((Path(args.out) / "results.json").read_text())
         (Path(args.out) / "results.md").write_text(markdown(res))
         return 0
+    if not args.data:
+        ap.error("--data is required (unless --report-only)")
 
     import ray
 
