@@ -15,6 +15,8 @@
 # served from the reference (--reuse-full-cache: no TTFT; this study measures quality).
 # MuSiQue (`... musique`): HippoRAG's 100 train questions cut to 10 passages (--max-passages keeps the
 # supporting ones), the core methods at 15%.
+#   c: MuSiQue's variants at 15% and its 5%/30% curve (first 50), then 2WikiMQA's missing curve points.
+#   d: HotpotQA's variants at 15% and its 5%/30% curve (first 50), then its neighbour sources.
 set -euo pipefail
 export OMP_NUM_THREADS=1
 cd "$(dirname "$0")/.."
@@ -33,7 +35,10 @@ lane_a() {
   Q --data "$WIKI" --limit 50 --kb-limit 100 --ratios 0.05,0.3 --methods fusionrag,fusionrag-authors,cacheblend \
     --no-decode --out $OUT
 }
-neighbours() {  # the settings to run (default: all four): preceding question other-questions sim0.5
+neighbours() {  # [--data FILE...] then the settings to run (default: all four): preceding question other-questions sim0.5
+  local data=(--data "$WIKI")
+  [ "${1:-}" != --data ] || { data=(--data "$2"); shift 2; }
+  [ "${1:-}" != --max-passages ] || { data+=(--max-passages "$2"); shift 2; }
   local settings=("$@") one
   [ ${#settings[@]} -gt 0 ] || settings=(preceding question other-questions sim0.5)
   for one in "${settings[@]}"; do
@@ -42,7 +47,7 @@ neighbours() {  # the settings to run (default: all four): preceding question ot
     # keeps 2.5 neighbours per chunk on average, only the close ones.
     local source=(--neighbours "$one") out=$one
     [ "$one" != sim0.5 ] || { source=(--min-similarity 0.5); out=corpus-sim0.5; }
-    Q --data "$WIKI" --limit 50 --kb-limit 100 "${source[@]}" --fuse-only-evaluated --ratios 0.15 \
+    Q "${data[@]}" --limit 50 --kb-limit 100 "${source[@]}" --fuse-only-evaluated --ratios 0.15 \
       --methods reuse,fusionrag --no-decode --out "docs/results/paper_neighbours/$out"
   done
 }
@@ -56,12 +61,36 @@ musique() {
   ref --data "$MUS_TRAIN" --max-passages 10 --limit 100
   Q --data "$MUS_TRAIN" --max-passages 10 --limit 100 --kb-limit 100 --ratios 0.15 --methods $CORE --reuse-full-cache --out $OUT
 }
+# The 5%/30% curve and the variants on all three datasets (first 50 questions, teacher-forced metrics
+# only, fused KV only for the evaluated chunks). Each call is one group, so a stop leaves whole groups:
+# the variants at 15%, then the selection decision's curve (ours, the authors', CacheBlend), then the rest.
+CURVE_FIRST=fusionrag,fusionrag-authors,cacheblend  # as lane a ran on 2WikiMQA
+CURVE_REST=query,query-authors,cachecraft,fusionrag-plainfirst,epic
+curves() {  # DATA [--max-passages N]
+  local data=(--data "$@") group
+  Q "${data[@]}" --limit 50 --kb-limit 100 --fuse-only-evaluated --ratios 0.15 --methods $VARIANTS --no-decode --out $OUT
+  for group in $CURVE_FIRST $CURVE_REST; do
+    Q "${data[@]}" --limit 50 --kb-limit 100 --fuse-only-evaluated --ratios 0.05,0.3 --methods "$group" --no-decode \
+      --out $OUT
+  done
+}
+lane_c() {  # MuSiQue's variants and curve, then 2WikiMQA's missing curve points
+  curves "$MUS_TRAIN" --max-passages 10
+  curves "$WIKI"
+}
+lane_d() {  # HotpotQA's variants and curve, then its neighbour sources
+  curves "$HOT"
+  neighbours --data "$HOT" question preceding
+}
 mkdir -p runs
 case "${1:-both}" in
   a) lane_a > runs/paper_a.log 2>&1 ;;
   b) lane_b > runs/paper_b.log 2>&1 ;;
   musique) musique > runs/paper_musique.log 2>&1 ;;
-  neighbours) shift; neighbours "$@" > "runs/paper_neighbours_${1:-all}.log" 2>&1 ;;  # e.g. neighbours preceding
+  c) lane_c > runs/paper_c.log 2>&1 ;;
+  d) lane_d > runs/paper_d.log 2>&1 ;;
+  neighbours) shift; neighbours "$@" > "runs/paper_neighbours_$(basename -- "${*:-all}" | tr -c 'a-z0-9.\n' _).log" 2>&1 ;;
+  # e.g. neighbours preceding; neighbours --data "$HOT" question
   report) ;;
   *) lane_a > runs/paper_a.log 2>&1 &
      lane_b > runs/paper_b.log 2>&1 &

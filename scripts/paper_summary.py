@@ -154,41 +154,122 @@ def gold_targets(per_dataset: dict) -> tuple[list[str], dict]:
 
 
 def neighbour_section(root: Path, cs_main) -> tuple[list[str], dict]:
+    """Per dataset: each neighbour source's composition and what fused KV does under it (paired with
+    the main study's plain cells on the same questions)."""
     out: dict = {}
     variants = sorted((p.name, p) for p in (root / "paper_neighbours").glob("*") if (p / "records.jsonl").is_file())
     folders = [("corpus", root / "paper"), *variants]
-    study_qids: set[str] = set()  # the neighbour study's questions: every setting has them
-    for _, folder in folders[1:]:
-        study_qids |= {r["qid"] for r in read_records(folder / "records.jsonl").values()}
-    lines = [f"## Where neighbours come from (2WikiMQA, the first {len(study_qids)} questions, "
-             "100-question knowledge base)", "",
-             "| source | same-question share | preceding share | mean similarity | neighbours/chunk | "
-             "Full Reuse fused - plain (gold NLL) | (KL answer) | FusionRAG 15% - query 15% on plain (gold NLL) "
-             "| (KL answer) |", "|---|---|---|---|---|---|---|---|---|"]
-    for name, folder in folders:
-        recs = [r for r in read_records(folder / "records.jsonl").values()
-                if r["dataset"] == "2wikimqa" and (not study_qids or r["qid"] in study_qids)]
-        cs = cells(recs)
-        meta = json.loads((folder / "results.json").read_text())["meta"] if (folder / "results.json").is_file() else {}
-        comp = next((v for k, v in (meta.get("neighbour_composition") or {}).items() if "2wikimqa" in k), {})
-        fused = cs.get(("2wikimqa", "reuse", "fused", 0.0), {})
-        fr = cs.get(("2wikimqa", "fusionrag", "fused", 0.15), {})
-        plain = cs_main.get(("2wikimqa", "reuse", "plain", 0.0), {})
-        query = cs_main.get(("2wikimqa", "query", "plain", 0.15), {})
-        row = {"composition": comp,
-               "reuse_fused_minus_plain": {k: paired(fused, plain, k) for k in ("gold_nll", "kl_answer")},
-               "fusionrag_minus_query": {k: paired(fr, query, k) for k in ("gold_nll", "kl_answer")}}
-        out[name] = row
+    by_folder = {name: list(read_records(folder / "records.jsonl").values()) for name, folder in folders}
+    lines: list[str] = []
+    for ds in sorted({r["dataset"] for _, recs in variants for r in by_folder[_]}):
+        # the study's questions on this dataset: every setting has them
+        study_qids = {r["qid"] for name, _ in variants for r in by_folder[name] if r["dataset"] == ds}
+        lines += [f"## Where neighbours come from ({ds}, the first {len(study_qids)} questions, "
+                  "100-question knowledge base)", "",
+                  "| source | same-question share | preceding share | mean similarity | neighbours/chunk | "
+                  "Full Reuse fused - plain (gold NLL) | (KL answer) | FusionRAG 15% - query 15% on plain (gold NLL) "
+                  "| (KL answer) |", "|---|---|---|---|---|---|---|---|---|"]
+        plain = cs_main.get((ds, "reuse", "plain", 0.0), {})
+        query = cs_main.get((ds, "query", "plain", 0.15), {})
+        for name, folder in folders:
+            recs = [r for r in by_folder[name] if r["dataset"] == ds and r["qid"] in study_qids]
+            if not recs:
+                continue
+            cs = cells(recs)
+            meta = json.loads((folder / "results.json").read_text())["meta"] \
+                if (folder / "results.json").is_file() else {}
+            comp = next((v for k, v in (meta.get("neighbour_composition") or {}).items() if f"-{ds}-" in k), {})
+            fused = cs.get((ds, "reuse", "fused", 0.0), {})
+            fr = cs.get((ds, "fusionrag", "fused", 0.15), {})
+            row = {"composition": comp,
+                   "reuse_fused_minus_plain": {k: paired(fused, plain, k) for k in ("gold_nll", "kl_answer")},
+                   "fusionrag_minus_query": {k: paired(fr, query, k) for k in ("gold_nll", "kl_answer")}}
+            out.setdefault(ds, {})[name] = row
 
-        def pct(x):
-            return "n/a" if x is None else f"{x:.0%}"
+            def pct(x):
+                return "n/a" if x is None else f"{x:.0%}"
 
-        reuse, sel = row["reuse_fused_minus_plain"], row["fusionrag_minus_query"]
-        lines.append(f"| {name} | {pct(comp.get('same_question_share'))} | {pct(comp.get('preceding_share'))} | "
-                     f"{comp.get('mean_similarity') or float('nan'):.3f} | {comp.get('neighbours_per_chunk', 0):.1f} | "
-                     f"{fmt(reuse['gold_nll'])} | {fmt(reuse['kl_answer'])} | "
-                     f"{fmt(sel['gold_nll'])} | {fmt(sel['kl_answer'])} |")
-    return [*lines, ""], out
+            reuse, sel = row["reuse_fused_minus_plain"], row["fusionrag_minus_query"]
+            lines.append(f"| {name} | {pct(comp.get('same_question_share'))} | {pct(comp.get('preceding_share'))} | "
+                         f"{comp.get('mean_similarity') or float('nan'):.3f} | "
+                         f"{comp.get('neighbours_per_chunk', 0):.1f} | {fmt(reuse['gold_nll'])} | "
+                         f"{fmt(reuse['kl_answer'])} | {fmt(sel['gold_nll'])} | {fmt(sel['kl_answer'])} |")
+        lines.append("")
+    return lines, out
+
+
+CURVE_METHODS = [("fusionrag", "fused"), ("fusionrag-authors", "fused"), ("fusionrag-plainfirst", "plain-first"),
+                 ("query", "plain"), ("query-authors", "plain"), ("cacheblend", "plain"), ("cachecraft", "plain"),
+                 ("epic", "plain")]
+CURVE_RATIOS = (0.05, 0.15, 0.3)
+
+
+def curve_section(cs, datasets: list[str]) -> tuple[list[str], dict]:
+    """The recompute-ratio curve (paper Fig. 13 in our metrics): each method's mean at 5/15/30% on the
+    questions every curve cell of the dataset shares, and FusionRAG minus it at the same ratio."""
+    metrics = ("gold_nll", "kl_first_c", "kl_answer")
+    out: dict = {}
+    lines = ["## Against the recompute ratio (5 / 15 / 30%)", "",
+             "Means over the questions all of a dataset's curve cells share (n below); then FusionRAG minus the "
+             "method at the same ratio, paired (**bold**: resolved). Full Attention and Full Reuse on the same "
+             "questions for reference.", ""]
+    for ds in datasets:
+        curve = {(m, kv, r): cs[(ds, m, kv, r)] for m, kv in CURVE_METHODS for r in CURVE_RATIOS
+                 if (ds, m, kv, r) in cs}
+        if not any(r != 0.15 for _, _, r in curve):
+            continue
+        # a group stopped part-way leaves cells on a few questions: the curve uses the complete ones
+        most = max(len(c) for (_, _, r), c in curve.items() if r != 0.15)
+        partial = sorted(f"{m} {r:.0%} (n={len(c)})" for (m, _, r), c in curve.items() if len(c) < most)
+        curve = {k: c for k, c in curve.items() if len(c) >= most or k[2] == 0.15}
+        shared = set.intersection(*(set(c) for (_, _, r), c in curve.items() if r != 0.15))
+        sub = {k: {q: c[q] for q in shared if q in c} for k, c in curve.items()}
+        ref = {name: {q: cs.get(key, {}).get(q) for q in shared if q in cs.get(key, {})}
+               for name, key in (("Full Attention", (ds, "full", "none", 1.0)),
+                                 ("Full Reuse plain", (ds, "reuse", "plain", 0.0)),
+                                 ("Full Reuse fused", (ds, "reuse", "fused", 0.0)))}
+        lines += [f"### {ds} (n={len(shared)})", "",
+                  "| method | ratio | gold NLL | KL first | KL answer | FusionRAG - it: gold NLL | KL first "
+                  "| KL answer |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for name, c in ref.items():
+            mean = {k: mean_cell(c, k) for k in metrics}
+            lines.append(f"| {name} | | " + " | ".join("n/a" if mean[k] is None else f"{mean[k]['mean']:.3f}"
+                                                       for k in metrics) + " | | | |")
+        data: dict = {}
+        for (m, kv, r), c in sorted(sub.items(), key=lambda kv_: (kv_[0][2], CURVE_METHODS.index(kv_[0][:2]))):
+            if len(c) < len(shared):
+                continue  # a 15% cell that does not cover the curve's questions
+            mean = {k: mean_cell(c, k) for k in metrics}
+            fr = sub.get(("fusionrag", "fused", r), {})
+            diff = {k: paired(fr, c, k) for k in metrics} if m != "fusionrag" else {k: None for k in metrics}
+            data[f"{m}|{kv}|{r:g}"] = {"mean": mean, "fusionrag_minus": diff}
+            lines.append(f"| {m} {kv} | {r:.0%} | " + " | ".join(
+                "n/a" if mean[k] is None else f"{mean[k]['mean']:.3f}" for k in metrics) + " | " + " | ".join(
+                "" if diff[k] is None else fmt(diff[k]) for k in metrics) + " |")
+        out[ds] = {"n": len(shared), "cells": data, "left_out_partial": partial}
+        lines += ["", f"Left out (a group stopped part-way): {', '.join(partial)}." if partial else "", ""]
+    return lines, out
+
+
+def selection_section(cs, datasets: list[str]) -> tuple[list[str], dict]:
+    """The decisions the curve informs: our selection vs the authors', and plain KV for the first chunk."""
+    pairs = [("ours - authors (fused)", ("fusionrag", "fused"), ("fusionrag-authors", "fused")),
+             ("ours - authors (plain)", ("query", "plain"), ("query-authors", "plain")),
+             ("fused first chunk - plain first chunk", ("fusionrag", "fused"), ("fusionrag-plainfirst", "plain-first"))]
+    out: dict = {}
+    lines = ["## Selection decisions across datasets (first-token KL, paired)", "",
+             "| comparison | dataset | 5% | 15% | 30% |", "|---|---|---|---|---|"]
+    for label, a, b in pairs:
+        for ds in datasets:
+            row = {f"{r:g}": paired(cs.get((ds, *a, r), {}), cs.get((ds, *b, r), {}), "kl_first_c")
+                   for r in CURVE_RATIOS}
+            if not any(row.values()):
+                continue
+            out.setdefault(label, {})[ds] = row
+            lines.append(f"| {label} | {ds} | " + " | ".join(fmt(row[f'{r:g}']) for r in CURVE_RATIOS) + " |")
+    lines.append("")
+    return lines, out
 
 
 def checks(records, root: Path) -> tuple[list[str], dict]:
@@ -234,6 +315,11 @@ def main() -> None:
         lines += sec
         summary["datasets"][ds] = data
     sec, summary["gold_targets"] = gold_targets(summary["datasets"])
+    lines += sec
+    datasets = sorted(summary["datasets"])
+    sec, summary["curve"] = curve_section(cs, datasets)
+    lines += sec
+    sec, summary["selection"] = selection_section(cs, datasets)
     lines += sec
     sec, summary["neighbours"] = neighbour_section(root, cs)
     lines += sec

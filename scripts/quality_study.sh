@@ -66,8 +66,24 @@ lane_b() {
   bash scripts/ablations.sh  # TriviaQA offline ablations incl. the top-n sweep, their own folders
   hotpot_dev20
 }
+# #14: the 50-question study's cells at 15% again, with the teacher-forced metrics (gold NLL, KL along
+# Full Attention's answer) against a committed Full Attention reference; same files, same knowledge
+# bases. `bash scripts/quality_study.sh teacher-forced TRI WIKI` (variable names of datasets.sh: TRI HOT WIKI MUS).
+teacher_forced() {  # $1: the data file
+  local OUT=docs/results/quality_teacher_forced
+  .venv/bin/python scripts/full_reference.py --reference "$OUT/full_reference" --cache-dir runs/cache \
+    --max-new-tokens 16 --data "$1" --limit 50
+  Q --data "$1" --limit 50 --kb-limit 50 --ratios 0.15 --methods full,reuse,cacheblend,cachecraft,epic,query,fusionrag \
+    --full-reference "$OUT/full_reference" --no-decode
+  .venv/bin/fusionrag bench report --out "$OUT" --model qwen2.5-0.5b --data "$TRI" "$HOT" "$WIKI" "$MUS"
+}
 mkdir -p runs
 case "${1:-both}" in
+  teacher-forced) shift; for name in "$@"; do
+      file=$(declare -p "$name" >/dev/null 2>&1 && echo "${!name}") || { echo "unknown dataset $name" >&2; exit 2; }
+      teacher_forced "$file" > "runs/teacher_forced_$name.log" 2>&1
+    done
+    exit 0 ;;
   a) lane_a > runs/lane_a.log 2>&1 ;;
   b) lane_b > runs/lane_b.log 2>&1 ;;
   n100) n100 "$TRI" > runs/n100_tri.log 2>&1 &

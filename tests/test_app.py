@@ -47,7 +47,7 @@ def test_chat_completion_matches_engine(app, client):
     assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
     assert usage["prompt_tokens"] > ref.context_tokens
     fr = out["fusionrag"]
-    assert fr["method"] == "fusionrag" and fr["kv"] == "fused" and fr["chunk_ids"] == ref.chunk_ids
+    assert fr["method"] == "fusionrag" and fr["kv"] == "plain-first" and fr["chunk_ids"] == ref.chunk_ids
     assert fr["recomputed_tokens"] == ref.recomputed_tokens > 0
     assert {"retrieve", "load", "select", "recompute", "first_token", "total"} <= set(fr["ttft_ms"])
     assert fr["server"]["ttft_ms"] >= 0 and fr["server"]["queue_ms"] >= 0

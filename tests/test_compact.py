@@ -49,8 +49,10 @@ def test_fused_only_store_matches_a_full_store_through_incremental_updates(tmp_p
     # Serving on fused KV needs nothing else: same answer, same first-token logits.
     from fusionrag.online.engine import Engine
 
-    a = Engine(full, lm).answer("What is the capital of France?", method="fusionrag", ratio=0.15, max_new_tokens=4)
-    b = Engine(slim, lm).answer("What is the capital of France?", method="fusionrag", ratio=0.15, max_new_tokens=4)
+    a = Engine(full, lm).answer("What is the capital of France?", method="fusionrag", kv="fused", ratio=0.15,
+                           max_new_tokens=4)
+    b = Engine(slim, lm).answer("What is the capital of France?", method="fusionrag", kv="fused", ratio=0.15,
+                           max_new_tokens=4)
     assert a.text == b.text and (a.first_logits - b.first_logits).abs().max() == 0
 
     # An incremental update re-creates the neighbours' plain KV it reads, fuses, and drops it again:

@@ -47,7 +47,7 @@ def test_every_method_answers_with_breakdown(engine, method):
         assert res.recomputed_tokens == expected
     else:
         assert 0 < res.recomputed_tokens <= res.context_tokens
-    assert res.kv == {"full": "none", "fusionrag": "fused"}.get(method, "plain")
+    assert res.kv == {"full": "none", "fusionrag": "plain-first"}.get(method, "plain")
 
 
 def test_ratio_one_equals_full_and_fused_kv_differs_from_plain(engine):
@@ -77,14 +77,36 @@ def test_plain_first_reuses_plain_kv_for_the_first_chunk_and_fused_for_the_rest(
     assert (one.first_logits - full.first_logits).abs().max() < 1e-4
 
 
+def test_plain_first_reads_the_first_chunk_fused_when_the_store_dropped_plain_kv(store_dir, tmp_path):
+    """A fused-only store has no plain KV to read: the first chunk is served fused, not recomputed."""
+    import shutil
+
+    from fusionrag.offline import compact
+
+    lm = load_model("tiny-llama")
+    shutil.copytree(store_dir, tmp_path / "slim")
+    slim = KnowledgeStore.open(tmp_path / "slim", lm, embedder=HashingEmbedder())
+    assert compact.drop_plain(slim)
+    eng = Engine(slim, lm)
+    ref = Engine(KnowledgeStore.open(store_dir, lm, embedder=HashingEmbedder()), lm)
+    mixed = eng.prepare(QUESTION, method="reuse", kv="plain-first", top_k=3)
+    fused = ref.prepare(QUESTION, method="reuse", kv="fused", top_k=3)
+    assert mixed.fused_fallbacks == 0
+    assert torch.equal(mixed.pre.kv.keys, fused.pre.kv.keys)
+    assert eng.kinds_for(mixed.chunk_ids, "plain-first") == ["fused"] * 3
+    assert ref.kinds_for(mixed.chunk_ids, "plain-first") == ["plain", "fused", "fused"]
+
+
 def test_explicit_chunks_bypass_retrieval_and_unknown_passages_are_computed(engine):
     ex = load_sample()[1]
     known = engine.answer(ex["question"], method="reuse", chunks=ex["passages"], max_new_tokens=2)
     assert all(c is not None for c in known.chunk_ids)
     novel = [{"title": "Nowhere", "text": "A passage that is not in the store."}, *ex["passages"][:1]]
-    res = engine.answer(ex["question"], method="fusionrag", chunks=novel, max_new_tokens=2)
+    res = engine.answer(ex["question"], method="fusionrag", kv="fused", chunks=novel, max_new_tokens=2)
     assert res.chunk_ids[0] is None and res.chunk_ids[1] is not None
     assert res.fused_fallbacks == 1  # the request-supplied passage has only a plain (S + chunk) KV
+    first = engine.answer(ex["question"], method="fusionrag", chunks=novel, max_new_tokens=2)
+    assert first.kv == "plain-first" and first.fused_fallbacks == 0  # the first chunk is read plain anyway
 
 
 def test_stream_yields_the_answer_text(engine):
@@ -147,7 +169,7 @@ def test_memory_tier_and_prefetch_give_identical_answers(store_dir):
     plain_engine = Engine(store, lm)
     tiered = Engine(store, lm, memory_budget_bytes=64 << 20)
     ref = plain_engine.answer(QUESTION, method="fusionrag", top_k=3, max_new_tokens=3)
-    tiered.prefetch_chunks(ref.chunk_ids, kv="fused")
+    tiered.prefetch_chunks(ref.chunk_ids, kv="plain-first")  # what fusionrag reads by default
     first = tiered.answer(QUESTION, method="fusionrag", top_k=3, max_new_tokens=3)
     again = tiered.answer(QUESTION, method="fusionrag", top_k=3, max_new_tokens=3)
     assert first.token_ids == again.token_ids == ref.token_ids

@@ -42,7 +42,7 @@ def test_langchain_chain_sends_the_retrieved_documents_and_they_are_reused(live)
     docs = [{"title": d.metadata["title"], "text": d.page_content} for d in retriever.invoke(Q)]
     usage = msg.response_metadata["token_usage"]["fusionrag"]
     assert usage["chunks"] == 3 and usage["reused_chunks"] == 3 and usage["adhoc_chunks"] == 0
-    assert usage["method"] == "fusionrag" and usage["kv"] == "fused"
+    assert usage["method"] == "fusionrag" and usage["kv"] == "plain-first"
     assert msg.content == serial(app, Q, 6, chunks=docs, method="fusionrag", ratio=0.2).text
     streamed = "".join(chunk.content for chunk in chain.stream(Q))
     assert streamed.strip() == msg.content

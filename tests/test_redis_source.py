@@ -95,7 +95,7 @@ def test_second_server_reads_what_the_first_loaded(server, store_dir, lm):
 
 def test_corrupt_foreign_and_stale_values_are_refused_and_reread_from_disk(server, store_dir, lm):
     a, ra = _engine(store_dir, lm, server.url, memory=False)
-    ref = a.answer(QUESTION, method="fusionrag", ratio=0.15, max_new_tokens=4)
+    ref = a.answer(QUESTION, method="fusionrag", kv="fused", ratio=0.15, max_new_tokens=4)
     client = redis.Redis(unix_socket_path=str(server.socket))
     names = sorted(n.decode() for n in client.keys("fusionrag:kv:*"))
     assert names
@@ -122,7 +122,7 @@ def test_corrupt_foreign_and_stale_values_are_refused_and_reread_from_disk(serve
     client.set(key, old)
     fresh = ra.get_many([(cid, kind)])[0]
     assert ra.stats()["redis"].refused == 3 and fresh.metadata["checksum"] == a.store.kv.header(cid, kind)["checksum"]
-    assert a.answer(QUESTION, method="fusionrag", ratio=0.15, max_new_tokens=4).text == ref.text
+    assert a.answer(QUESTION, method="fusionrag", kv="fused", ratio=0.15, max_new_tokens=4).text == ref.text
 
 
 def test_killing_redis_mid_run_degrades_to_disk_with_no_failed_request(server, store_dir, lm):

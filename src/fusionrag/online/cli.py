@@ -53,8 +53,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ratio", type=float, default=0.15, help="fraction of context tokens to recompute")
     p.add_argument("--top-k", type=int, default=None, help="chunks to retrieve (default 5)")
     p.add_argument("--kv", choices=["plain", "fused", "plain-first"], default=None,
-                   help="which stored KV to reuse (default: fused for fusionrag, plain otherwise; "
-                        "plain-first: fused, but the prompt's first chunk plain)")
+                   help="which stored KV to reuse (default: plain-first for fusionrag, plain otherwise; "
+                        "plain-first: fused, but the prompt's first chunk plain where the store holds it)")
     p.add_argument("--softmax", choices=["per_chunk", "global", "authors"], default=None, help="query-guided scoring")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--json", action="store_true", help="print one JSON object")

@@ -44,8 +44,9 @@ log = logging.getLogger(__name__)
 
 DEFAULT_TOP_K = 5
 #: Which stored KV a method reuses unless ``kv=`` says otherwise. FusionRAG is query-guided
-#: selection on the fused (offline-preprocessed) caches; every baseline uses plain caches.
-DEFAULT_KV = {"fusionrag": "fused"}
+#: selection on the fused (offline-preprocessed) caches, the first chunk's plain cache where the store
+#: holds it; every baseline uses plain caches.
+DEFAULT_KV = {"fusionrag": "plain-first"}  # measured: docs/decisions.md, "Plain KV for the first chunk"
 #: What a request reuses: plain KV, fused KV, or fused KV except the prompt's first chunk
 #: (``plain-first``: right after ``S`` a chunk's plain KV is exactly Full Attention's).
 KV_KINDS = ("plain", "fused", "plain-first")
@@ -90,7 +91,7 @@ class Prepared:
 
     pre: Prefilled
     method: str
-    kv_kind: str  # "plain" | "fused" | "none" (Full Attention)
+    kv_kind: str  # "plain" | "fused" | "plain-first" | "none" (Full Attention)
     ratio: float
     chunk_ids: list[int | None]
     passages: list[dict]
@@ -302,7 +303,7 @@ class Engine:
 
     def prefetch_chunks(self, chunk_ids: Sequence[int | None], kv: str = "fused") -> None:
         """Start loading these chunks' KV in the background (a no-op without a caching tier)."""
-        kinds = [("plain" if i == 0 else "fused") if kv == "plain-first" else kv for i in range(len(chunk_ids))]
+        kinds = self.kinds_for(chunk_ids, kv)
         keys = (self._stored_key(c, k) for c, k in zip(chunk_ids, kinds, strict=True))
         self.kv_source.prefetch([k for k in keys if k is not None])
 
@@ -340,6 +341,16 @@ class Engine:
             return list(self.store.chunk(chunk_id).token_ids)
         return self.prompt.chunk_token_ids(passage["title"], passage["text"])
 
+    def kinds_for(self, chunk_ids: Sequence[int | None], kind: str) -> list[str]:
+        """The stored KV each chunk reads. ``plain-first``: the first chunk plain, the rest fused; a
+        store that dropped its plain KV (``preprocess --drop-plain``) serves the first chunk fused too,
+        rather than computing it."""
+        if kind != "plain-first":
+            return [kind] * len(chunk_ids)
+        first = chunk_ids[0] if chunk_ids else None
+        plain = first is None or self.store.has_kv(first, "plain")
+        return [("plain" if plain else "fused") if i == 0 else "fused" for i in range(len(chunk_ids))]
+
     def _stored_key(self, chunk_id: int | None, kind: str) -> Key | None:
         if chunk_id is None:
             return None
@@ -350,7 +361,7 @@ class Engine:
     def _load(self, chunk_ids: Sequence[int | None], passages: Sequence[dict], token_ids: Sequence[list[int]],
               kind: str) -> tuple[list[KVEntry], int]:
         """One entry per chunk: stored ones from the KV source, the rest through the prefix cache."""
-        kinds = [("plain" if i == 0 else "fused") if kind == "plain-first" else kind for i in range(len(chunk_ids))]
+        kinds = self.kinds_for(chunk_ids, kind)
         keys = [self._stored_key(cid, k) for cid, k in zip(chunk_ids, kinds, strict=True)]
         stored = [k for k in keys if k is not None]
         loaded = self._read_stored(stored)
