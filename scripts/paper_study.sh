@@ -65,7 +65,7 @@ musique() {
 # only, fused KV only for the evaluated chunks). Each call is one group, so a stop leaves whole groups:
 # the variants at 15%, then the selection decision's curve (ours, the authors', CacheBlend), then the rest.
 CURVE_FIRST=fusionrag,fusionrag-authors,cacheblend  # as lane a ran on 2WikiMQA
-CURVE_REST=query,query-authors,cachecraft,fusionrag-plainfirst,epic
+CURVE_REST="query epic query-authors cachecraft fusionrag-plainfirst"  # one group each: plain-KV cells first (no fusion needed)
 curves() {  # DATA [--max-passages N]
   local data=(--data "$@") group
   Q "${data[@]}" --limit 50 --kb-limit 100 --fuse-only-evaluated --ratios 0.15 --methods $VARIANTS --no-decode --out $OUT

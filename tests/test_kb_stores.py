@@ -111,3 +111,32 @@ def test_plain_only_cells_build_no_fused_kv_and_a_later_fused_run_adds_it(tmp_pa
     run_quality(_kb_spec(tmp_path, limit=2))  # fused cells: the same store is fused now
     info = store_info(store)
     assert info["fused_kv"] == info["chunks"]
+
+
+def test_plain_only_cells_on_some_questions_compute_only_those_questions_plain_kv(tmp_path):
+    """A --fuse-only-evaluated run of plain-KV cells reads only the evaluated questions' passages; a later
+    fused run completes the plain KV its neighbours need."""
+    from fusionrag.eval.datasets import load_questions
+    from fusionrag.eval.neighbour_sources import membership
+    from fusionrag.models import load_model
+    from fusionrag.retrieval.knowledge import KnowledgeStore
+
+    data = sample_data(tmp_path)
+    spec = _kb_spec(tmp_path, limit=1, kb_limit=3)
+    spec.methods, spec.kv, spec.fuse_only_evaluated, spec.decode = ["query", "epic"], "default", True, False
+    run_quality(spec)
+    (path,) = (tmp_path / "cache" / "stores").iterdir()
+    store = KnowledgeStore.open(path, load_model("tiny-llama"))
+    try:
+        evaluated = set(membership(store, load_questions(data, 1)).prompts[0])
+        with_plain = {c for c in store.chunk_ids() if store.kv.exists(c, "plain")}
+        assert with_plain == evaluated and len(store.chunk_ids()) > len(evaluated)
+    finally:
+        store.close()
+    spec.methods = ["reuse"]  # plain and fused: now the offline stage runs: every chunk's plain KV is there
+    run_quality(spec)
+    store = KnowledgeStore.open(path, load_model("tiny-llama"))
+    try:
+        assert all(store.kv.exists(c, "plain") for c in store.chunk_ids())
+    finally:
+        store.close()

@@ -151,7 +151,9 @@ def open_store(spec: StoreSettings, dataset: str, examples: list[QAExample], top
     Cells on plain KV never read fused entries, so a run of only those skips the offline stage: on
     MuSiQue's 942-chunk knowledge base that is most of an hour of one core. ``fuse_only`` fuses only
     these questions' chunks (neighbours still come from the whole knowledge base): a study of 30
-    questions on a 100-question knowledge base pays for 300 fused chunks, not 1,000.
+    questions on a 100-question knowledge base pays for 300 fused chunks, not 1,000. Without
+    ``fused``, a ``fuse_only`` run computes only those questions' plain KV (what its cells read; a
+    later fused run completes the rest).
     """
     # Stores hold gigabytes of KV: they live in the cache folder, never next to the report.
     path = (spec.cache_dir or spec.out / "cache") / "stores" / store_name(spec, dataset, top_n)
@@ -168,11 +170,14 @@ def open_store(spec: StoreSettings, dataset: str, examples: list[QAExample], top
             f"{path} holds chunks that are not passages of this run's questions (another data file with the "
             f"dataset name '{dataset}'?): the knowledge base would be wrong; remove it or use another --cache-dir"
         )
-    # Plain KV once for the whole knowledge base, with a progress bar.
-    compute_plain(store, lm, build.ensure_system_kv(store, lm), progress=spec.progress)
-    if fused and top_n > 0:
+    only = None if fuse_only is None else sorted({c for p in membership(store, fuse_only).prompts for c in p})
+    # Plain KV, with a progress bar: for the whole knowledge base, except in a run of plain-KV cells on
+    # some of its questions, which reads only their passages (half of a 100-question store's plain KV).
+    fusing = fused and top_n > 0
+    compute_plain(store, lm, build.ensure_system_kv(store, lm), progress=spec.progress,
+                  chunk_ids=None if fusing else only)
+    if fusing:
         lists = neighbour_lists(store, membership(store, examples), spec.neighbours, top_n, spec.min_similarity)
-        only = None if fuse_only is None else sorted({c for p in membership(store, fuse_only).prompts for c in p})
         build.fuse(store, lm, top_n=top_n, progress=spec.progress, neighbour_order=spec.neighbour_order,
                    same_document=spec.same_document, min_similarity=spec.min_similarity, neighbour_lists=lists,
                    chunk_ids=only)
