@@ -66,21 +66,29 @@ musique() {
 # the variants at 15%, then the selection decision's curve (ours, the authors', CacheBlend), then the rest.
 CURVE_FIRST=fusionrag,fusionrag-authors,cacheblend  # as lane a ran on 2WikiMQA
 CURVE_REST="query epic query-authors cachecraft fusionrag-plainfirst"  # one group each: plain-KV cells first (no fusion needed)
-curves() {  # DATA [--max-passages N]
+curves() {  # DATA [--max-passages N]; CURVE_GROUPS=... runs only those groups after the first
   local data=(--data "$@") group
   Q "${data[@]}" --limit 50 --kb-limit 100 --fuse-only-evaluated --ratios 0.15 --methods $VARIANTS --no-decode --out $OUT
-  for group in $CURVE_FIRST $CURVE_REST; do
+  for group in $CURVE_FIRST ${CURVE_GROUPS:-$CURVE_REST}; do
     Q "${data[@]}" --limit 50 --kb-limit 100 --fuse-only-evaluated --ratios 0.05,0.3 --methods "$group" --no-decode \
       --out $OUT
   done
 }
+# The curve's methods (and the authors' scoring on plain KV) on every dataset come before Cache-Craft's
+# offline stage on 2WikiMQA and plain-first at 5%/30% (measured at 15% on all three): sized so that one
+# session's two lanes finish the methods.
+METHODS_FIRST="query epic query-authors"
 lane_c() {  # MuSiQue's variants and curve, then 2WikiMQA's missing curve points
+  CURVE_GROUPS="$METHODS_FIRST cachecraft" curves "$MUS_TRAIN" --max-passages 10
+  CURVE_GROUPS="$METHODS_FIRST" curves "$WIKI"
   curves "$MUS_TRAIN" --max-passages 10
   curves "$WIKI"
 }
-lane_d() {  # HotpotQA's variants and curve, then its neighbour sources
-  curves "$HOT"
+lane_d() {  # HotpotQA's variants and curve, then its neighbour sources, then TriviaQA's 50-question cells
+  CURVE_GROUPS="$METHODS_FIRST cachecraft" curves "$HOT"
   neighbours --data "$HOT" question preceding
+  bash scripts/quality_study.sh teacher-forced TRI
+  curves "$HOT"
 }
 mkdir -p runs
 case "${1:-both}" in
