@@ -237,19 +237,82 @@ def curve_section(cs, datasets: list[str]) -> tuple[list[str], dict]:
             lines.append(f"| {name} | | " + " | ".join("n/a" if mean[k] is None else f"{mean[k]['mean']:.3f}"
                                                        for k in metrics) + " | | | |")
         data: dict = {}
+        full = ref["Full Attention"]
         for (m, kv, r), c in sorted(sub.items(), key=lambda kv_: (kv_[0][2], CURVE_METHODS.index(kv_[0][:2]))):
             if len(c) < len(shared):
                 continue  # a 15% cell that does not cover the curve's questions
             mean = {k: mean_cell(c, k) for k in metrics}
             fr = sub.get(("fusionrag", "fused", r), {})
             diff = {k: paired(fr, c, k) for k in metrics} if m != "fusionrag" else {k: None for k in metrics}
-            data[f"{m}|{kv}|{r:g}"] = {"mean": mean, "fusionrag_minus": diff}
+            data[f"{m}|{kv}|{r:g}"] = {"mean": mean, "fusionrag_minus": diff, "minus_full": paired(c, full, "gold_nll")}
             lines.append(f"| {m} {kv} | {r:.0%} | " + " | ".join(
                 "n/a" if mean[k] is None else f"{mean[k]['mean']:.3f}" for k in metrics) + " | " + " | ".join(
                 "" if diff[k] is None else fmt(diff[k]) for k in metrics) + " |")
-        out[ds] = {"n": len(shared), "cells": data, "left_out_partial": partial}
+        out[ds] = {"n": len(shared), "cells": data, "left_out_partial": partial,
+                   "reference": {name: {"minus_full": paired(c, full, "gold_nll"),
+                                        "kl_first_c": mean_cell(c, "kl_first_c")}
+                                 for name, c in ref.items() if name != "Full Attention"}}
         lines += ["", f"Left out (a group stopped part-way): {', '.join(partial)}." if partial else "", ""]
     return lines, out
+
+
+def plot_curve(curve: dict, path: Path) -> None:
+    """The paper's Figure 13 in our metrics, one column per dataset, every point on the same questions:
+    gold NLL minus Full Attention's (paired) and first-token KL against the recompute ratio, one line
+    per method, Full Attention (0) and Full Reuse as reference lines; 95% bootstrap intervals."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    datasets = [ds for ds in curve if curve[ds]["cells"]]
+    if not datasets:
+        return
+    fig, axes = plt.subplots(2, len(datasets), figsize=(4.6 * len(datasets), 7.2), squeeze=False)
+    panels = (("minus_full", "gold NLL - Full Attention (nats/token)"), ("kl_first_c", "first-token KL to FA"))
+    for col, ds in enumerate(datasets):
+        lines: dict[str, list] = defaultdict(list)
+        for key, cell in curve[ds]["cells"].items():
+            m, kv, r = key.split("|")
+            lines[f"{m} ({kv})"].append((float(r) * 100, cell))
+        for row, (metric, label) in enumerate(panels):
+            ax = axes[row][col]
+            for name, pts in sorted(lines.items()):
+                points = []  # (ratio, centre, low, high)
+                for x, c in sorted(pts, key=lambda p: p[0]):
+                    v = c["minus_full"] if metric == "minus_full" else c["mean"][metric]
+                    if v is not None:
+                        centre = v["diff"] if metric == "minus_full" else v["mean"]
+                        points.append((x, centre, centre - v["ci"][0], v["ci"][1] - centre))
+                if not points:
+                    continue
+                xs, ys, below, above = (list(t) for t in zip(*points, strict=True))
+                err = [below, above]
+                style = "-" if name.startswith("fusionrag (") else "--" if "fusionrag" in name else ":"
+                ax.errorbar(xs, ys, yerr=err, marker="o", linestyle=style, capsize=2, label=name,
+                            linewidth=2.2 if name.startswith("fusionrag (") else 1.2)
+            ax.axhline(0.0, color="black", linewidth=0.8, label="Full Attention")
+            for name, refv in curve[ds]["reference"].items():
+                v = refv[metric]
+                if v is not None:
+                    ax.axhline(v["diff"] if metric == "minus_full" else v["mean"], linestyle="-.", linewidth=0.9,
+                               color="dimgray" if "plain" in name else "darkgray", label=name)
+            ax.set_xticks([5, 15, 30])
+            ax.set_xlabel("recompute ratio (%)")
+            ax.set_ylabel(label)
+            ax.set_title(f"{ds} (n={curve[ds]['n']}, same questions)")
+            ax.grid(alpha=0.3)
+    legend: dict = {}  # every method once, whichever panel has it
+    for ax in axes.flat:
+        for handle, name in zip(*ax.get_legend_handles_labels(), strict=True):
+            legend.setdefault(name, handle)
+    fig.legend(list(legend.values()), list(legend), loc="lower center", ncol=4, fontsize=8)
+    fig.suptitle("Quality against the recompute ratio (qwen2.5-0.5b, paper-shaped sets)")
+    fig.tight_layout(rect=(0, 0.12, 1, 0.96))
+    tmp = path.with_name(path.stem + ".tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    tmp.replace(path)
 
 
 def selection_section(cs, datasets: list[str]) -> tuple[list[str], dict]:
@@ -319,6 +382,8 @@ def main() -> None:
     datasets = sorted(summary["datasets"])
     sec, summary["curve"] = curve_section(cs, datasets)
     lines += sec
+    plot_curve(summary["curve"], root / "paper" / "curve_same_questions.png")
+    lines += ["Plot: `curve_same_questions.png` (every point on the curve's shared questions).", ""]
     sec, summary["selection"] = selection_section(cs, datasets)
     lines += sec
     sec, summary["neighbours"] = neighbour_section(root, cs)
