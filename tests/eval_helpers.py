@@ -5,12 +5,26 @@ Not a test module (pytest collects ``test_*.py`` only); imported by name like ``
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import sys
 from pathlib import Path
+from types import ModuleType
 
 from fusionrag.sample import load_sample
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+
+
+def load_script(name: str) -> ModuleType:
+    """``scripts/NAME.py`` as a module (the scripts are not a package); registered under its name, since
+    a dataclass in it looks its module up."""
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def assert_png(path: Path) -> None:

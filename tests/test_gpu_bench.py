@@ -2,24 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_bench.py"
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("gpu_bench", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_bench"] = module  # its dataclass looks its module up
-    spec.loader.exec_module(module)
-    return module
+from eval_helpers import load_script
 
 
 def test_gpu_bench_runs_end_to_end_on_cpu_with_a_tiny_config(tmp_path):
-    bench = _load()
+    bench = load_script("gpu_bench")
     out = tmp_path / "gpu"
     assert bench.main(["--config", "tiny", "--device", "cpu", "--dtype", "float32", "--contexts", "96,160",
                        "--chunk-tokens", "32", "--repeats", "1", "--kernel-context", "128",
@@ -39,7 +28,7 @@ def test_gpu_bench_runs_end_to_end_on_cpu_with_a_tiny_config(tmp_path):
 
 
 def test_qwen_7b_config_has_the_published_shape():
-    cfg = _load().qwen_config("qwen2.5-7b")
+    cfg = load_script("gpu_bench").qwen_config("qwen2.5-7b")
     shape = (cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads)
     assert shape == (28, 3584, 28, 4)
     assert cfg.intermediate_size == 18944 and cfg.vocab_size == 152064

@@ -1,19 +1,9 @@
 """scripts/paper_summary.py: the ratio curve is computed on the questions every complete curve cell
 shares (a group stopped part-way is left out and named), paired with Full Attention, and plotted."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "paper_summary.py"
-
-
-def _load_script():
-    spec = importlib.util.spec_from_file_location("paper_summary", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from eval_helpers import load_script
 
 
 def _rec(qid, method, kv, ratio, gold, kl):
@@ -22,7 +12,7 @@ def _rec(qid, method, kv, ratio, gold, kl):
 
 
 def test_the_curve_uses_shared_questions_and_pairs_gold_nll_with_full_attention(tmp_path):
-    ps = _load_script()
+    ps = load_script("paper_summary")
     recs = []
     for i in range(12):
         q = f"q{i}"

@@ -1,17 +1,9 @@
 """scripts/results_tables.py: the paired gold-F1 gap that decides whether normalised F1 means anything."""
 
-import importlib.util
 import json
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "results_tables.py"
-
-
-def _load_script():
-    spec = importlib.util.spec_from_file_location("results_tables", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from eval_helpers import load_script
 
 
 def _write_records(folder: Path, rows: list[tuple[str, str, str, str, float]]) -> None:
@@ -28,6 +20,6 @@ def test_gold_gap_pairs_full_with_plain_reuse_and_bolds_a_resolved_gap(tmp_path)
              ("b", "q1", "full", "none", 0.0), ("b", "q1", "reuse", "plain", 1.0),
              ("b", "q2", "full", "none", 1.0)]  # q2 has no Full Reuse answer: dropped
     _write_records(tmp_path, rows)
-    gaps = _load_script()._gold_gaps(tmp_path)
+    gaps = load_script("results_tables")._gold_gaps(tmp_path)
     assert gaps["a"] == "**+0.50 [+0.50, +0.50]**"
     assert gaps["b"].startswith("+0.00 [-1.00, +1.00]")  # mean over the two complete pairs, unresolved
