@@ -78,9 +78,10 @@ curves() {  # DATA [--max-passages N]; CURVE_GROUPS=... runs only those groups a
 # offline stage on 2WikiMQA and plain-first at 5%/30% (measured at 15% on all three): sized so that one
 # session's two lanes finish the methods.
 METHODS_FIRST="query epic query-authors"
-lane_c() {  # MuSiQue's variants and curve, then 2WikiMQA's missing curve points
+lane_c() {  # MuSiQue's variants and curve, then 2WikiMQA's missing curve points, then MuSiQue's neighbours
   CURVE_GROUPS="$METHODS_FIRST cachecraft" curves "$MUS_TRAIN" --max-passages 10
   CURVE_GROUPS="$METHODS_FIRST" curves "$WIKI"
+  neighbours --data "$MUS_TRAIN" --max-passages 10 question
   curves "$MUS_TRAIN" --max-passages 10
   curves "$WIKI"
 }
