@@ -65,7 +65,8 @@ musique() {
 # only, fused KV only for the evaluated chunks). Each call is one group, so a stop leaves whole groups:
 # the variants at 15%, then the selection decision's curve (ours, the authors', CacheBlend), then the rest.
 CURVE_FIRST=fusionrag,fusionrag-authors,cacheblend  # as lane a ran on 2WikiMQA
-CURVE_REST="query epic query-authors cachecraft fusionrag-plainfirst"  # one group each: plain-KV cells first (no fusion needed)
+METHODS_FIRST="query epic query-authors"  # plain-KV cells: no fusion needed
+CURVE_REST="$METHODS_FIRST cachecraft fusionrag-plainfirst"  # one group each
 curves() {  # DATA [--max-passages N]; CURVE_GROUPS=... runs only those groups after the first
   local data=(--data "$@") group
   Q "${data[@]}" --limit 50 --kb-limit 100 --fuse-only-evaluated --ratios 0.15 --methods $VARIANTS --no-decode --out $OUT
@@ -77,7 +78,6 @@ curves() {  # DATA [--max-passages N]; CURVE_GROUPS=... runs only those groups a
 # The curve's methods (and the authors' scoring on plain KV) on every dataset come before Cache-Craft's
 # offline stage on 2WikiMQA and plain-first at 5%/30% (measured at 15% on all three): sized so that one
 # session's two lanes finish the methods.
-METHODS_FIRST="query epic query-authors"
 lane_c() {  # MuSiQue's variants and curve, then 2WikiMQA's missing curve points, then MuSiQue's neighbours
   CURVE_GROUPS="$METHODS_FIRST cachecraft" curves "$MUS_TRAIN" --max-passages 10
   CURVE_GROUPS="$METHODS_FIRST" curves "$WIKI"

@@ -223,8 +223,8 @@ def curve_section(cs, datasets: list[str]) -> tuple[list[str], dict]:
         partial = sorted(f"{m} {r:.0%} (n={len(c)})" for (m, _, r), c in curve.items() if len(c) < most)
         curve = {k: c for k, c in curve.items() if len(c) >= most or k[2] == 0.15}
         shared = set.intersection(*(set(c) for (_, _, r), c in curve.items() if r != 0.15))
-        sub = {k: {q: c[q] for q in shared if q in c} for k, c in curve.items()}
-        ref = {name: {q: cs.get(key, {}).get(q) for q in shared if q in cs.get(key, {})}
+        sub = {k: {q: c[q] for q in sorted(shared) if q in c} for k, c in curve.items()}
+        ref = {name: {q: cs.get(key, {}).get(q) for q in sorted(shared) if q in cs.get(key, {})}
                for name, key in (("Full Attention", (ds, "full", "none", 1.0)),
                                  ("Full Reuse plain", (ds, "reuse", "plain", 0.0)),
                                  ("Full Reuse fused", (ds, "reuse", "fused", 0.0)))}
@@ -256,6 +256,11 @@ def curve_section(cs, datasets: list[str]) -> tuple[list[str], dict]:
     return lines, out
 
 
+def _centre(v: dict) -> float:
+    """The point estimate of a paired difference (``paired``) or of a mean (``mean_cell``)."""
+    return v["diff"] if "diff" in v else v["mean"]
+
+
 def plot_curve(curve: dict, path: Path) -> None:
     """The paper's Figure 13 in our metrics, one column per dataset, every point on the same questions:
     gold NLL minus Full Attention's (paired) and first-token KL against the recompute ratio, one line
@@ -278,24 +283,21 @@ def plot_curve(curve: dict, path: Path) -> None:
         for row, (metric, label) in enumerate(panels):
             ax = axes[row][col]
             for name, pts in sorted(lines.items()):
-                points = []  # (ratio, centre, low, high)
+                points = []  # (ratio, centre, below, above)
                 for x, c in sorted(pts, key=lambda p: p[0]):
                     v = c["minus_full"] if metric == "minus_full" else c["mean"][metric]
                     if v is not None:
-                        centre = v["diff"] if metric == "minus_full" else v["mean"]
-                        points.append((x, centre, centre - v["ci"][0], v["ci"][1] - centre))
+                        points.append((x, _centre(v), _centre(v) - v["ci"][0], v["ci"][1] - _centre(v)))
                 if not points:
                     continue
                 xs, ys, below, above = (list(t) for t in zip(*points, strict=True))
-                err = [below, above]
                 style = "-" if name.startswith("fusionrag (") else "--" if "fusionrag" in name else ":"
-                ax.errorbar(xs, ys, yerr=err, marker="o", linestyle=style, capsize=2, label=name,
+                ax.errorbar(xs, ys, yerr=[below, above], marker="o", linestyle=style, capsize=2, label=name,
                             linewidth=2.2 if name.startswith("fusionrag (") else 1.2)
             ax.axhline(0.0, color="black", linewidth=0.8, label="Full Attention")
             for name, refv in curve[ds]["reference"].items():
-                v = refv[metric]
-                if v is not None:
-                    ax.axhline(v["diff"] if metric == "minus_full" else v["mean"], linestyle="-.", linewidth=0.9,
+                if refv[metric] is not None:
+                    ax.axhline(_centre(refv[metric]), linestyle="-.", linewidth=0.9,
                                color="dimgray" if "plain" in name else "darkgray", label=name)
             ax.set_xticks([5, 15, 30])
             ax.set_xlabel("recompute ratio (%)")
