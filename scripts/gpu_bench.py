@@ -169,7 +169,9 @@ def kernel_alone(lm, context: int, backends: list[str], repeats: int) -> list[di
     return rows
 
 
-def run(args: argparse.Namespace) -> dict:
+def run(args: argparse.Namespace, save: Callable[[dict], None] = lambda doc: None) -> dict:
+    """Kernel alone first, then each context (smallest first); ``save`` gets the document after each
+    step, so a run stopped at its time limit keeps every finished step."""
     from fusionrag.execution.segments import chunk_kv_plain, system_kv
 
     dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[args.dtype]
@@ -179,7 +181,11 @@ def run(args: argparse.Namespace) -> dict:
     backends = args.backends.split(",")
     contexts = sorted(int(c) for c in args.contexts.split(","))
     build_ms = (time.perf_counter() - t0) * 1000.0
-    rows, exactness = [], []
+    rows: list[dict] = []
+    exactness: list[dict] = []
+    kernel = kernel_alone(lm, args.kernel_context, backends, max(3, args.repeats))
+    doc = {"meta": _meta(args, lm, device, build_ms), "rows": rows, "kernel": kernel, "exactness": exactness}
+    save(doc)
     if args.kernel_only:
         contexts = []
     longest = None if not contexts else make_prompt(lm.config.vocab_size, contexts[-1], args.chunk_tokens,
@@ -207,9 +213,9 @@ def run(args: argparse.Namespace) -> dict:
         print(f"[gpu_bench] {total}: " + ", ".join(f"{r['method']} {r['ttft_ms']:.0f} ms" for r in rows[-len(cells):]),
               file=sys.stderr, flush=True)
         if total == contexts[0]:
-            exactness = _exactness(lm, prompt, kvs, s_kv, backends)
-    kernel = kernel_alone(lm, args.kernel_context, backends, max(3, args.repeats))
-    return {"meta": _meta(args, lm, device, build_ms), "rows": rows, "kernel": kernel, "exactness": exactness}
+            exactness.extend(_exactness(lm, prompt, kvs, s_kv, backends))
+        save(doc)
+    return doc
 
 
 def _exactness(lm, prompt: Prompt, kvs: list, s_kv, backends: list[str]) -> list[dict]:
@@ -268,6 +274,14 @@ def markdown(doc: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _save(out: Path, doc: dict) -> None:
+    """Both files written atomically: a stop mid-write leaves the last good copy."""
+    from fusionrag.files import atomic_write
+
+    atomic_write(out / "gpu_bench.json", json.dumps(doc, indent=2))
+    atomic_write(out / "gpu_bench.md", markdown(doc))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True, help="folder for gpu_bench.json and gpu_bench.md")
@@ -283,11 +297,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kernel-only", action="store_true", help="only the attention-alone comparison")
     args = p.parse_args(argv)
     torch.set_grad_enabled(False)
-    doc = run(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "gpu_bench.json").write_text(json.dumps(doc, indent=2))
-    (out / "gpu_bench.md").write_text(markdown(doc))
+    doc = run(args, save=lambda d: _save(out, d))
     print(markdown(doc))
     return 0
 

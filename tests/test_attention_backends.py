@@ -62,7 +62,8 @@ def test_blocked_backend_equals_reference(data):
 def test_triton_kernel_equals_reference(data):
     tensors, spec, scale = _case(data)
     ref = get_backend("reference")(*tensors, spec(), scale)
-    out = get_backend("triton")(*tensors, spec(), scale, block_m=16, block_n=16)  # several blocks, ragged ends
+    tiles = {"block_m": 16, "block_n": 16}  # several blocks, ragged ends
+    out = get_backend("triton")(*tensors, spec(), scale, config=tiles)
     assert (out - ref).abs().max().item() < 1e-5
 
 

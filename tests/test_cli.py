@@ -15,3 +15,16 @@ def test_unknown_model_is_one_line_error(capsys, fusionrag_home):
     assert main(["doctor", "--model", "nope"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("fusionrag: error: unknown model") and "Traceback" not in err
+
+
+def test_doctor_runs_on_the_device_and_backend_asked_for(capsys):
+    """Every device and sparse backend can be checked: the report names the ones it ran on."""
+    assert main(["doctor", "--model", "tiny-qwen2", "--device", "cpu", "--attention", "reference", "--compact"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["ok"] is True and (report["device"], report["attention"]) == ("cpu", "reference")
+
+
+def test_doctor_on_cuda_without_a_gpu_is_a_clear_error(capsys, monkeypatch):
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    assert main(["doctor", "--model", "tiny-llama", "--device", "cuda"]) == 2
+    assert "torch sees no CUDA device" in capsys.readouterr().err

@@ -12,6 +12,7 @@ import sys
 from collections.abc import Callable
 
 from fusionrag.errors import FusionRAGError
+from fusionrag.models.devices import add_device_args
 from fusionrag.models.registry import DEFAULT_MODEL, KNOWN_NAMES
 
 MODEL_HELP = f"short name ({', '.join(KNOWN_NAMES)}) or a local HF checkpoint folder; default {DEFAULT_MODEL}"
@@ -20,16 +21,18 @@ MODEL_HELP = f"short name ({', '.join(KNOWN_NAMES)}) or a local HF checkpoint fo
 def _cmd_doctor(args: argparse.Namespace) -> int:
     from fusionrag.doctor import run_doctor
     from fusionrag.models import load_model
+    from fusionrag.models.devices import device_options
 
-    report = run_doctor(load_model(args.model))
+    report = run_doctor(load_model(args.model, **device_options(args)))
     print(json.dumps(report, indent=None if args.compact else 2))
     return 0 if report["ok"] else 1
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
     from fusionrag.demo import run_demo
+    from fusionrag.models.devices import device_options
 
-    run_demo(model=args.model, max_new_tokens=args.max_new_tokens, limit=args.limit)
+    run_demo(model=args.model, max_new_tokens=args.max_new_tokens, limit=args.limit, **device_options(args))
     return 0
 
 
@@ -44,12 +47,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("doctor", help="check the exactness invariants on a real model (JSON report)")
     p.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
     p.add_argument("--compact", action="store_true", help="print the JSON on one line")
+    add_device_args(p)
     p.set_defaults(func=_cmd_doctor)
 
     p = sub.add_parser("demo", help="answer the bundled sample questions, Full Attention vs reuse, with TTFT")
     p.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
     p.add_argument("--max-new-tokens", type=int, default=24)
     p.add_argument("--limit", type=int, default=None, help="only the first N sample questions")
+    add_device_args(p)
     p.set_defaults(func=_cmd_demo)
 
     from fusionrag.cli_commands import register_commands

@@ -21,14 +21,15 @@ METHODS = (("full", 1.0, "Full Attention"), ("reuse", 0.0, "Full Reuse"), ("fusi
 
 
 def run_demo(model: str, max_new_tokens: int = 24, limit: int | None = None, top_k: int = 4,
-             top_n: int = 3) -> list[dict]:
+             top_n: int = 3, device: str | None = None, dtype: str | None = None,
+             attention: str | None = None) -> list[dict]:
     from fusionrag.offline import build
     from fusionrag.online.engine import Engine
     from fusionrag.retrieval.knowledge import KnowledgeStore
 
     console = Console()
     with console.status(f"loading {model}"):
-        lm = load_model(model)
+        lm = load_model(model, device=device, dtype=dtype, attention=attention)
     examples = load_sample()[:limit]
     path = fusionrag_home() / "demo" / lm.fingerprint.replace(":", "_")
     t0 = time.perf_counter()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from fusionrag.execution.forward import prefill
+from fusionrag.execution.forward import backend_name, prefill
 from fusionrag.execution.generate import greedy_tokens
 from fusionrag.execution.segments import chunk_kv_plain
 from fusionrag.kvcache.kv import KV
@@ -69,7 +69,7 @@ def run_doctor(lm: LoadedModel, generate_tokens: int = 16) -> dict:
     reuse_gap = (reuse32.last_logits - full.last_logits).abs().max().item()
 
     ours = list(greedy_tokens(lm, full.kv, full.last_logits, generate_tokens, stop_ids=[]))
-    prompt = torch.tensor([[*pb.system_token_ids, *(t for c in chunks for t in c), *question]])
+    prompt = torch.tensor([[*pb.system_token_ids, *(t for c in chunks for t in c), *question]], device=lm.device)
     ref = lm.model.generate(
         prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=generate_tokens, do_sample=False,
         eos_token_id=None, pad_token_id=lm.stop_token_ids[0] if lm.stop_token_ids else 0,
@@ -79,6 +79,8 @@ def run_doctor(lm: LoadedModel, generate_tokens: int = 16) -> dict:
     report = {
         "model": lm.name,
         "fingerprint": lm.fingerprint,
+        "device": str(lm.device),
+        "attention": backend_name(lm),  # the sparse passes' backend (auto resolved by device)
         "prompt_tokens": int(prompt.shape[1]),
         "ratio1_max_abs_logit_diff": ratio1,
         "reuse_single_chunk_max_abs_logit_diff": single,

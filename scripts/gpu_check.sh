@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Everything #15 checks on a GPU host, in one command (~5 min on one H200): the CUDA invariants
+# (pytest -m gpu), `fusionrag doctor` on CUDA with every sparse backend (fp32: ratio 1 equals Full
+# Attention within 1e-4), scripts/gpu_bench.py (7B shape, bf16, 8K/16K/32K; it saves after each
+# step, so a run stopped at a time limit keeps what finished), then scripts/gpu_profile.py (where
+# FusionRAG 15%'s time goes at 32K, the kernel's tile sweep). Eight files in OUT_DIR.
+#
+#   bash scripts/gpu_check.sh OUT_DIR
+#
+# A host without the project's Python packages (a bare GPU image) gets them from wheels in .whl/
+# (transformers and what it needs there), installed into a private folder, never over the image's own.
+set -uo pipefail
+out=${1:?usage: gpu_check.sh OUT_DIR}
+mkdir -p "$out"
+cd "$(dirname "$0")/.."
+py=${PYTHON:-python3}
+if compgen -G ".whl/*.whl" > /dev/null; then
+  $py -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/fusionrag-site \
+    .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/fusionrag-site${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+rc=0
+{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+  $py -c "import torch, transformers, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, \
+'| transformers', transformers.__version__, '| triton', triton.__version__, '|', torch.cuda.get_device_name(0))"
+} 2>&1 | tee "$out/host.txt"
+timeout 120 $py -m pytest -q -p no:cacheprovider -m gpu tests/test_forward_backends.py 2>&1 | tee "$out/pytest_gpu.log" \
+  || rc=1
+for model in tiny-qwen2 tiny-llama; do
+  for backend in reference blocked triton; do
+    # run_doctor directly: the CLI also loads the retrieval stack (faiss), which a bare GPU image lacks
+    timeout 120 $py -c "import json, torch; torch.set_grad_enabled(False)
+from fusionrag.doctor import run_doctor; from fusionrag.models import load_model
+r = run_doctor(load_model('$model', device='cuda', attention='$backend')); print(json.dumps(r)); raise SystemExit(not r['ok'])" \
+      >> "$out/doctor.jsonl" || rc=1
+  done
+done
+cat "$out/doctor.jsonl"
+timeout "${BENCH_TIMEOUT:-300}" $py scripts/gpu_bench.py --out "$out" || rc=1
+timeout "${PROFILE_TIMEOUT:-150}" $py scripts/gpu_profile.py --out "$out" || rc=1
+exit $rc
