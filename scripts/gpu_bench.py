@@ -138,9 +138,17 @@ def methods(lm, prompt: Prompt, chunk_kvs: list, s_kv, backends: list[str]) -> d
     return cells
 
 
-def kernel_alone(lm, context: int, backends: list[str], repeats: int) -> list[dict]:
-    """One layer's sparse recompute attention at 15% of ``context``: every backend vs masked SDPA."""
-    from fusionrag.execution.attention_backends import SparseQuery, get_backend
+def median_ms(device: str, fn: Callable[[], object], repeats: int) -> float:
+    """Median wall time of ``repeats`` calls after one warm-up call (kernels compiled, allocator grown)."""
+    timed(device, fn)
+    return statistics.median(timed(device, fn)[0] for _ in range(repeats))
+
+
+def kernel_inputs(lm, context: int) -> tuple[tuple[torch.Tensor, ...], Callable[[], object], float]:
+    """One layer's sparse-pass inputs at ``RATIO`` of ``context`` (+ the question): ``(q, k_past, v_past,
+    k_new, v_new)``, a factory of fresh :class:`SparseQuery` specs (each memoises its own per-pass masks),
+    and the softmax scale."""
+    from fusionrag.execution.attention_backends import SparseQuery
 
     cfg, dev, dtype = lm.config, lm.device, lm.dtype
     hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
@@ -152,16 +160,25 @@ def kernel_alone(lm, context: int, backends: list[str], repeats: int) -> list[di
     stale[idx.to(dev)] = True
     n = pos.numel()
     t = lambda *s: torch.randn(*s, generator=g).to(device=dev, dtype=dtype)  # noqa: E731
-    q, kp, vp, kn, vn = t(hq, n, d), t(hkv, context, d), t(hkv, context, d), t(hkv, n, d), t(hkv, n, d)
+    tensors = (t(hq, n, d), t(hkv, context, d), t(hkv, context, d), t(hkv, n, d), t(hkv, n, d))
+    return tensors, lambda: SparseQuery(pos, 0, context, stale), d ** -0.5
+
+
+def kernel_alone(lm, context: int, backends: list[str], repeats: int) -> list[dict]:
+    """One layer's sparse recompute attention at 15% of ``context``: every backend vs masked SDPA."""
+    from fusionrag.execution.attention_backends import get_backend
+
+    tensors, spec, scale = kernel_inputs(lm, context)
     names = ["reference", *[b for b in backends if b != "reference"]]
-    specs = {b: SparseQuery(pos, 0, context, stale) for b in names}  # per-pass memo, as in a real pass
-    outs = {b: get_backend(b)(q, kp, vp, kn, vn, specs[b], d ** -0.5).float() for b in names}  # warm-up / compile
+    specs = {b: spec() for b in names}  # one per backend, reused across calls: per-pass memo, as in a real pass
+    outs = {b: get_backend(b)(*tensors, specs[b], scale).float() for b in names}  # warm-up / compile
     times: dict[str, list[float]] = {b: [] for b in names}
     for _ in range(repeats):  # interleaved
         for b in names:
-            times[b].append(timed(str(dev), lambda b=b: get_backend(b)(q, kp, vp, kn, vn, specs[b], d ** -0.5))[0])
+            times[b].append(timed(str(lm.device), lambda b=b: get_backend(b)(*tensors, specs[b], scale))[0])
+    n = tensors[0].shape[1]
     rows = [{"backend": b, "ms": statistics.median(times[b]), "samples_ms": times[b], "queries": n,
-             "context": context, "layers": cfg.num_hidden_layers,
+             "context": context, "layers": lm.config.num_hidden_layers,
              "max_abs_diff_vs_reference": float((outs[b] - outs["reference"]).abs().max())} for b in names]
     ref = next(r["ms"] for r in rows if r["backend"] == "reference")
     for r in rows:
@@ -173,8 +190,9 @@ def run(args: argparse.Namespace, save: Callable[[dict], None] = lambda doc: Non
     """Kernel alone first, then each context (smallest first); ``save`` gets the document after each
     step, so a run stopped at its time limit keeps every finished step."""
     from fusionrag.execution.segments import chunk_kv_plain, system_kv
+    from fusionrag.models.devices import DTYPES
 
-    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[args.dtype]
+    dtype = DTYPES[args.dtype]
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     t0 = time.perf_counter()
     lm = random_model(args.config, device, dtype)

@@ -17,29 +17,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import statistics
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 HERE = Path(__file__).resolve().parent
-
-
-def _median_ms(device: str, fn: Callable[[], object], repeats: int) -> float:
-    fn()  # warm-up: kernels compiled
-    times = []
-    for _ in range(repeats):
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-        times.append((time.perf_counter() - t0) * 1000.0)
-    return statistics.median(times)
 
 
 def _backend_phases(bench, view, s_kv, kvs: list, p, repeats: int) -> dict:
@@ -52,10 +35,11 @@ def _backend_phases(bench, view, s_kv, kvs: list, p, repeats: int) -> dict:
     inp = SelectionInput(view, ctx, ids, spans, torch.tensor(p.question))
     idx = select(make_policy("fusionrag"), inp, bench.RATIO)
     return {
-        "assemble_ms": _median_ms(dev, lambda: assemble_context(view, s_kv, kvs, p.system, p.chunks), repeats),
-        "select_ms": _median_ms(dev, lambda: select(make_policy("fusionrag"), inp, bench.RATIO), repeats),
-        "recompute_ms": _median_ms(dev, lambda: prefill_reused(view, ctx, ids, spans, p.question, idx), repeats),
-        "question_only_ms": _median_ms(dev, lambda: prefill_reused(view, ctx, ids, spans, p.question, None), repeats),
+        "assemble_ms": bench.median_ms(dev, lambda: assemble_context(view, s_kv, kvs, p.system, p.chunks), repeats),
+        "select_ms": bench.median_ms(dev, lambda: select(make_policy("fusionrag"), inp, bench.RATIO), repeats),
+        "recompute_ms": bench.median_ms(dev, lambda: prefill_reused(view, ctx, ids, spans, p.question, idx), repeats),
+        "question_only_ms": bench.median_ms(dev, lambda: prefill_reused(view, ctx, ids, spans, p.question, None),
+                                            repeats),
         "recomputed_tokens": int(idx.numel()),
     }
 
@@ -76,7 +60,7 @@ def phases(bench, lm, context: int, chunk_tokens: int, backends: list[str], repe
         print(f"[gpu_profile] {b}: {out['backends'][b]}", file=sys.stderr, flush=True)
     n = out["backends"][backends[-1]]["recomputed_tokens"] + len(p.question)
     ids_t = torch.tensor([p.ids[:n]], device=lm.device)
-    out["contiguous_prefill_same_tokens_ms"] = _median_ms(dev, lambda: lm.model(ids_t, logits_to_keep=1), repeats)
+    out["contiguous_prefill_same_tokens_ms"] = bench.median_ms(dev, lambda: lm.model(ids_t, logits_to_keep=1), repeats)
     from torch.profiler import ProfilerActivity, profile
 
     view = dataclasses.replace(lm, attention=backends[-1])
@@ -92,31 +76,22 @@ def phases(bench, lm, context: int, chunk_tokens: int, backends: list[str], repe
     return out, prof.key_averages().table(sort_by=sort, row_limit=30)
 
 
-def kernel_tiles(lm, context: int, tiles: list[dict[str, int]], repeats: int) -> dict:
-    """The triton kernel alone at 15% of ``context`` (one layer's shapes) for each tile, vs masked SDPA."""
-    from fusionrag.execution.attention_backends import SparseQuery, get_backend, qsparse_triton
+def kernel_tiles(bench, lm, context: int, tiles: list[dict[str, int]], repeats: int) -> dict:
+    """The triton kernel alone at 15% of ``context`` (one layer's shapes) for each tile, vs masked SDPA;
+    each backend keeps one spec across its calls, so the reference builds its mask once (as in a pass)."""
+    from fusionrag.execution.attention_backends import get_backend, qsparse_triton
 
-    cfg, dev, dtype = lm.config, lm.device, lm.dtype
-    hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
-    g = torch.Generator().manual_seed(1)
-    idx = torch.randperm(context - 64, generator=g)[: int(0.15 * context)].sort().values + 64
-    pos = torch.cat([idx, torch.arange(context, context + 32)]).to(dev)
-    stale = torch.zeros(context, dtype=torch.bool, device=dev)
-    stale[idx.to(dev)] = True
-    n = pos.numel()
-    t = lambda *s: torch.randn(*s, generator=g).to(device=dev, dtype=dtype)  # noqa: E731
-    q, kp, vp, kn, vn = t(hq, n, d), t(hkv, context, d), t(hkv, context, d), t(hkv, n, d), t(hkv, n, d)
-    spec = lambda: SparseQuery(pos, 0, context, stale)  # noqa: E731  (a fresh per-pass memo)
-    ref = get_backend("reference")
-    expected = ref(q, kp, vp, kn, vn, spec(), d ** -0.5).float()
-    res: dict = {"context": context, "queries": n, "dtype": str(dtype),
-                 "reference_ms": _median_ms(str(dev), lambda: ref(q, kp, vp, kn, vn, spec(), d ** -0.5), repeats),
-                 "tiles": []}
+    tensors, spec, scale = bench.kernel_inputs(lm, context)
+    ref, ref_spec = get_backend("reference"), spec()
+    expected = ref(*tensors, ref_spec, scale).float()
+    dev = str(lm.device)
+    res: dict = {"context": context, "queries": tensors[0].shape[1], "dtype": str(lm.dtype),
+                 "reference_ms": bench.median_ms(dev, lambda: ref(*tensors, ref_spec, scale), repeats), "tiles": []}
     for tile in tiles:
         sq = spec()
-        got = qsparse_triton.attend(q, kp, vp, kn, vn, sq, d ** -0.5, config=tile).float()
-        ms = _median_ms(str(dev), lambda tile=tile, sq=sq: qsparse_triton.attend(q, kp, vp, kn, vn, sq, d ** -0.5,
-                                                                                  config=tile), repeats)
+        got = qsparse_triton.attend(*tensors, sq, scale, config=tile).float()
+        ms = bench.median_ms(dev, lambda tile=tile, sq=sq: qsparse_triton.attend(*tensors, sq, scale, config=tile),
+                             repeats)
         res["tiles"].append({**tile, "ms": ms, "speedup_vs_masked_sdpa": res["reference_ms"] / ms,
                              "max_abs_diff_vs_reference": float((got - expected).abs().max())})
         print(f"[gpu_profile] tile {tile}: {ms:.2f} ms", file=sys.stderr, flush=True)
@@ -146,20 +121,22 @@ def main(argv: list[str] | None = None) -> int:
     import gpu_bench as bench
 
     torch.set_grad_enabled(False)
-    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[args.dtype]
+    from fusionrag.files import atomic_write
+    from fusionrag.models.devices import DTYPES
+
+    dtype = DTYPES[args.dtype]
     lm = bench.random_model(args.config, args.device or ("cuda" if torch.cuda.is_available() else "cpu"), dtype)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    from fusionrag.files import atomic_write
-
     doc, table = phases(bench, lm, args.context, args.chunk_tokens, args.backends.split(","), args.repeats)
+    gpu = torch.cuda.get_device_name(lm.device) if lm.device.type == "cuda" else None
     meta = {"command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
-            "config": args.config, "dtype": args.dtype, "device": str(lm.device),
-            "gpu": torch.cuda.get_device_name(0) if lm.device.type == "cuda" else None, "torch": torch.__version__}
+            "config": args.config, "dtype": args.dtype, "device": str(lm.device), "gpu": gpu,
+            "torch": torch.__version__}
     atomic_write(out / f"phases_{args.context}.json", json.dumps({"meta": meta, **doc}, indent=2))
     atomic_write(out / f"profile_recompute_{args.context}.txt", table + "\n")
     if args.tiles and "triton" in args.backends.split(","):
-        tiles = kernel_tiles(lm, args.context, parse_tiles(args.tiles), args.repeats)
+        tiles = kernel_tiles(bench, lm, args.context, parse_tiles(args.tiles), args.repeats)
         atomic_write(out / f"kernel_tiles_{args.context}.json", json.dumps({"meta": meta, **tiles}, indent=2))
     return 0
 

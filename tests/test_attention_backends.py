@@ -67,6 +67,12 @@ def test_triton_kernel_equals_reference(data):
     assert (out - ref).abs().max().item() < 1e-5
 
 
+@pytest.mark.skipif(not triton_available(), reason="Triton is not installed here")
+def test_a_misspelt_kernel_config_key_is_refused():
+    with pytest.raises(ValueError, match="unknown kernel config keys"):
+        get_backend("triton")(*[torch.zeros(1, 1, 16)] * 5, None, 1.0, config={"blockm": 16})
+
+
 def test_positions_must_ascend():
     with pytest.raises(ValueError, match="ascending"):
         SparseQuery(torch.tensor([3, 2]), 0, 2)

@@ -107,10 +107,9 @@ def _kernel():
 _online_softmax_step = None  # set by _kernel()
 
 
-# Tile sizes and warps. On one H200 (Qwen2.5-7B shapes, bf16, 15% of 32K) every tile from 64 x 32 to
-# 256 x 64 with 4-8 warps and 2-3 stages ran 7.2-9.0 ms against masked SDPA's 17.4 ms, except 128 x 64
-# with 4 warps (15.6 ms): the kernel is bound by re-reading each KV head's tiles once per query head,
-# not by its tile shape (docs/results/gpu/README.md).
+# Tile sizes and warps. On one H200 (Qwen2.5-7B shapes, bf16, 15% of 32K) nine tiles (64-256 query rows x
+# 32-128 keys, 4-8 warps, 2-3 stages) ran 7.15-9.03 ms against masked SDPA's 15.35 ms, except 128 x 64
+# with 4 warps (15.6 ms): the tile shape is not what limits the kernel (docs/results/gpu/README.md).
 DEFAULT_CONFIG = {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 2}
 
 
@@ -118,6 +117,9 @@ def attend(q: torch.Tensor, k_past: torch.Tensor, v_past: torch.Tensor, k_new: t
            spec: SparseQuery, scale: float, config: dict[str, int] | None = None) -> torch.Tensor:
     """``[Hq, n, D]`` attention of ``q`` over past + new KV (see the module docstring); ``config``
     overrides :data:`DEFAULT_CONFIG`'s tile sizes, warps and pipeline stages."""
+    unknown = set(config or {}) - set(DEFAULT_CONFIG)
+    if unknown:
+        raise ValueError(f"unknown kernel config keys {sorted(unknown)} (known: {sorted(DEFAULT_CONFIG)})")
     cfg = {**DEFAULT_CONFIG, **(config or {})}
     block_m = cfg["block_m"]
     hq, n, d = q.shape
