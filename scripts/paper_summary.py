@@ -164,13 +164,15 @@ def neighbour_section(root: Path, cs_main) -> tuple[list[str], dict]:
     for ds in sorted({r["dataset"] for _, recs in variants for r in by_folder[_]}):
         # the study's questions on this dataset: every setting has them
         study_qids = {r["qid"] for name, _ in variants for r in by_folder[name] if r["dataset"] == ds}
-        lines += [f"## Where neighbours come from ({ds}, the first {len(study_qids)} questions, "
+        lines += [f"## Where neighbours come from ({ds}, up to the first {len(study_qids)} questions (n per cell), "
                   "100-question knowledge base)", "",
                   "| source | same-question share | preceding share | mean similarity | neighbours/chunk | "
                   "Full Reuse fused - plain (gold NLL) | (KL answer) | FusionRAG 15% - query 15% on plain (gold NLL) "
-                  "| (KL answer) |", "|---|---|---|---|---|---|---|---|---|"]
+                  "| (KL answer) | FusionRAG 15% - the same on corpus top-10 (gold NLL) | (KL first) |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         plain = cs_main.get((ds, "reuse", "plain", 0.0), {})
         query = cs_main.get((ds, "query", "plain", 0.15), {})
+        corpus_fr = cs_main.get((ds, "fusionrag", "fused", 0.15), {})
         for name, folder in folders:
             recs = [r for r in by_folder[name] if r["dataset"] == ds and r["qid"] in study_qids]
             if not recs:
@@ -183,17 +185,20 @@ def neighbour_section(root: Path, cs_main) -> tuple[list[str], dict]:
             fr = cs.get((ds, "fusionrag", "fused", 0.15), {})
             row = {"composition": comp,
                    "reuse_fused_minus_plain": {k: paired(fused, plain, k) for k in ("gold_nll", "kl_answer")},
-                   "fusionrag_minus_query": {k: paired(fr, query, k) for k in ("gold_nll", "kl_answer")}}
+                   "fusionrag_minus_query": {k: paired(fr, query, k) for k in ("gold_nll", "kl_answer")},
+                   "fusionrag_minus_corpus": {k: paired(fr, corpus_fr, k) if name != "corpus" else None
+                                              for k in ("gold_nll", "kl_first_c")}}
             out.setdefault(ds, {})[name] = row
 
             def pct(x):
                 return "n/a" if x is None else f"{x:.0%}"
 
-            reuse, sel = row["reuse_fused_minus_plain"], row["fusionrag_minus_query"]
+            reuse, sel, vs = row["reuse_fused_minus_plain"], row["fusionrag_minus_query"], row["fusionrag_minus_corpus"]
             lines.append(f"| {name} | {pct(comp.get('same_question_share'))} | {pct(comp.get('preceding_share'))} | "
                          f"{comp.get('mean_similarity') or float('nan'):.3f} | "
                          f"{comp.get('neighbours_per_chunk', 0):.1f} | {fmt(reuse['gold_nll'])} | "
-                         f"{fmt(reuse['kl_answer'])} | {fmt(sel['gold_nll'])} | {fmt(sel['kl_answer'])} |")
+                         f"{fmt(reuse['kl_answer'])} | {fmt(sel['gold_nll'])} | {fmt(sel['kl_answer'])} | "
+                         f"{fmt(vs['gold_nll'])} | {fmt(vs['kl_first_c'])} |")
         lines.append("")
     return lines, out
 
