@@ -15,8 +15,9 @@
 # served from the reference (--reuse-full-cache: no TTFT; this study measures quality).
 # MuSiQue (`... musique`): HippoRAG's 100 train questions cut to 10 passages (--max-passages keeps the
 # supporting ones), the core methods at 15%.
-#   c: MuSiQue's variants at 15% and its 5%/30% curve (first 50), then 2WikiMQA's missing curve points.
-#   d: HotpotQA's variants at 15% and its 5%/30% curve (first 50), then its neighbour sources.
+#   c: MuSiQue's and 2WikiMQA's 5%/30% curve (first 50), then MuSiQue's neighbour sources.
+#   d: TriviaQA's teacher-forced cells, HotpotQA's 5%/30% curve, its neighbour sources, MuSiQue's sim0.5.
+#   e: the same question's passages as neighbours at 100 questions (HotpotQA, MuSiQue).
 set -euo pipefail
 export OMP_NUM_THREADS=1
 cd "$(dirname "$0")/.."
@@ -35,7 +36,8 @@ lane_a() {
   Q --data "$WIKI" --limit 50 --kb-limit 100 --ratios 0.05,0.3 --methods fusionrag,fusionrag-authors,cacheblend \
     --no-decode --out $OUT
 }
-neighbours() {  # [--data FILE...] then the settings to run (default: all four): preceding question other-questions sim0.5
+neighbours() {  # [--data FILE] [--max-passages N] then the settings (default: all four); NB_LIMIT questions (50)
+  # preceding question other-questions sim0.5; e.g. NB_LIMIT=100 ... neighbours --data "$HOT" question
   local data=(--data "$WIKI")
   [ "${1:-}" != --data ] || { data=(--data "$2"); shift 2; }
   [ "${1:-}" != --max-passages ] || { data+=(--max-passages "$2"); shift 2; }
@@ -47,7 +49,7 @@ neighbours() {  # [--data FILE...] then the settings to run (default: all four):
     # keeps 2.5 neighbours per chunk on average, only the close ones.
     local source=(--neighbours "$one") out=$one
     [ "$one" != sim0.5 ] || { source=(--min-similarity 0.5); out=corpus-sim0.5; }
-    Q "${data[@]}" --limit 50 --kb-limit 100 "${source[@]}" --fuse-only-evaluated --ratios 0.15 \
+    Q "${data[@]}" --limit "${NB_LIMIT:-50}" --kb-limit 100 "${source[@]}" --fuse-only-evaluated --ratios 0.15 \
       --methods reuse,fusionrag --no-decode --out "docs/results/paper_neighbours/$out"
   done
 }
@@ -75,21 +77,22 @@ curves() {  # DATA [--max-passages N]; CURVE_GROUPS=... runs only those groups a
       --out $OUT
   done
 }
-# The curve's methods (and the authors' scoring on plain KV) on every dataset come before Cache-Craft's
-# offline stage on 2WikiMQA and plain-first at 5%/30% (measured at 15% on all three): sized so that one
-# session's two lanes finish the methods.
-lane_c() {  # MuSiQue's variants and curve, then 2WikiMQA's missing curve points, then MuSiQue's neighbours
-  CURVE_GROUPS="$METHODS_FIRST cachecraft" curves "$MUS_TRAIN" --max-passages 10
-  CURVE_GROUPS="$METHODS_FIRST" curves "$WIKI"
-  neighbours --data "$MUS_TRAIN" --max-passages 10 question
+# Sessions 9-10 ran every curve method but Cache-Craft on 2WikiMQA and plain-first at 5%/30%, and the
+# same-question/preceding neighbour sources; c and d (resumable) finish the rest in about two hours each.
+lane_c() {  # MuSiQue's and 2WikiMQA's remaining curve points, then MuSiQue's neighbour sources
   curves "$MUS_TRAIN" --max-passages 10
   curves "$WIKI"
+  neighbours --data "$MUS_TRAIN" --max-passages 10 question preceding other-questions
 }
-lane_d() {  # HotpotQA's variants and curve, then its neighbour sources, then TriviaQA's 50-question cells
-  CURVE_GROUPS="$METHODS_FIRST cachecraft" curves "$HOT"
-  neighbours --data "$HOT" question preceding
+lane_d() {  # TriviaQA's 50-question cells, HotpotQA's remaining curve points and neighbour sources
   bash scripts/quality_study.sh teacher-forced TRI
   curves "$HOT"
+  neighbours --data "$HOT" question preceding other-questions sim0.5
+  neighbours --data "$MUS_TRAIN" --max-passages 10 sim0.5
+}
+lane_e() {  # the same-question source at 100 questions (session 11: after c / d, one each)
+  NB_LIMIT=100 neighbours --data "$HOT" question
+  NB_LIMIT=100 neighbours --data "$MUS_TRAIN" --max-passages 10 question
 }
 mkdir -p runs
 case "${1:-both}" in
@@ -98,6 +101,7 @@ case "${1:-both}" in
   musique) musique > runs/paper_musique.log 2>&1 ;;
   c) lane_c > runs/paper_c.log 2>&1 ;;
   d) lane_d > runs/paper_d.log 2>&1 ;;
+  e) lane_e > runs/paper_e.log 2>&1 ;;
   neighbours) shift; neighbours "$@" > "runs/paper_neighbours_$(basename -- "${*:-all}" | tr -c 'a-z0-9.\n' _).log" 2>&1 ;;
   # e.g. neighbours preceding; neighbours --data "$HOT" question
   report) ;;
@@ -105,5 +109,9 @@ case "${1:-both}" in
      lane_b > runs/paper_b.log 2>&1 &
      wait ;;
 esac
-.venv/bin/fusionrag bench report --out $OUT --model qwen2.5-0.5b --data "$WIKI" "$HOT" "$MUS_TRAIN"
+# Each `bench quality` call rewrites its folder's report with its own dataset only: rebuild every folder's
+# report from all its records, then the cross-folder summary.
+for out in $OUT docs/results/paper_neighbours/*/; do
+  .venv/bin/fusionrag bench report --out "$out" --model qwen2.5-0.5b --data "$WIKI" "$HOT" "$MUS_TRAIN"
+done
 .venv/bin/python scripts/paper_summary.py --out docs/results
