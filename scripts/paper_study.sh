@@ -17,7 +17,7 @@
 # supporting ones), the core methods at 15%.
 #   c: MuSiQue's and 2WikiMQA's 5%/30% curve (first 50), then MuSiQue's neighbour sources.
 #   d: TriviaQA's teacher-forced cells, HotpotQA's 5%/30% curve, its neighbour sources, MuSiQue's sim0.5.
-#   e: the same question's passages as neighbours at 100 questions (HotpotQA, MuSiQue), MuSiQue's preceding.
+#   e: the same question's and the preceding passages at 100 questions (HotpotQA, MuSiQue), HotpotQA's sim0.5.
 set -euo pipefail
 export OMP_NUM_THREADS=1
 cd "$(dirname "$0")/.."
@@ -91,7 +91,7 @@ lane_d() {  # TriviaQA's 50-question cells, HotpotQA's remaining curve points an
   neighbours --data "$MUS_TRAIN" --max-passages 10 sim0.5
 }
 lane_e() {  # the same-question source at 100 questions, and MuSiQue's upper bound (session 11)
-  NB_LIMIT=100 neighbours --data "$HOT" question
+  NB_LIMIT=100 neighbours --data "$HOT" question preceding sim0.5
   NB_LIMIT=100 neighbours --data "$MUS_TRAIN" --max-passages 10 question preceding
 }
 mkdir -p runs
