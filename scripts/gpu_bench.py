@@ -190,10 +190,10 @@ def run(args: argparse.Namespace, save: Callable[[dict], None] = lambda doc: Non
     """Kernel alone first, then each context (smallest first); ``save`` gets the document after each
     step, so a run stopped at its time limit keeps every finished step."""
     from fusionrag.execution.segments import chunk_kv_plain, system_kv
-    from fusionrag.models.devices import DTYPES
+    from fusionrag.models.devices import DTYPES, default_device
 
     dtype = DTYPES[args.dtype]
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = args.device or default_device()
     t0 = time.perf_counter()
     lm = random_model(args.config, device, dtype)
     backends = args.backends.split(",")

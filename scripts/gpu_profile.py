@@ -25,8 +25,9 @@ import torch
 HERE = Path(__file__).resolve().parent
 
 
-def _backend_phases(bench, view, s_kv, kvs: list, p, repeats: int) -> dict:
-    """One backend's median assemble / select / recompute / question-only times."""
+def _backend_phases(bench, view, s_kv, kvs: list, p, repeats: int) -> tuple[dict, tuple]:
+    """One backend's median assemble / select / recompute / question-only times, and the assembled
+    context and selection (``(ctx, ids, spans, idx)``) for profiling one pass."""
     from fusionrag.online.policies import SelectionInput, make_policy, select
     from fusionrag.online.prefill import assemble_context, prefill_reused
 
@@ -41,14 +42,13 @@ def _backend_phases(bench, view, s_kv, kvs: list, p, repeats: int) -> dict:
         "question_only_ms": bench.median_ms(dev, lambda: prefill_reused(view, ctx, ids, spans, p.question, None),
                                             repeats),
         "recomputed_tokens": int(idx.numel()),
-    }
+    }, (ctx, ids, spans, idx)
 
 
 def phases(bench, lm, context: int, chunk_tokens: int, backends: list[str], repeats: int) -> tuple[dict, str]:
     """Per backend: assemble / select / recompute / question-only, and the profiler table of one pass."""
     from fusionrag.execution.segments import chunk_kv_plain, system_kv
-    from fusionrag.online.policies import SelectionInput, make_policy, select
-    from fusionrag.online.prefill import assemble_context, prefill_reused
+    from fusionrag.online.prefill import prefill_reused
 
     dev = str(lm.device)
     p = bench.make_prompt(lm.config.vocab_size, context, chunk_tokens, bench.SYSTEM_TOKENS, bench.QUESTION_TOKENS)
@@ -56,17 +56,14 @@ def phases(bench, lm, context: int, chunk_tokens: int, backends: list[str], repe
     kvs = [chunk_kv_plain(lm, s_kv, c).to(device=lm.device) for c in p.chunks]
     out: dict = {"context_tokens": len(p.ids), "ratio": bench.RATIO, "backends": {}}
     for b in backends:
-        out["backends"][b] = _backend_phases(bench, dataclasses.replace(lm, attention=b), s_kv, kvs, p, repeats)
+        view = dataclasses.replace(lm, attention=b)
+        out["backends"][b], (ctx, ids, spans, idx) = _backend_phases(bench, view, s_kv, kvs, p, repeats)
         print(f"[gpu_profile] {b}: {out['backends'][b]}", file=sys.stderr, flush=True)
     n = out["backends"][backends[-1]]["recomputed_tokens"] + len(p.question)
     ids_t = torch.tensor([p.ids[:n]], device=lm.device)
     out["contiguous_prefill_same_tokens_ms"] = bench.median_ms(dev, lambda: lm.model(ids_t, logits_to_keep=1), repeats)
     from torch.profiler import ProfilerActivity, profile
 
-    view = dataclasses.replace(lm, attention=backends[-1])
-    ctx, ids, spans = assemble_context(view, s_kv, kvs, p.system, p.chunks)
-    idx = select(make_policy("fusionrag"), SelectionInput(view, ctx, ids, spans, torch.tensor(p.question)),
-                 bench.RATIO)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.startswith("cuda") else [])
     with profile(activities=acts) as prof:
         prefill_reused(view, ctx, ids, spans, p.question, idx)
@@ -122,10 +119,10 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_grad_enabled(False)
     from fusionrag.files import atomic_write
-    from fusionrag.models.devices import DTYPES
+    from fusionrag.models.devices import DTYPES, default_device
 
     dtype = DTYPES[args.dtype]
-    lm = bench.random_model(args.config, args.device or ("cuda" if torch.cuda.is_available() else "cpu"), dtype)
+    lm = bench.random_model(args.config, args.device or default_device(), dtype)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     doc, table = phases(bench, lm, args.context, args.chunk_tokens, args.backends.split(","), args.repeats)
