@@ -28,3 +28,16 @@ def test_doctor_on_cuda_without_a_gpu_is_a_clear_error(capsys, monkeypatch):
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     assert main(["doctor", "--model", "tiny-llama", "--device", "cuda"]) == 2
     assert "torch sees no CUDA device" in capsys.readouterr().err
+
+
+def test_doctor_needs_no_retrieval_stack():
+    """An inference-only image (a GPU host without faiss) can still check exactness: the doctor never imports it."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['faiss'] = None\n"  # any `import faiss` now raises ImportError
+            "from fusionrag.cli import main\n"
+            "raise SystemExit(main(['doctor', '--model', 'tiny-llama', '--compact']))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout)["ok"] is True

@@ -23,13 +23,16 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from fusionrag.errors import FusionRAGError
 from fusionrag.eval.datasets import QAExample
 from fusionrag.retrieval.chunking import Passage, make_chunks
-from fusionrag.retrieval.knowledge import KnowledgeStore
+
+if TYPE_CHECKING:  # the store pulls in faiss: `fusionrag doctor` must parse its arguments without it
+    from fusionrag.retrieval.knowledge import KnowledgeStore
 
 NEIGHBOUR_SOURCES = ("corpus", "question", "preceding", "other-questions")
 
