@@ -18,6 +18,8 @@
 #   c: MuSiQue's and 2WikiMQA's 5%/30% curve (first 50), then MuSiQue's neighbour sources.
 #   d: TriviaQA's teacher-forced cells, HotpotQA's 5%/30% curve, its neighbour sources, MuSiQue's sim0.5.
 #   e: the same question's and the preceding passages at 100 questions (HotpotQA, MuSiQue), HotpotQA's sim0.5.
+#   f: MuSiQue dev's old 50-question cells (quality_teacher_forced), 2WikiMQA's same-question and
+#      preceding passages and MuSiQue's other questions at 100 questions.
 set -euo pipefail
 export OMP_NUM_THREADS=1
 cd "$(dirname "$0")/.."
@@ -94,6 +96,11 @@ lane_e() {  # the same-question source at 100 questions, and MuSiQue's upper bou
   NB_LIMIT=100 neighbours --data "$HOT" question preceding sim0.5
   NB_LIMIT=100 neighbours --data "$MUS_TRAIN" --max-passages 10 question preceding
 }
+lane_f() {  # session 12: MuSiQue dev's old 50-question cells, 2WikiMQA's sources and MuSiQue's other questions at 100
+  bash scripts/quality_study.sh teacher-forced MUS
+  NB_LIMIT=100 neighbours --data "$WIKI" question preceding
+  NB_LIMIT=100 neighbours --data "$MUS_TRAIN" --max-passages 10 other-questions
+}
 mkdir -p runs
 case "${1:-both}" in
   a) lane_a > runs/paper_a.log 2>&1 ;;
@@ -102,6 +109,7 @@ case "${1:-both}" in
   c) lane_c > runs/paper_c.log 2>&1 ;;
   d) lane_d > runs/paper_d.log 2>&1 ;;
   e) lane_e > runs/paper_e.log 2>&1 ;;
+  f) lane_f > runs/paper_f.log 2>&1 ;;
   neighbours) shift; neighbours "$@" > "runs/paper_neighbours_$(basename -- "${*:-all}" | tr -c 'a-z0-9.\n' _).log" 2>&1 ;;
   # e.g. neighbours preceding; neighbours --data "$HOT" question
   report) ;;
