@@ -18,8 +18,8 @@
 #   c: MuSiQue's and 2WikiMQA's 5%/30% curve (first 50), then MuSiQue's neighbour sources.
 #   d: TriviaQA's teacher-forced cells, HotpotQA's 5%/30% curve, its neighbour sources, MuSiQue's sim0.5.
 #   e: the same question's and the preceding passages at 100 questions (HotpotQA, MuSiQue), HotpotQA's sim0.5.
-#   f: MuSiQue dev's old 50-question cells (quality_teacher_forced), 2WikiMQA's same-question and
-#      preceding passages and MuSiQue's other questions at 100 questions.
+#   f: MuSiQue dev's old 50-question cells (quality_teacher_forced); at 100 questions 2WikiMQA's
+#      same-question and preceding passages and similarity floor, other questions on MuSiQue and HotpotQA.
 set -euo pipefail
 export OMP_NUM_THREADS=1
 cd "$(dirname "$0")/.."
@@ -96,10 +96,12 @@ lane_e() {  # the same-question source at 100 questions, and MuSiQue's upper bou
   NB_LIMIT=100 neighbours --data "$HOT" question preceding sim0.5
   NB_LIMIT=100 neighbours --data "$MUS_TRAIN" --max-passages 10 question preceding
 }
-lane_f() {  # session 12: MuSiQue dev's old 50-question cells, 2WikiMQA's sources and MuSiQue's other questions at 100
+lane_f() {  # session 12: MuSiQue dev's old 50-question cells, then more neighbour sources at 100 questions
   bash scripts/quality_study.sh teacher-forced MUS
   NB_LIMIT=100 neighbours --data "$WIKI" question preceding
   NB_LIMIT=100 neighbours --data "$MUS_TRAIN" --max-passages 10 other-questions
+  NB_LIMIT=100 neighbours --data "$HOT" other-questions
+  NB_LIMIT=100 neighbours --data "$WIKI" sim0.5
 }
 mkdir -p runs
 case "${1:-both}" in
