@@ -19,7 +19,7 @@
 #   d: TriviaQA's teacher-forced cells, HotpotQA's 5%/30% curve, its neighbour sources, MuSiQue's sim0.5.
 #   e: the same question's and the preceding passages at 100 questions (HotpotQA, MuSiQue), HotpotQA's sim0.5.
 #   f: MuSiQue dev's old 50-question cells (quality_teacher_forced); at 100 questions 2WikiMQA's
-#      same-question and preceding passages and similarity floor, other questions on MuSiQue and HotpotQA.
+#      same-question, preceding and other questions' passages and similarity floor, the rest elsewhere.
 set -euo pipefail
 export OMP_NUM_THREADS=1
 cd "$(dirname "$0")/.."
@@ -101,7 +101,8 @@ lane_f() {  # session 12: MuSiQue dev's old 50-question cells, then more neighbo
   NB_LIMIT=100 neighbours --data "$WIKI" question preceding
   NB_LIMIT=100 neighbours --data "$MUS_TRAIN" --max-passages 10 other-questions
   NB_LIMIT=100 neighbours --data "$HOT" other-questions
-  NB_LIMIT=100 neighbours --data "$WIKI" sim0.5
+  NB_LIMIT=100 neighbours --data "$WIKI" sim0.5 other-questions
+  NB_LIMIT=100 neighbours --data "$MUS_TRAIN" --max-passages 10 sim0.5
 }
 mkdir -p runs
 case "${1:-both}" in
