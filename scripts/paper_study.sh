@@ -98,11 +98,9 @@ lane_e() {  # the same-question source at 100 questions, and MuSiQue's upper bou
 }
 lane_f() {  # session 12: MuSiQue dev's old 50-question cells, then more neighbour sources at 100 questions
   bash scripts/quality_study.sh teacher-forced MUS
-  NB_LIMIT=100 neighbours --data "$WIKI" question preceding
-  NB_LIMIT=100 neighbours --data "$MUS_TRAIN" --max-passages 10 other-questions
+  NB_LIMIT=100 neighbours --data "$WIKI" question preceding sim0.5 other-questions
+  NB_LIMIT=100 neighbours --data "$MUS_TRAIN" --max-passages 10 other-questions sim0.5
   NB_LIMIT=100 neighbours --data "$HOT" other-questions
-  NB_LIMIT=100 neighbours --data "$WIKI" sim0.5 other-questions
-  NB_LIMIT=100 neighbours --data "$MUS_TRAIN" --max-passages 10 sim0.5
 }
 mkdir -p runs
 case "${1:-both}" in
