@@ -6,7 +6,7 @@ import argparse
 import importlib
 
 # Each module exposes ``register(subparsers)``; imported lazily-cheap (no torch at import).
-_COMMAND_MODULES = ["fusionrag.offline.cli", "fusionrag.online.cli", "fusionrag.eval.cli", "fusionrag.serve.cli"]
+_COMMAND_MODULES = ["fusionrag.offline.cli", "fusionrag.online.cli", "fusionrag.bench.cli", "fusionrag.serve.cli"]
 
 
 def register_commands(sub: argparse._SubParsersAction) -> None:

@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 from fusionrag.errors import FusionRAGError
 from fusionrag.execution.segments import system_kv as compute_system_kv
 from fusionrag.kvcache.kv import KV
-from fusionrag.kvcache.store import CHUNK_KINDS
+from fusionrag.kvcache.store import CHUNK_KINDS, DEFAULT_KV_DTYPE
 from fusionrag.models.registry import LoadedModel
 from fusionrag.offline.compact import after_fuse, keeps_plain
 from fusionrag.offline.preprocess import (
@@ -142,7 +142,7 @@ class IngestReport:
 
 
 def create_store(path: str | Path, lm: LoadedModel, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
-                 kv_dtype: str = "float16", embedder: Embedder | None = None,
+                 kv_dtype: str = DEFAULT_KV_DTYPE, embedder: Embedder | None = None,
                  model_source: str | None = None) -> KnowledgeStore:
     """A new, empty store with ``S``'s KV computed."""
     store = KnowledgeStore.create(path, lm, chunk_tokens=chunk_tokens, kv_dtype=kv_dtype, embedder=embedder,

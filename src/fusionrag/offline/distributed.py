@@ -16,7 +16,7 @@ dies resumes like the local path: entries already written are current and skippe
 
 Ray is an optional extra (``pip install 'fusionrag[ray]'``); nothing here imports it at module
 load. Each actor runs torch with one thread by default (Ray's one CPU per actor), which is how
-the serial run compares to it in ``docs/results/ray``.
+the serial run compares to it in ``benchmarks/ray/results``.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def initial_slots(actors: Sequence[Any], per_actor: int) -> list[Any]:
     """The order in which actors get their first batches: round-robin (a0, a1, ..., a0, a1, ...).
 
     Grouped by actor (a0, a0, a1, a1) a run of two batches sent both to the first actor and left
-    the second idle: measured as no plain-stage speed-up with 2 workers (docs/results/ray).
+    the second idle: measured as no plain-stage speed-up with 2 workers (benchmarks/ray/results).
     """
     return [a for _ in range(per_actor) for a in actors]
 

@@ -35,21 +35,15 @@ from fusionrag.kvcache.prefix_cache import AlternativePathCache
 from fusionrag.kvcache.sources import Key, KVSource, MemoryTier
 from fusionrag.kvcache.store import KVEntry
 from fusionrag.models.registry import LoadedModel
-from fusionrag.online.policies import METHODS, SelectionInput, make_policy, select
+from fusionrag.online.methods import make_policy
+from fusionrag.online.policies import SelectionInput, select
 from fusionrag.online.prefill import Prefilled, assemble_context, prefill_full, prefill_reused
+from fusionrag.online.request import DEFAULT_TOP_K, ReuseRequest, resolved_kv
 from fusionrag.prompt import passage_hash
 from fusionrag.retrieval.knowledge import KnowledgeStore
 
 log = logging.getLogger(__name__)
 
-DEFAULT_TOP_K = 5
-#: Which stored KV a method reuses unless ``kv=`` says otherwise. FusionRAG is query-guided
-#: selection on the fused (offline-preprocessed) caches, the first chunk's plain cache where the store
-#: holds it; every baseline uses plain caches.
-DEFAULT_KV = {"fusionrag": "plain-first"}  # measured: docs/decisions.md, "Plain KV for the first chunk"
-#: What a request reuses: plain KV, fused KV, or fused KV except the prompt's first chunk
-#: (``plain-first``: right after ``S`` a chunk's plain KV is exactly Full Attention's).
-KV_KINDS = ("plain", "fused", "plain-first")
 
 
 @dataclass
@@ -181,10 +175,10 @@ class Engine:
 
     def answer(self, question: str, method: str = "fusionrag", ratio: float = 0.15, top_k: int | None = None,
                chunks: Sequence[dict] | None = None, max_new_tokens: int = 32, kv: str | None = None,
-               **policy_options: Any) -> Answer:
+               preamble: str = "") -> Answer:
         """Answer ``question``; ``chunks`` (``{title, text}`` dicts, in order) bypasses retrieval."""
         with self._lock:
-            prep = self.prepare(question, method, ratio, top_k, chunks, kv, **policy_options)
+            prep = self.prepare(question, method, ratio, top_k, chunks, kv, preamble)
             ids = list(greedy_tokens(self.lm, prep.take_kv(), prep.pre.last_logits, max_new_tokens))
         return self.finish(prep, ids)
 
@@ -201,23 +195,19 @@ class Engine:
             if tail:
                 yield tail
 
-    def prepare(self, question: str, method: str = "fusionrag", ratio: float = 0.15, top_k: int | None = None,
-                chunks: Sequence[dict] | None = None, kv: str | None = None, preamble: str = "",
-                **policy_options: Any) -> Prepared:
+    def prepare(self, question: str | ReuseRequest, method: str = "fusionrag", ratio: float = 0.15,
+                top_k: int | None = None, chunks: Sequence[dict] | None = None, kv: str | None = None,
+                preamble: str = "") -> Prepared:
         """Everything up to the first answer token, with the TTFT breakdown.
 
-        ``preamble`` (a system message, earlier turns: :func:`fusionrag.prompt.conversation_preamble`)
-        goes into the question segment, after the reused passages; retrieval uses ``question`` alone."""
-        question = (question or "").strip()
-        if not question:
-            raise FusionRAGError("the question is empty")
-        if method not in METHODS:
-            raise FusionRAGError(f"unknown method '{method}'; choose one of: {', '.join(METHODS)}")
-        if not 0.0 <= float(ratio) <= 1.0:
-            raise FusionRAGError(f"ratio must be within [0, 1], got {ratio}")
-        kv_kind = kv or DEFAULT_KV.get(method, "plain")
-        if kv_kind not in KV_KINDS:
-            raise FusionRAGError(f"kv must be one of {', '.join(KV_KINDS)}, got {kv_kind!r}")
+        Takes a :class:`~fusionrag.online.request.ReuseRequest` or its fields. ``preamble`` (a system
+        message, earlier turns: :func:`fusionrag.prompt.conversation_preamble`) goes into the question
+        segment, after the reused passages; retrieval uses ``question`` alone."""
+        req = question if isinstance(question, ReuseRequest) else \
+            ReuseRequest(question, method, ratio, kv, top_k, chunks, preamble)
+        req = req.validated()
+        question, method, ratio, kv_kind = req.question, req.method, req.ratio, str(req.kv)
+        top_k, chunks, preamble = req.top_k, req.chunks, req.preamble
         t_start = time.perf_counter()
         timings: dict[str, float] = {}
         if self.store.refresh():  # another process wrote to the store: its index and KV may have changed
@@ -233,7 +223,6 @@ class Engine:
         if method == "full":
             timings["load"] = timings["select"] = 0.0
             pre = prefill_full(self.lm, self.prompt.system_token_ids, token_ids, question_token_ids)
-            ratio = 1.0
         else:
             t0 = time.perf_counter()
             entries, fallbacks = self._load(chunk_ids, passages, token_ids, kv_kind)
@@ -242,12 +231,12 @@ class Engine:
             timings["load"] = _ms(t0)
             t0 = time.perf_counter()
             if method == "reuse":
-                idx, ratio = None, 0.0
+                idx = None
             else:
                 scores = self._cachecraft_scores(chunk_ids, entries, kv_kind) if method == "cachecraft" else []
                 inp = SelectionInput(self.lm, ctx, ctx_ids, spans, torch.tensor(question_token_ids),
                                      chunk_scores=scores)
-                idx = select(make_policy(method, **policy_options), inp, float(ratio))
+                idx = select(make_policy(method), inp, float(ratio))
             timings["select"] = _ms(t0)
             pre = prefill_reused(self.lm, ctx, ctx_ids, spans, question_token_ids, idx)
         timings["recompute"] = pre.timings_ms["recompute"]
@@ -255,7 +244,7 @@ class Engine:
         int(torch.argmax(pre.last_logits))  # the first token itself (part of TTFT)
         timings["first_token"] = _ms(t0)
         timings["total"] = _ms(t_start)
-        return Prepared(pre, method, kv_kind if method != "full" else "none", float(ratio), chunk_ids, passages,
+        return Prepared(pre, method, kv_kind, float(ratio), chunk_ids, passages,
                         token_ids, timings, fallbacks)
 
     def finish(self, prep: Prepared, token_ids: list[int]) -> Answer:
@@ -299,9 +288,13 @@ class Engine:
             chunk_ids, _ = self._retrieve(question.strip(), top_k, chunks)
         except FusionRAGError:
             return
-        self.prefetch_chunks(chunk_ids, kv or DEFAULT_KV.get(method, "plain"))
+        try:
+            kind = resolved_kv(method, kv)
+        except FusionRAGError:
+            return
+        self.prefetch_chunks(chunk_ids, kind)
 
-    def prefetch_chunks(self, chunk_ids: Sequence[int | None], kv: str = "fused") -> None:
+    def prefetch_chunks(self, chunk_ids: Sequence[int | None], kv: str = "plain-first") -> None:
         """Start loading these chunks' KV in the background (a no-op without a caching tier)."""
         kinds = self.kinds_for(chunk_ids, kv)
         keys = (self._stored_key(c, k) for c, k in zip(chunk_ids, kinds, strict=True))

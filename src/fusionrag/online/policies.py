@@ -8,11 +8,13 @@ Attention and ``ratio <= 0`` Full Reuse, whatever the policy.
 
 | name | signal |
 |---|---|
-| ``fusionrag`` / ``query`` | question's last-layer attention over each chunk (``query``: same, on plain KV) |
-| ``cacheblend`` | layer-1 deviation between fresh and reused V (or K) |
-| ``cachecraft`` | attention each token paid to the preceding chunks when its KV was built (stored) |
-| ``epic`` | the first tokens of each chunk (attention sinks) |
-| ``random`` | uniform (control) |
+| ``fusionrag`` | the question's last-layer attention over the whole prompt |
+| ``cacheblend`` (baseline) | layer-1 deviation between fresh and reused V (or K) |
+| ``cachecraft`` (baseline) | attention each token paid to the preceding chunks when its KV was built (stored) |
+| ``epic`` (baseline) | the first tokens of each chunk (attention sinks) |
+
+Which names exist, and which KV each reuses by default, is :mod:`fusionrag.online.methods`
+(studies register their own variants there).
 """
 
 from __future__ import annotations
@@ -27,7 +29,6 @@ from fusionrag.execution.attention import attention_probs, attention_scale, capt
 from fusionrag.execution.forward import forward, forward_first_layers, visibility
 from fusionrag.kvcache.kv import KV
 from fusionrag.models.registry import LoadedModel
-from fusionrag.models.rope import rotate_keys
 from fusionrag.online.prefill import all_chunk_indices
 
 EPIC_MAX_PER_CHUNK = 32
@@ -41,7 +42,6 @@ class SelectionInput:
     spans: list[tuple[int, int]]  # chunk spans in the context
     question_token_ids: torch.Tensor  # [q]
     chunk_scores: list[torch.Tensor | None] = field(default_factory=list)  # Cache-Craft, per chunk
-    seed: int = 0
 
     @property
     def candidates(self) -> torch.Tensor:
@@ -85,58 +85,49 @@ def select(policy: Policy, inp: SelectionInput, ratio: float) -> torch.Tensor:
 # --- query-guided (FusionRAG) ---------------------------------------------------------
 
 
-def question_attention(inp: SelectionInput, softmax: str = "global", skip_first_chunk: bool = False) -> torch.Tensor:
-    """Critical score per candidate: the question's last-layer attention, summed over question tokens and heads.
+@dataclass
+class QuestionQueries:
+    """The question's last-layer queries over an assembled context (what query-guided scoring reads)."""
 
-    ``global`` uses the model's real attention distribution over the whole prompt (our default);
-    ``per_chunk`` normalises it within each chunk against the re-positioned keys; ``authors`` is
-    the public research code's scoring: softmax within each chunk against the chunk's keys at
-    their **stored base position** (``len(S)``, not where the chunk sits in this prompt).
-    ``skip_first_chunk`` (their Qwen2 code) never selects the first chunk's tokens.
-    """
+    queries: torch.Tensor  # [heads, q, d], RoPE applied at the question's positions
+    question_keys: torch.Tensor  # [kv_heads, q, d] the question's own last-layer keys
+    positions: torch.Tensor  # [q]
+
+
+def question_queries(inp: SelectionInput) -> QuestionQueries:
+    """One forward of the question over the assembled context, capturing its last-layer queries.
+
+    Public so that scoring variants (``studies/selection``) can score the same queries differently."""
     lm, T = inp.lm, len(inp.context)
     q_pos = torch.arange(T, T + inp.question_token_ids.numel())
     with capture_last_layer_queries(lm) as captured:
         res = forward(lm, inp.question_token_ids, q_pos, inp.context)
-    queries = finish_queries(lm, captured[-1], q_pos)  # [heads, q, d]
-    scale = attention_scale(lm)
-    if softmax == "global":
-        keys = torch.cat([inp.context.keys[-1].float(), res.keys[-1]], dim=1)
-        allowed = visibility(torch.arange(T), None, q_pos)
-        probs = attention_probs(queries, keys, allowed, scale)  # [heads, q, T+q]
-        scores = probs.sum(dim=(0, 1))[:T][inp.candidates]
-    elif softmax in ("per_chunk", "authors"):
-        base = inp.spans[0][0] if inp.spans else 0  # len(S): where stored chunk KV starts
-        parts = []
-        for a, b in inp.spans:
-            keys = inp.context.keys[-1, :, a:b].float()
-            if softmax == "authors":
-                keys = rotate_keys(keys, base - a, lm.inv_freq)
-            allowed = torch.ones(q_pos.numel(), b - a, dtype=torch.bool)
-            parts.append(attention_probs(queries, keys, allowed, scale).sum(dim=(0, 1)))
-        scores = torch.cat(parts) if parts else torch.empty(0)
-    else:
-        raise ValueError(f"unknown softmax mode {softmax!r}")
-    if skip_first_chunk and inp.spans:
-        a, b = inp.spans[0]
-        scores = scores.clone()
-        scores[: b - a] = -float("inf")  # candidates are in span order: the first chunk comes first
-    return scores
+    return QuestionQueries(finish_queries(lm, captured[-1], q_pos), res.keys[-1], q_pos)
+
+
+def question_attention(inp: SelectionInput) -> torch.Tensor:
+    """Critical score per candidate: the question's last-layer attention, summed over question tokens and heads.
+
+    The model's real attention distribution over the whole prompt (one softmax over ``S``, every
+    chunk and the question): it ranks tokens by the attention the model actually pays. Per-chunk
+    normalisations (the research code's) measured no better: ``docs/decisions/``.
+    """
+    T = len(inp.context)
+    qq = question_queries(inp)
+    keys = torch.cat([inp.context.keys[-1].float(), qq.question_keys], dim=1)
+    allowed = visibility(torch.arange(T), None, qq.positions)
+    probs = attention_probs(qq.queries, keys, allowed, attention_scale(inp.lm))  # [heads, q, T+q]
+    return probs.sum(dim=(0, 1))[:T][inp.candidates]
 
 
 @dataclass
 class QueryGuided:
-    """Query-guided selection. Default ``global`` softmax: measured better than ``per_chunk``
-    on HotpotQA and TriviaQA (agreement with Full Attention, first-token KL, top-1; see
-    docs/decisions.md), since it ranks tokens by the attention the model actually pays.
-    ``authors`` (the research code's scoring) measured no different at 15% (docs/decisions.md)."""
+    """FusionRAG's online selection: the tokens the question attends to most (:func:`question_attention`)."""
 
     name: str = "fusionrag"
-    softmax: str = "global"
-    skip_first_chunk: bool = False
 
     def scores(self, inp: SelectionInput) -> torch.Tensor:
-        return question_attention(inp, self.softmax, self.skip_first_chunk)
+        return question_attention(inp)
 
 
 # --- CacheBlend -----------------------------------------------------------------------
@@ -207,34 +198,6 @@ class Epic:
             score[EPIC_MAX_PER_CHUNK:] = -float("inf")
             parts.append(score)
         return torch.cat(parts)
-
-
-@dataclass
-class RandomTokens:
-    name: str = "random"
-
-    def scores(self, inp: SelectionInput) -> torch.Tensor:
-        gen = torch.Generator().manual_seed(inp.seed)
-        return torch.rand(inp.candidates.numel(), generator=gen)
-
-
-POLICIES: dict[str, type] = {
-    "fusionrag": QueryGuided,
-    "query": QueryGuided,
-    "cacheblend": CacheBlend,
-    "cachecraft": CacheCraft,
-    "epic": Epic,
-    "random": RandomTokens,
-}
-METHODS = ["full", "reuse", *POLICIES]
-
-
-def make_policy(method: str, **options) -> Policy:
-    if method not in POLICIES:
-        raise FusionRAGError(f"unknown method '{method}'; choose one of: {', '.join(METHODS)}")
-    if method in ("fusionrag", "query"):
-        return QueryGuided(name=method, **options)
-    return POLICIES[method](**options)
 
 
 def epic_budget(ratio: float, spans: list[tuple[int, int]]) -> int:

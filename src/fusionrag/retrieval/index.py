@@ -6,7 +6,7 @@ Exact search is a scan of every vector: fine for the knowledge bases preprocesse
 O(N) per query and O(N^2) for the offline stage's all-pairs neighbour lists at a million
 chunks. So once the index holds ``approx_threshold`` vectors (default
 :data:`APPROX_THRESHOLD`), searches go through an HNSW graph built over the same vectors
-(``IndexHNSWFlat``; measured in ``docs/results/ann``: recall@10 and query time at 100K and
+(``IndexHNSWFlat``; measured in ``benchmarks/ann/results``: recall@10 and query time at 100K and
 1M against exact search). The graph is built lazily on the first search after a change
 that it cannot absorb (adds are absorbed; a removal means a rebuild). Below the threshold
 every result is exact, as before.
@@ -28,7 +28,7 @@ from fusionrag.files import atomic_write_with
 
 #: Vectors from which searches use the HNSW graph instead of an exact scan (docs/decisions.md).
 APPROX_THRESHOLD = 50_000
-#: HNSW parameters (docs/results/ann): graph degree, build and search beam widths.
+#: HNSW parameters (benchmarks/ann/results): graph degree, build and search beam widths.
 HNSW_M = 32
 HNSW_EF_CONSTRUCTION = 80
 HNSW_EF_SEARCH = 96

@@ -36,7 +36,7 @@ from tqdm.auto import tqdm
 from fusionrag.errors import CacheIntegrityError, FusionRAGError
 from fusionrag.kvcache.kv import KV
 from fusionrag.kvcache.sources import DiskSource
-from fusionrag.kvcache.store import CHUNK_KINDS, KVEntry, KVStore, canonical_dtype
+from fusionrag.kvcache.store import CHUNK_KINDS, DEFAULT_KV_DTYPE, KVEntry, KVStore, canonical_dtype
 from fusionrag.models.registry import LoadedModel
 from fusionrag.prompt import PromptBuilder, chunk_text
 from fusionrag.retrieval.chunking import DEFAULT_CHUNK_TOKENS, Chunk
@@ -102,7 +102,7 @@ class KnowledgeStore:
     # ------------------------------------------------------------ create / open
 
     @classmethod
-    def create(cls, path, lm: LoadedModel, chunk_tokens: int = DEFAULT_CHUNK_TOKENS, kv_dtype: str = "float16",
+    def create(cls, path, lm: LoadedModel, chunk_tokens: int = DEFAULT_CHUNK_TOKENS, kv_dtype: str = DEFAULT_KV_DTYPE,
                embedder: Embedder | None = None, model_source: str | None = None) -> KnowledgeStore:
         """A new, empty store for ``lm`` (``model_source``: what :func:`load_model` needs to reload it).
 

@@ -40,7 +40,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from fusionrag.online.explain import render_explain_html
-from fusionrag.online.policies import METHODS
+from fusionrag.online.methods import methods
 from fusionrag.serve.batching import BatchScheduler
 from fusionrag.serve.documents import DocumentJob, DocumentJobs, check_job_size
 from fusionrag.serve.generation import RecentAnswers, Server, generate
@@ -165,7 +165,7 @@ def create_app(engine: Any, settings: ServerSettings | None = None,
 
     @app.get("/ui")
     async def ui() -> Response:
-        return HTMLResponse(ui_page(sorted(METHODS), s.default_method, s.default_ratio, bool(s.api_key)))
+        return HTMLResponse(ui_page(methods(), s.default_method, s.default_ratio, bool(s.api_key)))
 
     # -- documents --------------------------------------------------------------------------
 

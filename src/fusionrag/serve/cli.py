@@ -1,7 +1,7 @@
 """``fusionrag serve``: the OpenAI-compatible HTTP server on the command line.
 
 ``register(sub)`` adds the sub-command; nothing heavy is imported until it runs. The load
-test against this server is ``fusionrag bench serve`` (:mod:`fusionrag.eval.cli`).
+test against this server is ``fusionrag bench serve`` (:mod:`fusionrag.bench.cli`).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Building a server from command-line options: one definition for ``fusionrag serve`` and ``bench serve``.
 
-The serving CLI runs the app with uvicorn; the load test (:mod:`fusionrag.eval`) starts the
+The serving CLI runs the app with uvicorn; the load test (:mod:`fusionrag.bench`) starts the
 same app in-process. Both take the same options and must build the same server, so the
 options, the settings they make and the engine factory live here, below both commands.
 Nothing heavy is imported until a server is built.

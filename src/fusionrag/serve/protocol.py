@@ -11,7 +11,6 @@ from __future__ import annotations
 import html
 import json
 import logging
-import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,7 +21,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 from fusionrag.errors import CacheIntegrityError, FusionRAGError
-from fusionrag.online.policies import METHODS
+from fusionrag.online.request import InvalidRequest, ReuseRequest
 from fusionrag.prompt import conversation_preamble
 from fusionrag.retrieval.store_files import StoreBusyError, StoreCorruptedError
 from fusionrag.serve.requests import (
@@ -168,30 +167,30 @@ def split_documents(text: str, where: str) -> tuple[str, list[dict]]:
 
 @dataclass
 class GenerateRequest:
-    """A validated chat or text completion: the question, its passages, and how to generate."""
+    """A validated chat or text completion: the question and its reuse settings, and how to generate."""
 
-    question: str
+    reuse: ReuseRequest
     max_tokens: int
     stream: bool
     include_usage: bool
-    method: str
-    ratio: float
     sampling: SamplingParams
-    top_k: int | None = None
-    kv: str | None = None
-    documents: list[dict] | None = None
-    preamble: str = ""  # system messages and earlier turns (the question segment, after the passages)
     model: str | None = None
+
+    @property
+    def question(self) -> str:
+        return self.reuse.question
+
+    @property
+    def method(self) -> str:
+        return self.reuse.method
+
+    @property
+    def ratio(self) -> float:
+        return self.reuse.ratio
 
     def prepare_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``engine.prepare``; options the client left out keep the engine's defaults."""
-        kwargs: dict[str, Any] = {"method": self.method, "ratio": self.ratio}
-        for name, value in (("top_k", self.top_k), ("kv", self.kv), ("chunks", self.documents)):
-            if value is not None:
-                kwargs[name] = value
-        if self.preamble:
-            kwargs["preamble"] = self.preamble
-        return kwargs
+        return self.reuse.as_kwargs()
 
 
 def _validated(model: type[ChatCompletionRequest | CompletionRequest], body: Any) -> Any:
@@ -205,7 +204,8 @@ def _validated(model: type[ChatCompletionRequest | CompletionRequest], body: Any
 
 
 def _common(req: ChatCompletionRequest | CompletionRequest, s: ServerSettings, question: str,
-            documents: list[dict] | None, max_tokens: int | None, logprobs: bool, top_logprobs: int) -> GenerateRequest:
+            documents: list[dict] | None, max_tokens: int | None, logprobs: bool, top_logprobs: int,
+            preamble: str = "") -> GenerateRequest:
     """The checks chat and text completions share (limits from the server's settings)."""
     if req.n not in (None, 1):
         raise APIError(400, "only n=1 is supported (send n requests with different seeds instead)",
@@ -214,16 +214,11 @@ def _common(req: ChatCompletionRequest | CompletionRequest, s: ServerSettings, q
         raise APIError(400, f"'max_tokens' must be at most {s.max_new_tokens}, got {max_tokens}",
                        code="invalid_value", param="max_tokens")
     method = req.method or s.default_method
-    if method not in METHODS:
-        raise APIError(400, f"unknown method {method!r}; choose one of: {', '.join(METHODS)}", code="unknown_method",
-                       param="method")
     ratio = s.default_ratio if req.ratio is None else req.ratio
-    if not math.isfinite(ratio) or not 0.0 <= ratio <= 1.0:
-        raise APIError(400, f"'ratio' must be a number within [0, 1], got {ratio!r}", code="invalid_ratio",
-                       param="ratio")
-    if req.top_k is not None and not 1 <= req.top_k <= s.max_top_k:
-        raise APIError(400, f"'top_k' (retrieval depth) must be between 1 and {s.max_top_k}, got {req.top_k}",
-                       code="invalid_value", param="top_k")
+    try:
+        ReuseRequest(question, method, ratio, req.kv, req.top_k).fields_validated(max_top_k=s.max_top_k)
+    except InvalidRequest as exc:
+        raise APIError(400, str(exc), code=exc.code, param=exc.param) from None
     if req.documents is not None:
         if documents:
             raise APIError(400, "passages were sent both in 'documents' and as <document> blocks in the message; "
@@ -242,10 +237,12 @@ def _common(req: ChatCompletionRequest | CompletionRequest, s: ServerSettings, q
         temperature=s.default_temperature if req.temperature is None else float(req.temperature),
         top_p=1.0 if req.top_p is None else float(req.top_p), top_k=req.sample_top_k or 0, seed=req.seed,
         stop=tuple(stops), logprobs=logprobs, top_logprobs=top_logprobs)
+    # The client's fields as sent (validated above); the engine resolves the defaults.
+    reuse = ReuseRequest(question.strip(), method, float(ratio), req.kv, req.top_k, documents, preamble)
     return GenerateRequest(
-        question=question.strip(), max_tokens=max_tokens or s.default_max_tokens, stream=bool(req.stream),
-        include_usage=bool(req.stream_options and req.stream_options.include_usage), method=method,
-        ratio=float(ratio), sampling=sampling, top_k=req.top_k, kv=req.kv, documents=documents, model=req.model)
+        reuse=reuse, max_tokens=max_tokens or s.default_max_tokens, stream=bool(req.stream),
+        include_usage=bool(req.stream_options and req.stream_options.include_usage), sampling=sampling,
+        model=req.model)
 
 
 def _text(content: str | list[TextPart] | None) -> str:
@@ -281,8 +278,8 @@ def parse_chat(body: Any, s: ServerSettings) -> GenerateRequest:
     max_tokens = req.max_tokens if req.max_tokens is not None else req.max_completion_tokens
     if req.top_logprobs and not req.logprobs:
         raise APIError(400, "'top_logprobs' needs 'logprobs': true", code="invalid_value", param="top_logprobs")
-    out = _common(req, s, question, docs, max_tokens, bool(req.logprobs), req.top_logprobs or 0)
-    out.preamble = conversation_preamble(system, turns)
+    out = _common(req, s, question, docs, max_tokens, bool(req.logprobs), req.top_logprobs or 0,
+                  conversation_preamble(system, turns))
     return out
 
 

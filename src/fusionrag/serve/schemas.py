@@ -13,6 +13,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from fusionrag.online.methods import KVKind
+
 NonNegFloat = Annotated[float, Field(ge=0.0)]
 
 #: Fields OpenAI defines that fusionrag refuses, and why (the rest of the unknown ones get a generic message).
@@ -82,7 +84,7 @@ class _Generation(_Body):
     method: str | None = None
     ratio: float | None = None
     top_k: int | None = Field(None, description="retrieval depth: how many chunks to retrieve")
-    kv: Literal["plain", "fused", "plain-first"] | None = None
+    kv: KVKind | None = None
     documents: list[Any] | None = Field(None, description="[{title, text}] passages used instead of retrieval")
 
 

@@ -109,7 +109,7 @@ _online_softmax_step = None  # set by _kernel()
 
 # Tile sizes and warps. On one H200 (Qwen2.5-7B shapes, bf16, 15% of 32K) nine tiles (64-256 query rows x
 # 32-128 keys, 4-8 warps, 2-3 stages) ran 7.15-9.03 ms against masked SDPA's 15.35 ms, except 128 x 64
-# with 4 warps (15.6 ms): the tile shape is not what limits the kernel (docs/results/gpu/README.md).
+# with 4 warps (15.6 ms): the tile shape is not what limits the kernel (benchmarks/gpu/results/README.md).
 DEFAULT_CONFIG = {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 2}
 
 

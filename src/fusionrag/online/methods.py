@@ -1,0 +1,110 @@
+"""The reuse methods a request can name, one registry for every door (CLI, server, Python, bench).
+
+A method is ``full`` (Full Attention), ``reuse`` (Full Reuse) or a selection policy. Each
+policy has a default KV kind, the stored KV it reuses unless a request says otherwise, so
+``fusionrag`` means the same thing in ``ask``, ``serve``, :class:`~fusionrag.Engine` and
+``bench``: query-guided selection on fused KV with the prompt's first chunk plain
+(``plain-first``; right after ``S`` a chunk's plain KV is exactly Full Attention's, and it
+measured closer to Full Attention: ``docs/decisions/``).
+
+The product offers ``full``, ``reuse``, ``fusionrag`` and the published baselines
+(``cacheblend``, ``cachecraft``, ``epic``). Research variants (other scorings, controls)
+register themselves with :func:`register_policy` from outside the package (``studies/``);
+they are usable through the Python API and ``bench quality`` once registered, and never
+shown by the product's CLI or server.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+from fusionrag.errors import FusionRAGError
+from fusionrag.online.policies import CacheBlend, CacheCraft, Epic, Policy, QueryGuided
+
+#: Stored KV a request can reuse: plain (each chunk after ``S`` alone), fused (after its nearest
+#: chunks, offline), or fused except the prompt's first chunk, which reads its plain KV.
+KV_KINDS: tuple[str, ...] = ("plain", "fused", "plain-first")
+KVKind = Literal["plain", "fused", "plain-first"]
+Kind = Literal["product", "baseline", "study"]
+
+
+@dataclass(frozen=True)
+class MethodInfo:
+    """What a method name means: how to build its policy and which KV it reuses by default."""
+
+    name: str
+    factory: Callable[[], Policy] | None  # None: full / reuse (no selection)
+    kv: str  # default KV kind ("none" for Full Attention)
+    kind: Kind
+    reads_stored_scores: bool = False  # Cache-Craft: scores recorded with the fused KV
+    description: str = ""
+
+
+_REGISTRY: dict[str, MethodInfo] = {}
+
+
+def register_policy(name: str, factory: Callable[[], Policy], *, kv: str = "plain", kind: Kind = "study",
+                    reads_stored_scores: bool = False, description: str = "") -> MethodInfo:
+    """Make ``name`` a method every door accepts (``Engine.prepare(method=name)``, ``bench quality``).
+
+    ``factory()`` returns a fresh policy (an object with ``scores(SelectionInput)``); ``kv`` is the
+    KV kind it reuses by default. Registering a name again replaces it (a study re-run in one process)."""
+    if kv not in KV_KINDS:
+        raise FusionRAGError(f"kv must be one of {', '.join(KV_KINDS)}, got {kv!r}")
+    if name in ("full", "reuse"):
+        raise FusionRAGError(f"'{name}' is not a selection policy and cannot be replaced")
+    info = MethodInfo(name, factory, kv, kind, reads_stored_scores, description)
+    _REGISTRY[name] = info
+    return info
+
+
+_REGISTRY["full"] = MethodInfo("full", None, "none", "product", description="Full Attention (recompute everything)")
+_REGISTRY["reuse"] = MethodInfo("reuse", None, "plain", "product", description="Full Reuse (recompute nothing)")
+register_policy("fusionrag", QueryGuided, kv="plain-first", kind="product",
+                description="FusionRAG: query-guided selection on fused KV")
+register_policy("cacheblend", CacheBlend, kind="baseline", description="baseline: CacheBlend (layer-1 KV deviation)")
+register_policy("cachecraft", CacheCraft, kind="baseline", reads_stored_scores=True,
+                description="baseline: Cache-Craft (stored inter-chunk attention)")
+register_policy("epic", Epic, kind="baseline", description="baseline: EPIC (each chunk's first tokens)")
+
+
+def method_info(name: str) -> MethodInfo:
+    """The registered method ``name``, or a one-line error listing the choices."""
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise FusionRAGError(f"unknown method '{name}'; choose one of: {', '.join(methods())}") from None
+
+
+def methods(*kinds: Kind) -> list[str]:
+    """Registered method names (of these kinds; default: the product's and the baselines')."""
+    wanted = set(kinds or ("product", "baseline"))
+    return [n for n, info in _REGISTRY.items() if info.kind in wanted]
+
+
+def all_methods() -> list[str]:
+    """Every registered name, study variants included."""
+    return list(_REGISTRY)
+
+
+def make_policy(method: str) -> Policy:
+    """A fresh policy object for a selection method."""
+    info = method_info(method)
+    if info.factory is None:
+        raise FusionRAGError(f"'{method}' selects nothing (it is not a selection policy)")
+    return info.factory()
+
+
+def default_kv(method: str) -> str:
+    """The KV kind ``method`` reuses unless a request names one."""
+    return method_info(method).kv
+
+
+def reads_store(method: str, kv: str) -> bool:
+    """Whether a method's result depends on the store's offline stage (fused KV or stored scores).
+
+    Plain KV is a function of the chunk alone; fused KV and Cache-Craft's scores depend on its neighbours."""
+    info = _REGISTRY.get(method)  # records of methods no longer registered are still read
+    return kv in ("fused", "plain-first") or (info.reads_stored_scores if info else method == "cachecraft")

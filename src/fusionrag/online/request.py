@@ -1,0 +1,114 @@
+"""``ReuseRequest``: what a request asks of the reuse path, validated in one place.
+
+The CLI (``ask``), the server's request bodies, the Python API and the benchmarks all build
+one of these and call :meth:`ReuseRequest.validated`; none of them checks a method name, a
+ratio or a KV kind on its own. An invalid field raises :class:`InvalidRequest`, a
+:class:`~fusionrag.errors.FusionRAGError` that also names the field (``param``) so the
+server can answer a 400 that points at it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from fusionrag.errors import FusionRAGError
+from fusionrag.online.methods import KV_KINDS, default_kv, method_info
+
+DEFAULT_METHOD = "fusionrag"
+DEFAULT_RATIO = 0.15
+DEFAULT_TOP_K = 5
+
+
+class InvalidRequest(FusionRAGError):
+    """A request field out of its range; ``param`` names the field, ``code`` an OpenAI-style error code."""
+
+    def __init__(self, message: str, param: str, code: str = "invalid_value") -> None:
+        super().__init__(message)
+        self.param = param
+        self.code = code
+
+
+@dataclass(frozen=True)
+class ReuseRequest:
+    """A question and how to reuse KV for it.
+
+    ``kv=None`` means the method's default (:func:`~fusionrag.online.methods.default_kv`);
+    ``chunks`` (``{title, text}`` dicts, in order) replaces retrieval; ``preamble`` (system
+    messages, earlier turns) goes into the question segment, after the passages.
+    """
+
+    question: str
+    method: str = DEFAULT_METHOD
+    ratio: float = DEFAULT_RATIO
+    kv: str | None = None
+    top_k: int | None = None
+    chunks: Sequence[dict] | None = None
+    preamble: str = ""
+
+    def validated(self, max_top_k: int | None = None) -> ReuseRequest:
+        """This request with defaults resolved (kv; ratio 1 for ``full``, 0 for ``reuse``), or InvalidRequest."""
+        out = self.fields_validated(max_top_k)
+        question = (self.question or "").strip()
+        if not question:
+            raise InvalidRequest("the question is empty", "question", "empty_question")
+        return replace(out, question=question)
+
+    def fields_validated(self, max_top_k: int | None = None) -> ReuseRequest:
+        """Every field but the question checked (a server checks the question after parsing passages)."""
+        info = method_info_or_invalid(self.method)
+        ratio = check_ratio(self.ratio)
+        if info.name == "full":
+            ratio = 1.0
+        elif info.name == "reuse":
+            ratio = 0.0
+        kv = self.kv if self.kv is not None else info.kv
+        if info.name != "full" and kv not in KV_KINDS:
+            raise InvalidRequest(f"kv must be one of {', '.join(KV_KINDS)}, got {kv!r}", "kv")
+        if info.name == "full":
+            kv = "none"
+        if self.top_k is not None:
+            hi = max_top_k if max_top_k is not None else 1_000
+            if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or not 1 <= self.top_k <= hi:
+                raise InvalidRequest(f"'top_k' (retrieval depth) must be between 1 and {hi}, got {self.top_k}",
+                                     "top_k")
+        if self.chunks is not None and not self.chunks:
+            raise InvalidRequest("chunks= was given but is empty", "documents")
+        return replace(self, ratio=ratio, kv=kv)
+
+    def as_kwargs(self) -> dict[str, Any]:
+        """The request as keyword arguments of ``Engine.prepare`` (the fields a client set)."""
+        out: dict[str, Any] = {"method": self.method, "ratio": self.ratio}
+        for name in ("kv", "top_k", "chunks"):
+            if getattr(self, name) is not None:
+                out[name] = getattr(self, name)
+        if self.preamble:
+            out["preamble"] = self.preamble
+        return out
+
+
+def method_info_or_invalid(method: str):
+    """The registered method, or InvalidRequest naming the choices."""
+    try:
+        return method_info(method)
+    except FusionRAGError as exc:
+        raise InvalidRequest(str(exc), "method", "unknown_method") from None
+
+
+def check_ratio(ratio: Any) -> float:
+    """A recompute ratio within [0, 1] (the one check every door uses)."""
+    try:
+        value = float(ratio)
+    except (TypeError, ValueError):
+        raise InvalidRequest(f"'ratio' must be a number within [0, 1], got {ratio!r}", "ratio",
+                             "invalid_ratio") from None
+    if isinstance(ratio, bool) or not math.isfinite(value) or not 0.0 <= value <= 1.0:
+        raise InvalidRequest(f"'ratio' must be a number within [0, 1], got {ratio!r}", "ratio", "invalid_ratio")
+    return value
+
+
+def resolved_kv(method: str, kv: str | None) -> str:
+    """The KV kind a request of ``method`` reads (``kv`` or the method's default)."""
+    return kv if kv is not None else default_kv(method)

@@ -1,0 +1,203 @@
+"""The Engine answer path end to end on a tiny model and a tiny store (no downloads)."""
+
+import json
+
+import pytest
+import torch
+
+from fusionrag.cli import main
+from fusionrag.errors import FusionRAGError
+from fusionrag.models import load_model
+from fusionrag.offline import build
+from fusionrag.online.engine import Engine
+from fusionrag.retrieval.embedder import HashingEmbedder
+from fusionrag.retrieval.knowledge import KnowledgeStore
+from fusionrag.sample import load_sample
+
+
+@pytest.fixture(scope="module")
+def store_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("kb") / "store"
+    lm = load_model("tiny-llama")
+    store = build.create_store(path, lm, chunk_tokens=4096, kv_dtype="float32", embedder=HashingEmbedder(),
+                               model_source="tiny-llama")
+    passages = {p["title"]: p for ex in load_sample() for p in ex["passages"]}
+    build.add_passages(store, lm, list(passages.values()), doc="sample")
+    build.fuse(store, lm, top_n=2, progress=False)
+    return path
+
+
+@pytest.fixture(scope="module")
+def engine(store_dir):
+    lm = load_model("tiny-llama")
+    return Engine(KnowledgeStore.open(store_dir, lm, embedder=HashingEmbedder()), lm)
+
+
+QUESTION = "In which city was the discoverer of polonium born?"
+
+
+@pytest.mark.parametrize("method", ["full", "reuse", "fusionrag", "cacheblend", "cachecraft", "epic"])
+def test_every_method_answers_with_breakdown(engine, method):
+    res = engine.answer(QUESTION, method=method, ratio=0.15, top_k=3, max_new_tokens=4)
+    assert len(res.chunk_ids) == 3 and all(c is not None for c in res.chunk_ids)
+    assert set(res.ttft_ms) >= {"retrieve", "load", "select", "recompute", "first_token", "total"}
+    expected = {"full": res.context_tokens, "reuse": 0}.get(method)
+    if expected is not None:
+        assert res.recomputed_tokens == expected
+    else:
+        assert 0 < res.recomputed_tokens <= res.context_tokens
+    assert res.kv == {"full": "none", "fusionrag": "plain-first"}.get(method, "plain")
+
+
+def test_ratio_one_equals_full_and_fused_kv_differs_from_plain(engine):
+    full = engine.answer(QUESTION, method="full", top_k=3, max_new_tokens=1)
+    for method in ("fusionrag", "cacheblend"):
+        one = engine.answer(QUESTION, method=method, ratio=1.0, top_k=3, max_new_tokens=1)
+        assert (one.first_logits - full.first_logits).abs().max() < 1e-4
+    plain = engine.answer(QUESTION, method="reuse", top_k=3, kv="plain", max_new_tokens=1)
+    fused = engine.answer(QUESTION, method="reuse", top_k=3, kv="fused", max_new_tokens=1)
+    assert not torch.allclose(plain.first_logits, fused.first_logits)
+    assert fused.fused_fallbacks == 0
+
+
+def test_plain_first_reuses_plain_kv_for_the_first_chunk_and_fused_for_the_rest(engine):
+    """``plain-first``: the first chunk's plain KV is exactly Full Attention's; the others are fused."""
+    kw = dict(top_k=3, max_new_tokens=1)
+    mixed = engine.prepare(QUESTION, method="reuse", kv="plain-first", top_k=3)
+    plain = engine.prepare(QUESTION, method="reuse", kv="plain", top_k=3)
+    fused = engine.prepare(QUESTION, method="reuse", kv="fused", top_k=3)
+    (a, b), rest = mixed.pre.spans[0], mixed.pre.spans[1][0]
+    assert torch.equal(mixed.pre.kv.keys[:, :, a:b], plain.pre.kv.keys[:, :, a:b])
+    assert torch.equal(mixed.pre.kv.keys[:, :, rest:rest + 5], fused.pre.kv.keys[:, :, rest:rest + 5])
+    assert not torch.equal(mixed.pre.kv.keys[:, :, a:b], fused.pre.kv.keys[:, :, a:b])
+    assert mixed.fused_fallbacks == 0
+    full = engine.answer(QUESTION, method="full", **kw)
+    one = engine.answer(QUESTION, method="fusionrag", ratio=1.0, kv="plain-first", **kw)
+    assert (one.first_logits - full.first_logits).abs().max() < 1e-4
+
+
+def test_plain_first_reads_the_first_chunk_fused_when_the_store_dropped_plain_kv(store_dir, tmp_path):
+    """A fused-only store has no plain KV to read: the first chunk is served fused, not recomputed."""
+    import shutil
+
+    from fusionrag.offline import compact
+
+    lm = load_model("tiny-llama")
+    shutil.copytree(store_dir, tmp_path / "slim")
+    slim = KnowledgeStore.open(tmp_path / "slim", lm, embedder=HashingEmbedder())
+    assert compact.drop_plain(slim)
+    eng = Engine(slim, lm)
+    ref = Engine(KnowledgeStore.open(store_dir, lm, embedder=HashingEmbedder()), lm)
+    mixed = eng.prepare(QUESTION, method="reuse", kv="plain-first", top_k=3)
+    fused = ref.prepare(QUESTION, method="reuse", kv="fused", top_k=3)
+    assert mixed.fused_fallbacks == 0
+    assert torch.equal(mixed.pre.kv.keys, fused.pre.kv.keys)
+    assert eng.kinds_for(mixed.chunk_ids, "plain-first") == ["fused"] * 3
+    assert ref.kinds_for(mixed.chunk_ids, "plain-first") == ["plain", "fused", "fused"]
+
+
+def test_explicit_chunks_bypass_retrieval_and_unknown_passages_are_computed(engine):
+    ex = load_sample()[1]
+    known = engine.answer(ex["question"], method="reuse", chunks=ex["passages"], max_new_tokens=2)
+    assert all(c is not None for c in known.chunk_ids)
+    novel = [{"title": "Nowhere", "text": "A passage that is not in the store."}, *ex["passages"][:1]]
+    res = engine.answer(ex["question"], method="fusionrag", kv="fused", chunks=novel, max_new_tokens=2)
+    assert res.chunk_ids[0] is None and res.chunk_ids[1] is not None
+    assert res.fused_fallbacks == 1  # the request-supplied passage has only a plain (S + chunk) KV
+    first = engine.answer(ex["question"], method="fusionrag", chunks=novel, max_new_tokens=2)
+    assert first.kv == "plain-first" and first.fused_fallbacks == 0  # the first chunk is read plain anyway
+
+
+def test_stream_yields_the_answer_text(engine):
+    streamed = "".join(engine.stream(QUESTION, method="reuse", top_k=2, max_new_tokens=6))
+    assert streamed.strip() == engine.answer(QUESTION, method="reuse", top_k=2, max_new_tokens=6).text
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"method": "magic"}, "unknown method"),
+    ({"ratio": 1.5}, "ratio"),
+    ({"ratio": -0.1}, "ratio"),
+])
+def test_bad_requests_are_clear_errors(engine, kwargs, message):
+    with pytest.raises(FusionRAGError, match=message):
+        engine.answer(QUESTION, **kwargs)
+    with pytest.raises(FusionRAGError, match="empty"):
+        engine.answer("   ")
+
+
+def test_ask_cli_json_and_explain(store_dir, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("fusionrag.retrieval.embedder.get_embedder", lambda name=None: HashingEmbedder())
+    page = tmp_path / "why.html"
+    rc = main(["ask", QUESTION, "--store", str(store_dir), "--json", "--max-new-tokens", "3", "--top-k", "2",
+               "--explain", str(page)])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["method"] == "fusionrag" and out["recomputed_tokens"] > 0 and "total" in out["ttft_ms"]
+    html = page.read_text()
+    assert "<mark>" in html and "of the selection" in html
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--method", "magic"], "invalid choice"),
+    (["--ratio", "2"], "ratio must be within"),
+])
+def test_ask_cli_errors_exit_nonzero_without_traceback(store_dir, capsys, argv, message):
+    with pytest.raises(SystemExit) if "magic" in argv else _noop():
+        rc = main(["ask", QUESTION, "--store", str(store_dir), *argv])
+        assert rc == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_ask_on_missing_or_empty_store(tmp_path, capsys):
+    assert main(["ask", "q?", "--store", str(tmp_path / "none")]) == 2
+    assert "no knowledge store" in capsys.readouterr().err
+
+
+class _noop:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_memory_tier_and_prefetch_give_identical_answers(store_dir):
+    lm = load_model("tiny-llama")
+    store = KnowledgeStore.open(store_dir, lm, embedder=HashingEmbedder())
+    plain_engine = Engine(store, lm)
+    tiered = Engine(store, lm, memory_budget_bytes=64 << 20)
+    ref = plain_engine.answer(QUESTION, method="fusionrag", top_k=3, max_new_tokens=3)
+    tiered.prefetch_chunks(ref.chunk_ids, kv="plain-first")  # what fusionrag reads by default
+    first = tiered.answer(QUESTION, method="fusionrag", top_k=3, max_new_tokens=3)
+    again = tiered.answer(QUESTION, method="fusionrag", top_k=3, max_new_tokens=3)
+    assert first.token_ids == again.token_ids == ref.token_ids
+    assert torch.equal(first.first_logits, ref.first_logits)
+    stats = tiered.stats()["tiers"]["host"]
+    assert stats.loads == 3  # each chunk read from disk once (by the prefetch), then served from memory
+    assert stats.memory_hits + stats.inflight_hits >= 3
+
+
+def test_memory_tier_never_serves_kv_that_a_re_fuse_replaced(tmp_path):
+    """Regression: the memory tier kept returning a chunk's old fused KV after add + re-fuse changed it."""
+    lm = load_model("tiny-llama")
+    store = build.create_store(tmp_path / "kb", lm, chunk_tokens=4096, kv_dtype="float32",
+                               embedder=HashingEmbedder())
+    passages = [p for ex in load_sample() for p in ex["passages"]][:6]
+    ids = build.add_passages(store, lm, passages, doc="first")
+    build.fuse(store, lm, top_n=2, progress=False)
+    engine = Engine(store, lm, memory_budget_bytes=64 << 20)
+    keys = [(c, "fused") for c in dict.fromkeys(ids)]
+    before = engine.kv_source.get_many(keys)  # now resident in the memory tier
+    assert engine.stats()["tiers"]["host"].memory_items == len(keys)
+
+    build.add_passages(store, lm, [{"title": p["title"], "text": p["text"] + " Again."} for p in passages], doc="more")
+    report = build.fuse(store, lm, progress=False)
+    changed = [k for k in report.changed_keys if k in keys]
+    assert changed, "the added near-duplicates must change some neighbour lists"
+    engine.invalidate(report.changed_keys)
+    after = dict(zip(keys, engine.kv_source.get_many(keys), strict=True))
+    for key, old in zip(keys, before, strict=True):
+        on_disk = store.load_entry(*key).kv
+        assert torch.equal(after[key].kv.keys, on_disk.keys)  # what the engine reuses is what the store holds
+        assert torch.equal(old.kv.keys, on_disk.keys) == (key not in changed)

@@ -1,0 +1,26 @@
+"""The assembled-context fixture the selection-policy tests share (product policies and studies' variants)."""
+
+import torch
+
+from fusionrag.execution.attention import prefill_with_context_attention
+from fusionrag.execution.forward import prefill
+from fusionrag.execution.segments import chunk_kv_plain
+from fusionrag.online.policies import SelectionInput
+from fusionrag.online.prefill import assemble_context
+
+GEN = torch.Generator().manual_seed(7)
+
+
+def selection_setup(lm, lengths=(40, 29, 35)):
+    system = torch.randint(0, 250, (6,), generator=GEN).tolist()
+    chunks = [torch.randint(0, 250, (n,), generator=GEN).tolist() for n in lengths]
+    question = torch.randint(0, 250, (7,), generator=GEN).tolist()
+    s_kv, _ = prefill(lm, torch.tensor(system))
+    kvs, scores = [], []
+    for c in chunks:
+        kvs.append(chunk_kv_plain(lm, s_kv, c))
+        # Cache-Craft scores as preprocess records them (here: context = S only, enough for shape tests)
+        scores.append(prefill_with_context_attention(lm, torch.tensor(c), s_kv, context_start=0)[1])
+    ctx, ids, spans = assemble_context(lm, s_kv, kvs, system, chunks)
+    inp = SelectionInput(lm, ctx, ids, spans, torch.tensor(question), chunk_scores=scores)
+    return system, chunks, question, inp
