@@ -47,13 +47,13 @@ def test_a_changed_knowledge_base_supersedes_only_the_cells_that_read_the_store(
     out = capsys.readouterr().out
     assert "seeded from tiny-llama-hotpotqa-n2-top1" in out and "moved to records.superseded.jsonl" in out
     moved = _lines(tmp_path / "out" / "records.superseded.jsonl")
-    assert moved and all(r["kb"].endswith("-n2-top1-nearest_first") for r in moved)
+    assert moved and all(r["kb"].endswith("-n2-top1-nearest_first-int8") for r in moved)
     assert len(moved) == sum(r["kb"] is not None for r in before)
     after = _lines(tmp_path / "out" / "records.jsonl")
     keys = [(r["qid"], r["run"]) for r in after]
     assert len(keys) == len(set(keys)) == 3 * 4  # every cell once, none from the old knowledge base
     for r in after:
-        assert r["kb"] is None or r["kb"].endswith("-n3-top1-nearest_first")
+        assert r["kb"] is None or r["kb"].endswith("-n3-top1-nearest_first-int8")
     plain = [r for r in before if r["kb"] is None]
     assert all(r in after for r in plain)  # plain-KV cells do not depend on the knowledge base: kept
 

@@ -139,7 +139,7 @@ def test_ask_cli_json_and_explain(store_dir, tmp_path, capsys, monkeypatch):
 
 @pytest.mark.parametrize("argv, message", [
     (["--method", "magic"], "invalid choice"),
-    (["--ratio", "2"], "ratio must be within"),
+    (["--ratio", "2"], "must be a number within [0, 1]"),
 ])
 def test_ask_cli_errors_exit_nonzero_without_traceback(store_dir, capsys, argv, message):
     with pytest.raises(SystemExit) if "magic" in argv else _noop():
@@ -201,3 +201,21 @@ def test_memory_tier_never_serves_kv_that_a_re_fuse_replaced(tmp_path):
         on_disk = store.load_entry(*key).kv
         assert torch.equal(after[key].kv.keys, on_disk.keys)  # what the engine reuses is what the store holds
         assert torch.equal(old.kv.keys, on_disk.keys) == (key not in changed)
+
+
+def test_stage_timings_come_from_the_engines_synchronised_clock(engine):
+    """Every stage of the TTFT breakdown is read through the engine's clock (device-synchronised):
+    with a fake clock each stage gets exactly the work charged to it, and they sum to the total."""
+    from fusionrag.models.clock import StageClock
+
+    ticks = iter(range(0, 10_000, 5))
+    syncs = []
+    old = engine.clock
+    engine.clock = lambda: StageClock(now=lambda: next(ticks) / 1000.0, sync=lambda: syncs.append(1))
+    try:
+        res = engine.answer(QUESTION, method="fusionrag", ratio=0.15, top_k=2, max_new_tokens=2)
+    finally:
+        engine.clock = old
+    t = res.ttft_ms
+    assert [round(t[k], 9) for k in ("retrieve", "load", "select", "recompute", "first_token")] == [5.0] * 5
+    assert abs(t["total"] - 30.0) < 1e-9 and len(syncs) == 7

@@ -184,7 +184,8 @@ def test_incremental_ingest_re_fuses_only_changed_chunks(ks, tmp_path, lm):
 
 
 def test_fused_kv_fp16_storage_is_close(tmp_path, lm):
-    store = KnowledgeStore.create(tmp_path / "kb16", lm, chunk_tokens=200, embedder=HashingEmbedder(256))
+    store = KnowledgeStore.create(tmp_path / "kb16", lm, chunk_tokens=200, kv_dtype="float16",
+                                  embedder=HashingEmbedder(256))
     build.ingest(store, lm, [_corpus(tmp_path / "a.jsonl", [("a", DOC_A)])], progress=False)
     build.fuse(store, lm, top_n=2, progress=False)
     kv = store.load_kv(0, "fused")

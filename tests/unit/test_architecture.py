@@ -2,10 +2,11 @@
 
 Data flows one way (retrieval -> kvcache -> online -> model execution; offline builds the
 store; serve and bench only call down). The package never imports the studies or the
-hardware benchmarks that live beside it (``studies/``, ``benchmarks/``): they use its public API. Each top-level module or package has a layer; a
-module may import its own package and anything in a lower layer, never a peer package of
-the same layer and never a higher one. Imports inside functions count too: a lazy import
-is still a dependency. The test parses every file with ``ast`` (nothing is imported).
+hardware benchmarks that live beside it (``studies/``, ``benchmarks/``): they use its public
+API. Each top-level module or package has a layer; a module may import its own package and
+anything in a lower layer, never a peer package of the same layer and never a higher one.
+Imports inside functions count too: a lazy import is still a dependency. The test parses
+every file with ``ast`` (nothing is imported).
 """
 
 from __future__ import annotations

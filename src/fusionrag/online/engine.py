@@ -18,8 +18,7 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,6 +33,7 @@ from fusionrag.kvcache.kv import KV
 from fusionrag.kvcache.prefix_cache import AlternativePathCache
 from fusionrag.kvcache.sources import Key, KVSource, MemoryTier
 from fusionrag.kvcache.store import KVEntry
+from fusionrag.models.clock import StageClock
 from fusionrag.models.registry import LoadedModel
 from fusionrag.online.methods import make_policy
 from fusionrag.online.policies import SelectionInput, select
@@ -109,9 +109,6 @@ class Prepared:
         return kv
 
 
-def _ms(t0: float) -> float:
-    return (time.perf_counter() - t0) * 1000.0
-
 
 class Engine:
     """Answers questions over a knowledge store with a chosen KV-reuse method."""
@@ -136,6 +133,9 @@ class Engine:
         self.prefix_cache = AlternativePathCache(max_bytes=adhoc_cache_bytes)
         self._lock = threading.RLock()  # the model runs one request at a time
         self.damaged: set[Key] = set()  # stored entries that failed verification (answered around, not repaired)
+        #: Makes the clock of each request's stage timings (synchronised with the model's device);
+        #: replaceable, e.g. by a fake clock in tests.
+        self.clock: Callable[[], StageClock] = lambda: StageClock(lm.device)
 
     @classmethod
     def open(cls, store_dir: str | Path, model: str | None = None, device: str | None = None,
@@ -208,28 +208,24 @@ class Engine:
         req = req.validated()
         question, method, ratio, kv_kind = req.question, req.method, req.ratio, str(req.kv)
         top_k, chunks, preamble = req.top_k, req.chunks, req.preamble
-        t_start = time.perf_counter()
-        timings: dict[str, float] = {}
+        clock = self.clock()
         if self.store.refresh():  # another process wrote to the store: its index and KV may have changed
             self.kv_source.invalidate(None)
-
-        t0 = time.perf_counter()
         chunk_ids, passages = self._retrieve(question, top_k, chunks)
-        timings["retrieve"] = _ms(t0)
+        clock.lap("retrieve")
         token_ids = [self._token_ids(cid, p) for cid, p in zip(chunk_ids, passages, strict=True)]
         question_token_ids = self.prompt.question_token_ids(question, preamble)
 
         fallbacks = 0
         if method == "full":
-            timings["load"] = timings["select"] = 0.0
+            clock.skip("load")
+            clock.skip("select")
             pre = prefill_full(self.lm, self.prompt.system_token_ids, token_ids, question_token_ids)
         else:
-            t0 = time.perf_counter()
             entries, fallbacks = self._load(chunk_ids, passages, token_ids, kv_kind)
             ctx, ctx_ids, spans = assemble_context(self.lm, self.system_kv, [e.kv for e in entries],
                                                    self.prompt.system_token_ids, token_ids)
-            timings["load"] = _ms(t0)
-            t0 = time.perf_counter()
+            clock.lap("load")
             if method == "reuse":
                 idx = None
             else:
@@ -237,13 +233,13 @@ class Engine:
                 inp = SelectionInput(self.lm, ctx, ctx_ids, spans, torch.tensor(question_token_ids),
                                      chunk_scores=scores)
                 idx = select(make_policy(method), inp, float(ratio))
-            timings["select"] = _ms(t0)
+            clock.lap("select")
             pre = prefill_reused(self.lm, ctx, ctx_ids, spans, question_token_ids, idx)
-        timings["recompute"] = pre.timings_ms["recompute"]
-        t0 = time.perf_counter()
+        clock.lap("recompute")
         int(torch.argmax(pre.last_logits))  # the first token itself (part of TTFT)
-        timings["first_token"] = _ms(t0)
-        timings["total"] = _ms(t_start)
+        clock.lap("first_token")
+        timings = {**clock.stages, "total": clock.total()}
+        pre.timings_ms["recompute"] = timings["recompute"]
         return Prepared(pre, method, kv_kind, float(ratio), chunk_ids, passages,
                         token_ids, timings, fallbacks)
 
