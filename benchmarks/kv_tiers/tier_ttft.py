@@ -55,7 +55,7 @@ def main() -> int:
     args = ap.parse_args()
 
     from fusionrag.bench.datasets import load_questions
-    from fusionrag.kvcache.sources import ColdDiskSource, DiskSource, PreloadedSource
+    from fusionrag.kvcache.sources import PreloadedSource
     from fusionrag.models import load_model
     from fusionrag.online.engine import Engine
     from fusionrag.retrieval.knowledge import KnowledgeStore
@@ -65,17 +65,16 @@ def main() -> int:
     lm = load_model(stored_model(args.store))
     store = KnowledgeStore.open(args.store, lm=lm)
     examples = load_questions(Path(args.data), args.questions)
-    token_ids = lambda cid: store.chunk(cid).token_ids  # noqa: E731
     keys = [(c, "fused") for c in store.chunk_ids() if store.has_kv(c, "fused")]
     tmp = Path(tempfile.mkdtemp(prefix="fusionrag-redis-"))
     proc, url = start_redis(tmp)
     try:
         redis_source = kv_tier_source(url, store)
         sources = {
-            "memory": PreloadedSource.of(DiskSource(store.kv, token_ids), keys),
+            "memory": PreloadedSource.of(store.kv_source(), keys),
             "redis": redis_source,
-            "disk_warm": DiskSource(store.kv, token_ids),
-            "disk_cold": ColdDiskSource(store.kv, token_ids),
+            "disk_warm": store.kv_source(),
+            "disk_cold": store.cold_kv_source(),
         }
         engines = {t: Engine(store, lm, kv_source=s) for t, s in sources.items()}
         samples: dict[str, list[dict]] = {t: [] for t in sources}

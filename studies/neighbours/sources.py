@@ -48,7 +48,7 @@ def neighbour_lists(store: KnowledgeStore, members: Membership, source: str, top
     everything = set(ids)
     among = {c: (members.co_retrieved(c) if source == "question" else everything - members.co_retrieved(c) - {c})
              for c in ids}
-    return store.index.neighbours_many(ids, top_n, among=among, min_similarity=min_similarity)
+    return store.neighbours(ids, top_n, among=among, min_similarity=min_similarity)
 
 
 def neighbour_composition(store: KnowledgeStore, members: Membership, lists: Mapping[int, Sequence[int]]) -> dict:
@@ -59,8 +59,8 @@ def neighbour_composition(store: KnowledgeStore, members: Membership, lists: Map
         if not neighbours:
             continue
         co = members.co_retrieved(cid)
-        vec = store.index.vector(cid)
-        sims.extend((store.index.vectors(list(neighbours)) @ vec).tolist())
+        vec = store.vectors([cid])[0]
+        sims.extend((store.vectors(list(neighbours)) @ vec).tolist())
         for n in neighbours:
             total += 1
             same += n in co

@@ -128,7 +128,7 @@ def test_plain_only_cells_on_some_questions_compute_only_those_questions_plain_k
     store = KnowledgeStore.open(path, load_model("tiny-llama"))
     try:
         evaluated = set(membership(store, load_questions(data, 1)).prompts[0])
-        with_plain = {c for c in store.chunk_ids() if store.kv.exists(c, "plain")}
+        with_plain = {c for c in store.chunk_ids() if store.has_kv(c, "plain")}
         assert with_plain == evaluated and len(store.chunk_ids()) > len(evaluated)
     finally:
         store.close()
@@ -136,6 +136,6 @@ def test_plain_only_cells_on_some_questions_compute_only_those_questions_plain_k
     run_quality(spec)
     store = KnowledgeStore.open(path, load_model("tiny-llama"))
     try:
-        assert all(store.kv.exists(c, "plain") for c in store.chunk_ids())
+        assert all(store.has_kv(c, "plain") for c in store.chunk_ids())
     finally:
         store.close()

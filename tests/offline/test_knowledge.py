@@ -89,7 +89,7 @@ def test_store_lifecycle(tmp_path, lm):
     (tmp_path / "kb" / "index.faiss").unlink()
     assert stored_model(tmp_path / "kb") == "tiny-llama"
     ks2 = KnowledgeStore.open(tmp_path / "kb", lm=load_model(stored_model(tmp_path / "kb")))
-    assert ks2.fingerprint == lm.fingerprint and len(ks2.index) == 6
+    assert ks2.fingerprint == lm.fingerprint and ks2.indexed_chunks() == 6
     assert ks2.search("Dogs bark.", 1) == [5]
     torch.testing.assert_close(ks2.load_system_kv().keys, build.ensure_system_kv(ks2, lm).keys)
 
@@ -113,7 +113,7 @@ def test_store_refuses_another_model(tmp_path, lm):
 def test_corrupted_store_file_detected_on_load(tmp_path, lm):
     ks = _store(tmp_path, lm)
     build.ingest(ks, lm, [_write_corpus(tmp_path / "c.jsonl")], progress=False)
-    path = ks.kv.path(1, "plain")
+    path = ks.kv_path(1, "plain")
     path.write_bytes(path.read_bytes()[:-100])
     with pytest.raises(CacheIntegrityError, match="chunk 1"):
         ks.load_kv(1, "plain")
@@ -164,3 +164,13 @@ def test_delete_doc_removes_chunks_vectors_and_kv(tmp_path):
     assert store.search("gamma delta", 3) == keep
     reopened = KnowledgeStore.open(tmp_path / "kb", lm=lm, embedder=HashingEmbedder())
     assert reopened.chunk_ids() == keep
+
+
+def test_the_store_keeps_its_database_index_and_kv_files_private():
+    """Callers use the store's operations (neighbours, is_current, convert_kv_dtype, jobs, ...), never its
+    SQLite connection, FAISS index or KV file layer."""
+    from fusionrag.retrieval.knowledge import KnowledgeStore
+
+    public = {n for n in dir(KnowledgeStore) if not n.startswith("_")}
+    assert not public & {"db", "kv", "index", "execute"}
+    assert {"neighbours", "vectors", "is_current", "convert_kv_dtype", "jobs", "save_kv", "kv_source"} <= public

@@ -166,7 +166,7 @@ def test_incremental_ingest_re_fuses_only_changed_chunks(ks, tmp_path, lm):
     build.fuse(ks, lm, top_n=2, progress=False)
     old_ids = ks.chunk_ids()
     before = {c: ks.neighbours_of(c) for c in old_ids}
-    mtimes = {c: ks.kv.path(c, "fused").stat().st_mtime_ns for c in old_ids}
+    mtimes = {c: ks.kv_path(c, "fused").stat().st_mtime_ns for c in old_ids}
 
     report = build.ingest(ks, lm, [_corpus(tmp_path / "new.jsonl", [("c", NEW)])], progress=False)
     assert report.new_chunks == 2 and report.plain_computed == 2
@@ -178,7 +178,7 @@ def test_incremental_ingest_re_fuses_only_changed_chunks(ks, tmp_path, lm):
     assert fuse["skipped"] == len(old_ids) - len(changed)
     for c in old_ids:
         assert ks.neighbours_of(c) == after[c]
-        same_file = ks.kv.path(c, "fused").stat().st_mtime_ns == mtimes[c]
+        same_file = ks.kv_path(c, "fused").stat().st_mtime_ns == mtimes[c]
         assert same_file == (c not in changed)
     assert all(ks.has_kv(c, "fused") for c in ks.chunk_ids())
 

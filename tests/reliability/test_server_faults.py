@@ -65,7 +65,7 @@ def test_a_damaged_kv_entry_is_answered_around_and_reported_without_paths(tmp_pa
     with TestClient(app) as client:
         store = sched.engine.store
         for cid in store.chunk_ids():
-            path = store.kv.path(cid, "fused")
+            path = store.kv_path(cid, "fused")
             path.write_bytes(path.read_bytes()[:-40])
         r = client.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 2, "top_k": 2, "kv": "fused"})
         assert r.status_code == 200, r.text

@@ -96,10 +96,10 @@ def test_a_reader_sees_another_process_s_writes_before_its_next_use(tmp_path, lm
     writer = _reopen(tmp_path / "kb", lm)  # another process: its own connection
     new_ids = build.add_passages(writer, lm, [{"title": "New", "text": "a brand new passage about zebras"}])
     assert server_view.refresh() is True and server_view.refresh() is False
-    assert len(server_view.index) == n + 1 and server_view.search("a brand new passage about zebras", 1) == new_ids
+    assert server_view.indexed_chunks() == n + 1 and server_view.search("a brand new passage about zebras", 1) == new_ids
     # the reader can write next without tripping over the other's chunk ids
     more = build.add_passages(server_view, lm, [{"title": "More", "text": "and one more about giraffes"}])
-    assert more[0] == new_ids[0] + 1 and len(server_view.index) == n + 2 and verify_store(server_view).ok
+    assert more[0] == new_ids[0] + 1 and server_view.indexed_chunks() == n + 2 and verify_store(server_view).ok
 
 
 def test_a_deleted_metadata_file_never_lets_old_kv_files_be_reused(tmp_path, lm):
@@ -136,7 +136,7 @@ def test_a_corrupted_metadata_file_is_one_line_and_exit_2(tmp_path, lm, capsys):
 def test_verify_reports_each_broken_kv_file_and_repair_mends_it(tmp_path, lm, damage, capsys):
     """Before: a truncated or flipped KV file was counted by 'store info' and 'skipped' by preprocess forever."""
     store = _store(tmp_path / "kb", lm, fuse=True)
-    path = store.kv.path(5, "fused")
+    path = store.kv_path(5, "fused")
     if damage == "truncate":
         path.write_bytes(path.read_bytes()[:-64])
     elif damage == "flip":

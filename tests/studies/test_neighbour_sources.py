@@ -86,20 +86,20 @@ def test_a_store_fused_with_given_lists_records_exactly_them(kb):
     report = build.fuse(store, lm, top_n=9, neighbour_lists=lists, progress=False)
     assert report.computed == len(ids) and not store.settings.get("fuse")  # explicit lists are not a setting
     for cid, neighbours in lists.items():
-        assert store.kv.load(cid, "fused").extra["neighbours"] == neighbours
+        assert store.load_entry(cid, "fused").extra["neighbours"] == neighbours
     again = build.fuse(store, lm, top_n=9, neighbour_lists=lists, progress=False)
     assert again.computed == 0  # resumable: the same lists are current
 
 
 def test_min_similarity_keeps_only_close_neighbours(kb):
     store, lm, _examples, ids = kb
-    everyone = store.index.neighbours_many(list(ids.values()), 5)
+    everyone = store.neighbours(list(ids.values()), 5)
     assert all(len(v) == 5 for v in everyone.values())
-    none = store.index.neighbours_many(list(ids.values()), 5, min_similarity=0.999)
+    none = store.neighbours(list(ids.values()), 5, min_similarity=0.999)
     assert all(v == [] for v in none.values())  # distinct passages are never that similar
     report = build.fuse(store, lm, top_n=5, min_similarity=0.999, progress=False)
     assert report.computed == len(ids) and build.recorded_fuse_settings(store).min_similarity == 0.999
-    assert all(store.kv.load(c, "fused").extra["neighbours"] == [] for c in ids.values())
+    assert all(store.load_entry(c, "fused").extra["neighbours"] == [] for c in ids.values())
 
 
 def test_cut_passages_keeps_supporting_ones_then_the_earliest():

@@ -137,7 +137,7 @@ def run_faults(spec: FaultSpec) -> dict[str, Any]:
 
     def damage() -> None:
         cid = store.chunk_ids()[0]
-        p = store.kv.path(cid, "fused")
+        p = store.kv_path(cid, "fused")
         p.write_bytes(p.read_bytes()[:-64])
         engine.invalidate([(cid, "fused")])  # as if the memory tier had evicted it: the next read is the disk's
         damaged.append(f"fused KV of chunk {cid} truncated")

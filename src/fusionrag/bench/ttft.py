@@ -24,7 +24,7 @@ import torch
 from tqdm.auto import tqdm
 
 from fusionrag.errors import FusionRAGError
-from fusionrag.kvcache.sources import ColdDiskSource, KVSource, PreloadedSource, drop_from_page_cache
+from fusionrag.kvcache.sources import KVSource, PreloadedSource, drop_from_page_cache
 from fusionrag.kvcache.store import CHUNK_KINDS
 from fusionrag.offline import build
 
@@ -56,12 +56,12 @@ def tier_source(store, tier: str, chunk_ids: Sequence[int]) -> KVSource:
     if tier == "memory":
         keys = [(c, k) for c in chunk_ids for k in CHUNK_KINDS if store.has_kv(c, k)]
         return PreloadedSource.of(store.kv_source(), keys)
-    return ColdDiskSource(store.kv, lambda cid: store.chunk(cid).token_ids)
+    return store.cold_kv_source()
 
 
 def drop_store_from_page_cache(store) -> None:
     """Evict every stored KV file from the OS page cache, so the next reads are cold."""
-    drop_from_page_cache(Path(store.kv.root).rglob("*.safetensors"))
+    drop_from_page_cache(store.kv_root.rglob("*.safetensors"))
 
 
 def loader_comparison(store, lm, question: str, requests: list[list[int]], method: str = "fusionrag",

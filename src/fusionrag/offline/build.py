@@ -174,7 +174,7 @@ def ingest(store: KnowledgeStore, lm: LoadedModel, paths: Iterable[Path | str], 
     """
     t0 = time.perf_counter()
     report = IngestReport()
-    store.kv.remove_temp_files()
+    store.remove_temp_kv_files()
     files = expand_paths(paths, report.problems)
     report.files = len(files)
     passages: list[Passage] = []
@@ -258,7 +258,7 @@ def fuse(store: KnowledgeStore, lm: LoadedModel, top_n: int | None = None, *, ne
     settings = resolve_fuse_settings(store, top_n, neighbour_order, same_document, min_similarity)
     if record and neighbour_lists is None:
         store.update_settings(fuse=settings.to_dict())
-    store.kv.remove_temp_files()
+    store.remove_temp_kv_files()
     return _fuse(store, lm, ensure_system_kv(store, lm), settings, chunk_ids, progress, batch_size, verify, runner,
                  neighbour_lists)
 

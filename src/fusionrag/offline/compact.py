@@ -20,7 +20,6 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from fusionrag.errors import FusionRAGError
-from fusionrag.kvcache.store import CHUNK_KINDS, canonical_dtype
 
 if TYPE_CHECKING:
     from fusionrag.retrieval.knowledge import KnowledgeStore
@@ -56,7 +55,7 @@ def drop_plain(store: KnowledgeStore) -> list[Key]:
     """Remove the plain KV of every chunk that has a fused entry; returns the removed keys."""
     removed = []
     for cid in store.chunk_ids():
-        if store.has_kv(cid, "fused") and store.kv.remove(cid, "plain"):
+        if store.has_kv(cid, "fused") and store.remove_kv(cid, "plain"):
             removed.append((cid, "plain"))
     return removed
 
@@ -67,25 +66,6 @@ def after_fuse(store: KnowledgeStore) -> list[Key]:
 
 
 def convert_kv_dtype(store: KnowledgeStore, dtype: str) -> list[Key]:
-    """Re-encode every chunk entry in ``dtype`` (no model run); returns the rewritten keys.
-
-    Each entry is read and verified first, so a conversion never launders a corrupted file.
-    Interrupted, it leaves a mix of verified entries of both dtypes (every entry says its
-    own format); running it again finishes the job.
-    """
-    dtype = canonical_dtype(dtype)
-    old = store.kv.dtype
-    if dtype == old:
-        return []
-    store.update_settings(kv_dtype=dtype, converted_from=old)
-    store.kv.dtype = dtype
-    changed = []
-    for cid in store.chunk_ids():
-        for kind in CHUNK_KINDS:
-            meta = store.kv.header(cid, kind)
-            if meta is None or meta.get("dtype") == dtype:
-                continue
-            entry = store.load_entry(cid, kind)
-            store.kv.save(cid, kind, entry.kv, store.chunk(cid).token_ids, scores=entry.scores, extra=entry.extra)
-            changed.append((cid, kind))
-    return changed
+    """Re-encode every chunk entry in ``dtype`` (no model run); returns the rewritten keys
+    (:meth:`KnowledgeStore.convert_kv_dtype`: each entry verified before it is rewritten)."""
+    return store.convert_kv_dtype(dtype)

@@ -21,7 +21,6 @@ settings is decided in one place, :mod:`fusionrag.offline.build`.
 
 from __future__ import annotations
 
-import json
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -31,11 +30,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from tqdm.auto import tqdm
 
-from fusionrag.errors import CacheIntegrityError, FusionRAGError
+from fusionrag.errors import FusionRAGError
 from fusionrag.execution.attention import prefill_with_context_attention
 from fusionrag.execution.segments import chunk_kv_plain
 from fusionrag.kvcache.kv import KV, assemble
-from fusionrag.kvcache.store import tokens_hash
 from fusionrag.models.registry import LoadedModel
 from fusionrag.offline.compact import keeps_plain, plain_needed
 
@@ -104,10 +102,10 @@ def compute_neighbours(store: KnowledgeStore, chunk_ids: Sequence[int], top_n: i
     """Top-``top_n`` most similar other chunks of each chunk (most similar first, never itself),
     at least ``min_similarity`` similar when given."""
     if not same_document:
-        return store.index.neighbours_many(list(chunk_ids), top_n, min_similarity=min_similarity)
+        return store.neighbours(chunk_ids, top_n, min_similarity=min_similarity)
     groups = store.doc_groups()
     doc_of = {cid: doc for doc, ids in groups.items() for cid in ids}
-    return store.index.neighbours_many(list(chunk_ids), top_n, among={c: groups[doc_of[c]] for c in chunk_ids},
+    return store.neighbours(chunk_ids, top_n, among={c: groups[doc_of[c]] for c in chunk_ids},
                                        min_similarity=min_similarity)
 
 
@@ -177,35 +175,12 @@ def fuse_key(neighbours: Sequence[int], neighbour_order: str) -> dict[str, Any]:
 
 def entry_is_current(store: KnowledgeStore, chunk_id: int, key: dict[str, Any],
                      kind: str = "fused", verify: bool = True) -> tuple[bool, bool]:
-    """``(exists, current)`` for one of the chunk's entries.
+    """``(exists, current)`` for one of the chunk's entries (:meth:`KnowledgeStore.is_current`).
 
-    Current means: made by this model after this ``S`` for the chunk's tokens, with the
-    settings in ``key`` (fused: neighbours and order), *and* it passes full verification:
-    a truncated or bit-flipped file whose header still looks right is rebuilt, never
-    skipped forever (``verify=False`` trusts the header: a server's incremental re-fuse, where
-    reading every entry of the store per document job would cost more than the job).
-    An entry left by another store (same id, other tokens) is not current.
+    ``verify=False`` trusts the header: a server's incremental re-fuse, where reading every entry
+    of the store per document job would cost more than the job.
     """
-    meta = store.kv.header(chunk_id, kind)
-    if meta is None:
-        return store.kv.path(chunk_id, kind).exists(), False
-    try:
-        extra = json.loads(meta.get("extra", "{}"))
-    except ValueError:
-        return True, False
-    current = (
-        meta.get("fingerprint") == store.kv.fingerprint
-        and meta.get("system_hash") == store.kv.system_hash
-        and meta.get("dtype") == store.kv.dtype
-        and meta.get("tokens_sha256") == tokens_hash(store.chunk(chunk_id).token_ids)
-        and {k: extra.get(k) for k in key} == key
-    )
-    if current and verify:
-        try:
-            store.load_entry(chunk_id, kind)
-        except CacheIntegrityError:
-            return True, False
-    return True, current
+    return store.is_current(chunk_id, kind, key, verify)
 
 
 class LocalRunner:
@@ -249,7 +224,7 @@ def compute_plain(store: KnowledgeStore, lm: LoadedModel, system_kv: KV, chunk_i
                    for i in range(0, len(todo), batch_size)]
         for batch, kvs in (runner or LocalRunner(store, lm)).plain(system_kv, batches):
             for cid, kv in kvs.items():
-                store.kv.save(cid, "plain", kv, batch[cid])
+                store.save_kv(cid, "plain", kv, batch[cid])
                 bar.update(1)
     return len(todo), time.perf_counter() - t0
 
@@ -320,7 +295,7 @@ def fuse_store(store: KnowledgeStore, lm: LoadedModel, system_kv: KV, top_n: int
                     f = fused[cid]
                     extra = {**fuse_key(f.neighbours, f.neighbour_order), "top_n": top_n,
                              "same_document": bool(same_document), "min_similarity": min_similarity}
-                    store.kv.save(cid, "fused", f.kv, tokens[cid], scores=f.scores, extra=extra)
+                    store.save_kv(cid, "fused", f.kv, tokens[cid], scores=f.scores, extra=extra)
                     store.record_neighbours({cid: f.neighbours})
                     report.computed += 1
                     report.changed.append(cid)

@@ -28,7 +28,7 @@ from fusionrag.offline.compact import keeps_plain
 from fusionrag.offline.preprocess import compute_plain
 from fusionrag.retrieval.knowledge import KnowledgeStore
 from fusionrag.retrieval.store_files import index_digest
-from fusionrag.retrieval.store_info import INDEX_NAME, read_settings
+from fusionrag.retrieval.store_info import INDEX_NAME
 
 _ENTRY = re.compile(r"(\d+)\.(plain|fused)\.safetensors")
 
@@ -83,7 +83,7 @@ def verify_store(store: KnowledgeStore, lm: LoadedModel | None = None, repair: b
 
 def _check_index(store: KnowledgeStore, report: VerifyReport, repair: bool) -> None:
     path = store.path / INDEX_NAME
-    recorded = read_settings(store.db)
+    recorded = store.recorded_settings()
     n = len(store.chunk_ids())
     why = None
     if not path.is_file():
@@ -94,8 +94,7 @@ def _check_index(store: KnowledgeStore, report: VerifyReport, repair: bool) -> N
         return
     problem = Problem("index", str(path.name), why)
     if repair:
-        path.unlink(missing_ok=True)
-        store.index = store.load_index()  # rebuilt from the SQLite embeddings
+        store.rebuild_index()  # from the SQLite embeddings
         problem.repaired = "rebuilt from SQLite"
     report.problems.append(problem)
 
@@ -104,7 +103,7 @@ def _check_entries(store: KnowledgeStore, ids: list[int], fused_store: bool, rep
                    repair: bool) -> None:
     for cid in ids:
         for kind in CHUNK_KINDS:
-            path = store.kv.path(cid, kind)
+            path = store.kv_path(cid, kind)
             if not path.exists():
                 if (kind == "plain" and keeps_plain(store)) or (kind == "fused" and fused_store):
                     report.problems.append(Problem("kv", f"{kind} KV of chunk {cid}", "missing"))
@@ -119,7 +118,7 @@ def _check_entries(store: KnowledgeStore, ids: list[int], fused_store: bool, rep
 
 
 def _check_files(store: KnowledgeStore, ids: set[int], report: VerifyReport, repair: bool) -> None:
-    root = store.kv.root
+    root = store.kv_root
     if not root.is_dir():
         return
     for path in sorted(root.glob("*/*.safetensors")):

@@ -34,14 +34,13 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from fusionrag.errors import CacheIntegrityError, FusionRAGError
-from fusionrag.kvcache.kv import KV
-from fusionrag.kvcache.sources import DiskSource
-from fusionrag.kvcache.store import CHUNK_KINDS, DEFAULT_KV_DTYPE, KVEntry, KVStore, canonical_dtype
+from fusionrag.kvcache.store import CHUNK_KINDS, DEFAULT_KV_DTYPE, KVStore, canonical_dtype
 from fusionrag.models.registry import LoadedModel
 from fusionrag.prompt import PromptBuilder, chunk_text
 from fusionrag.retrieval.chunking import DEFAULT_CHUNK_TOKENS, Chunk
 from fusionrag.retrieval.embedder import Embedder, get_embedder
 from fusionrag.retrieval.index import VectorIndex
+from fusionrag.retrieval.jobs import JobStore
 from fusionrag.retrieval.store_files import (
     SCHEMA,
     bump_generation,
@@ -52,6 +51,7 @@ from fusionrag.retrieval.store_files import (
     writer_lock,
 )
 from fusionrag.retrieval.store_info import DB_NAME, INDEX_NAME, KV_DIR, read_settings
+from fusionrag.retrieval.stored_kv import StoredKV
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ class ChunkRecord:
     content_hash: str
 
 
-class KnowledgeStore:
+class KnowledgeStore(StoredKV):
     """A store folder: chunks, vectors and KV files, bound to one model's fingerprint and ``S``.
 
     Holds no model: the model that built the store is named in its settings
@@ -89,15 +89,15 @@ class KnowledgeStore:
         self.fingerprint = fingerprint
         self.prompt = prompt
         self.settings = settings
-        self.db = db
+        self._db = db
         self._embedder = embedder
-        self.kv = KVStore(self.path / KV_DIR, fingerprint, self.prompt.system_hash, settings["kv_dtype"])
+        self._kv = KVStore(self.path / KV_DIR, fingerprint, self.prompt.system_hash, settings["kv_dtype"])
         self._records: dict[int, ChunkRecord] = {}
         self._lock = threading.RLock()
         self._writing = 0  # depth of writer() in this process (the file lock is taken once)
         migrate_refs(db)
         self._generation = self.generation()
-        self.index = self.load_index()
+        self._index = self.load_index()
 
     # ------------------------------------------------------------ create / open
 
@@ -171,7 +171,7 @@ class KnowledgeStore:
 
     def close(self) -> None:
         with self._lock:
-            self.db.close()
+            self._db.close()
 
     def __enter__(self) -> KnowledgeStore:
         return self
@@ -187,8 +187,8 @@ class KnowledgeStore:
         return self._embedder
 
     def update_settings(self, **values: Any) -> None:
-        with self._lock, self.db:
-            self.db.executemany("INSERT OR REPLACE INTO settings(key, value) VALUES (?, ?)",
+        with self._lock, self._db:
+            self._db.executemany("INSERT OR REPLACE INTO settings(key, value) VALUES (?, ?)",
                                 [(k, json.dumps(v)) for k, v in values.items()])
         self.settings.update(values)
 
@@ -213,12 +213,12 @@ class KnowledgeStore:
                     yield
                 finally:
                     self._writing = 0
-                    self._generation = bump_generation(self.db)
+                    self._generation = bump_generation(self._db)
 
     def generation(self) -> int:
         """The store's change counter (bumped by every writer), read from SQLite."""
         with self._lock:
-            return read_generation(self.db)
+            return read_generation(self._db)
 
     def refresh(self) -> bool:
         """Reload metadata and the index if another process changed the store; True if it did."""
@@ -226,9 +226,9 @@ class KnowledgeStore:
             current = self.generation()
             if current == self._generation:
                 return False
-            self.settings = read_settings(self.db)
+            self.settings = read_settings(self._db)
             self._records.clear()
-            self.index = self.load_index()
+            self._index = self.load_index()
             self._generation = current
             return True
 
@@ -236,12 +236,17 @@ class KnowledgeStore:
 
     def _query(self, sql: str, args: tuple = ()) -> list[tuple]:
         with self._lock:
-            return self.db.execute(sql, args).fetchall()
+            return self._db.execute(sql, args).fetchall()
 
-    def execute(self, sql: str, args: tuple = ()) -> list[tuple]:
-        """One statement in its own transaction, for tables upper layers keep here (document jobs)."""
-        with self._lock, self.db:
-            return self.db.execute(sql, args).fetchall()
+    @property
+    def jobs(self) -> JobStore:
+        """The server's document jobs, kept in this store's database."""
+        return JobStore(self._db, self._lock)
+
+    def recorded_settings(self) -> dict[str, Any]:
+        """The settings as the database holds them now (``settings`` is the copy read at open/refresh)."""
+        with self._lock:
+            return read_settings(self._db)
 
     def chunk_ids(self) -> list[int]:
         return [r[0] for r in self._query("SELECT id FROM chunks ORDER BY id")]
@@ -278,8 +283,8 @@ class KnowledgeStore:
 
     def record_neighbours(self, neighbours: dict[int, Sequence[int]]) -> None:
         if neighbours:
-            with self._lock, self.db:
-                self.db.executemany("UPDATE chunks SET neighbours = ? WHERE id = ?",
+            with self._lock, self._db:
+                self._db.executemany("UPDATE chunks SET neighbours = ? WHERE id = ?",
                                     [(json.dumps([int(n) for n in v]), int(k)) for k, v in neighbours.items()])
 
     def insert_chunks(self, chunks: Sequence[Chunk], progress: bool = False) -> tuple[list[int], float]:
@@ -298,28 +303,28 @@ class KnowledgeStore:
         vectors = np.concatenate(vecs).astype(np.float32)
         embed_s = time.perf_counter() - t0
         with self._lock:
-            with self.db:  # one transaction: all or none (SQLite is the source of truth)
-                row = self.db.execute("SELECT MAX(id) FROM chunks").fetchone()
+            with self._db:  # one transaction: all or none (SQLite is the source of truth)
+                row = self._db.execute("SELECT MAX(id) FROM chunks").fetchone()
                 first = 0 if row[0] is None else int(row[0]) + 1
                 ids = list(range(first, first + len(chunks)))
-                self.db.executemany(
+                self._db.executemany(
                     "INSERT INTO chunk_refs(chunk_id, doc) VALUES (?, ?)", [(i, c.doc) for i, c in zip(ids, chunks,
                                                                                                        strict=True)])
-                self.db.executemany(
+                self._db.executemany(
                     "INSERT INTO chunks(id, doc, title, text, token_ids, n_tokens, content_hash, embedding) "
                     "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                     [(i, c.doc, c.title, c.text, json.dumps(list(c.token_ids)), c.n_tokens, c.content_hash,
                       vectors[j].tobytes()) for j, (i, c) in enumerate(zip(ids, chunks, strict=True))],
                 )
             # A crash before this save leaves the index behind SQLite; the next open rebuilds it.
-            self.index.add(ids, vectors)
+            self._index.add(ids, vectors)
             self._save_index()
         return ids, embed_s
 
     def add_refs(self, chunk_ids: Sequence[int], doc: str) -> None:
         """Record that document ``doc`` uses these (existing) chunks, e.g. a passage posted again."""
-        with self._lock, self.db:
-            self.db.executemany("INSERT OR IGNORE INTO chunk_refs(chunk_id, doc) VALUES (?, ?)",
+        with self._lock, self._db:
+            self._db.executemany("INSERT OR IGNORE INTO chunk_refs(chunk_id, doc) VALUES (?, ?)",
                                 [(int(c), doc) for c in chunk_ids])
 
     def delete_doc(self, doc: str) -> list[int]:
@@ -333,23 +338,23 @@ class KnowledgeStore:
         returns their keys.
         """
         with self._lock:
-            mine = [r[0] for r in self.db.execute("SELECT chunk_id FROM chunk_refs WHERE doc = ?", (doc,))]
+            mine = [r[0] for r in self._db.execute("SELECT chunk_id FROM chunk_refs WHERE doc = ?", (doc,))]
             if not mine:
                 return []
-            with self.db:
-                self.db.execute("DELETE FROM chunk_refs WHERE doc = ?", (doc,))
-                still = {r[0] for r in self.db.execute(
+            with self._db:
+                self._db.execute("DELETE FROM chunk_refs WHERE doc = ?", (doc,))
+                still = {r[0] for r in self._db.execute(
                     f"SELECT DISTINCT chunk_id FROM chunk_refs WHERE chunk_id IN ({','.join('?' * len(mine))})",
                     mine)}
                 ids = sorted(c for c in mine if c not in still)
-                self.db.executemany("DELETE FROM chunks WHERE id = ?", [(i,) for i in ids])
+                self._db.executemany("DELETE FROM chunks WHERE id = ?", [(i,) for i in ids])
             if ids:
-                self.index.remove(ids)
+                self._index.remove(ids)
                 self._save_index()
             for cid in ids:
                 self._records.pop(cid, None)
                 for kind in CHUNK_KINDS:
-                    self.kv.path(cid, kind).unlink(missing_ok=True)
+                    self._kv.path(cid, kind).unlink(missing_ok=True)
         return ids
 
     # ------------------------------------------------------------ index
@@ -357,8 +362,28 @@ class KnowledgeStore:
     def _save_index(self) -> None:
         """Write the index and record its digest and size in SQLite (verified on the next open)."""
         path = self.path / INDEX_NAME
-        self.index.save(path)
-        self.update_settings(index_sha256=index_digest(path), index_count=len(self.index))
+        self._index.save(path)
+        self.update_settings(index_sha256=index_digest(path), index_count=len(self._index))
+
+    def rebuild_index(self) -> None:
+        """Drop the index file and rebuild it from the SQLite embeddings (``store verify --repair``)."""
+        with self._lock:
+            (self.path / INDEX_NAME).unlink(missing_ok=True)
+            self._index = self.load_index()
+
+    def neighbours(self, chunk_ids: Sequence[int], top_n: int, among: dict[int, set[int]] | None = None,
+                   min_similarity: float | None = None) -> dict[int, list[int]]:
+        """Each chunk's ``top_n`` most similar chunks (never itself), optionally only ``among`` a set per
+        chunk and at least ``min_similarity`` similar: what the offline stage fuses with."""
+        return self._index.neighbours_many(list(chunk_ids), top_n, among=among, min_similarity=min_similarity)
+
+    def indexed_chunks(self) -> int:
+        """How many chunks the vector index holds (equals the chunk count unless a writer is mid-way)."""
+        return len(self._index)
+
+    def vectors(self, chunk_ids: Sequence[int]) -> np.ndarray:
+        """The chunks' unit embeddings (rows in the order given)."""
+        return self._index.vectors(list(chunk_ids))
 
     def load_index(self) -> VectorIndex:
         """The FAISS index, verified against SQLite (digest and vector count); rebuilt if it does not match.
@@ -367,9 +392,9 @@ class KnowledgeStore:
         between the two writes, an external writer) is rebuilt from the stored embeddings.
         """
         dim = int(self.settings["embedding_dim"])
-        n = self.db.execute("SELECT COUNT(*) FROM chunks").fetchone()[0]
+        n = self._db.execute("SELECT COUNT(*) FROM chunks").fetchone()[0]
         path = self.path / INDEX_NAME
-        recorded = read_settings(self.db)
+        recorded = read_settings(self._db)
         if path.is_file() and recorded.get("index_count") == n and recorded.get("index_sha256") == index_digest(path):
             try:
                 return VectorIndex.load(path, dim)
@@ -377,44 +402,18 @@ class KnowledgeStore:
                 pass
         if path.is_file():
             log.warning("index %s does not match the store's metadata; rebuilding it from SQLite", path)
-        self.index = VectorIndex(dim)
-        rows = self.db.execute("SELECT id, embedding FROM chunks ORDER BY id").fetchall()
+        self._index = VectorIndex(dim)
+        rows = self._db.execute("SELECT id, embedding FROM chunks ORDER BY id").fetchall()
         if rows:
-            self.index.add([r[0] for r in rows], np.stack([np.frombuffer(r[1], dtype=np.float32) for r in rows]))
+            self._index.add([r[0] for r in rows], np.stack([np.frombuffer(r[1], dtype=np.float32) for r in rows]))
         self._save_index()
-        return self.index
+        return self._index
 
     def search(self, query: str, k: int) -> list[int]:
         """Chunk ids ranked by similarity to ``query`` (at most ``k``)."""
-        if k <= 0 or len(self.index) == 0:
+        if k <= 0 or len(self._index) == 0:
             return []
-        _, ids = self.index.search(self.embedder.embed([query]), min(k, len(self.index)))
+        _, ids = self._index.search(self.embedder.embed([query]), min(k, len(self._index)))
         return [int(i) for i in ids[0] if i >= 0]
 
     # ------------------------------------------------------------ KV
-
-    def load_system_kv(self) -> KV | None:
-        """The stored KV of ``S`` (verified), or None if it has not been computed yet."""
-        if not self.kv.exists(None, "system"):
-            return None
-        return self.kv.load(None, "system", token_ids=self.prompt.system_token_ids).kv
-
-    def save_system_kv(self, kv: KV) -> None:
-        """Store ``S``'s KV in fp32: it prefixes every prompt, so it is kept at full precision."""
-        self.kv.save(None, "system", kv, self.prompt.system_token_ids, dtype="float32")
-
-    def has_kv(self, chunk_id: int, kind: str) -> bool:
-        """Whether an entry exists (not verified; every read through :meth:`kv_source` verifies)."""
-        return self.kv.exists(chunk_id, kind)
-
-    def kv_source(self) -> DiskSource:
-        """The store's KV files as a :class:`~fusionrag.kvcache.sources.KVSource` (verified reads)."""
-        return DiskSource(self.kv, lambda chunk_id: self.chunk(chunk_id).token_ids)
-
-    def load_entry(self, chunk_id: int, kind: str = "fused") -> KVEntry:
-        """KV, scores and header metadata of one entry, verified against the chunk's tokens."""
-        return self.kv.load(chunk_id, kind, token_ids=self.chunk(chunk_id).token_ids)
-
-    def load_kv(self, chunk_id: int, kind: str = "fused") -> KV:
-        """A verified chunk cache at its stored base position ``len(S)``, in the storage dtype."""
-        return self.load_entry(chunk_id, kind).kv

@@ -22,7 +22,6 @@ the engine's KV tiers, so no request reuses old KV.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import threading
@@ -177,8 +176,7 @@ class DocumentJobs:
 
     def save(self, engine: Engine, job: DocumentJob) -> None:
         body = {k: v for k, v in asdict(job).items() if k not in ("id", "status")}
-        engine.store.execute("INSERT OR REPLACE INTO jobs(id, status, body) VALUES (?, ?, ?)",
-                             (job.id, job.status, json.dumps(body)))
+        engine.store.jobs.put(job.id, job.status, body)
 
     def delete(self, scheduler: Any, job: DocumentJob) -> Any:
         """Remove a ready job's documents (model thread); returns the scheduler's future."""
@@ -206,9 +204,7 @@ class DocumentJobs:
         scheduler.run_task(self._run_slice, scheduler, job, steps)  # the next slice queues behind waiting chats
 
     def _resume(self, scheduler: Any) -> None:
-        rows = scheduler.engine.store.execute("SELECT id, status, body FROM jobs ORDER BY rowid")
-        for job_id, status, body in rows:
-            data = json.loads(body)
+        for job_id, status, data in scheduler.engine.store.jobs.all():
             job = DocumentJob(job_id, data.pop("documents"), status, **{k: data[k] for k in data if k != "slices"})
             if status in ("pending", "running"):
                 log.info("resuming document job %s (%s when the server stopped)", job_id, status)

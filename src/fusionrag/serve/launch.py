@@ -76,8 +76,8 @@ def kv_tier_source(url: str, store: Any) -> Any:
     if not url.startswith(("redis://", "rediss://", "unix://")):
         raise FusionRAGError(f"--kv-tier {url!r}: expected redis://HOST:PORT or unix:///PATH")
     store_id = f"{store.path.name}|{store.settings.get('created')}"
-    return RedisSource(url, store.kv, lambda chunk_id: store.chunk(chunk_id).token_ids,
-                       prefix=namespace(store.fingerprint, store.prompt.system_hash, store_id))
+    prefix = namespace(store.fingerprint, store.prompt.system_hash, store_id)
+    return store.kv_files_for(lambda files, token_ids_of: RedisSource(url, files, token_ids_of, prefix=prefix))
 
 
 def engine_factory(store: str, model: str | None, memory_budget_mb: int = 0,

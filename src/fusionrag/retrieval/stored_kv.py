@@ -1,0 +1,172 @@
+"""The KV-file operations of a :class:`~fusionrag.retrieval.knowledge.KnowledgeStore`.
+
+A mixin, so the store's database, index and KV files stay private while offline building,
+verification, compaction and the serving tiers get the operations they need: read and write
+an entry, ask whether one is current, convert the store's KV dtype, build KV sources.
+It expects ``self._kv`` (a :class:`~fusionrag.kvcache.store.KVStore`), ``self.chunk(id)`` and
+``self.prompt``; every read is verified against the chunk's tokens.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from fusionrag.errors import CacheIntegrityError
+from fusionrag.kvcache.kv import KV
+from fusionrag.kvcache.sources import ColdDiskSource, DiskSource
+from fusionrag.kvcache.store import CHUNK_KINDS, KVEntry, KVStore, canonical_dtype, tokens_hash
+
+if TYPE_CHECKING:
+    from fusionrag.prompt import PromptBuilder
+
+
+class StoredKV:
+    """Entry-level access to a store's KV files (see the module docstring)."""
+
+    _kv: KVStore
+    prompt: PromptBuilder
+
+    def chunk(self, chunk_id: int) -> Any: ...  # provided by KnowledgeStore
+
+    def update_settings(self, **values: Any) -> None: ...  # provided by KnowledgeStore
+
+    def chunk_ids(self) -> list[int]: ...  # provided by KnowledgeStore
+
+    # -- reading ---------------------------------------------------------------------------
+
+    def load_system_kv(self) -> KV | None:
+        """The stored KV of ``S`` (verified), or None if it has not been computed yet."""
+        if not self._kv.exists(None, "system"):
+            return None
+        return self._kv.load(None, "system", token_ids=self.prompt.system_token_ids).kv
+
+    def has_kv(self, chunk_id: int, kind: str) -> bool:
+        """Whether an entry exists (not verified; every read through :meth:`kv_source` verifies)."""
+        return self._kv.exists(chunk_id, kind)
+
+    def kv_header(self, chunk_id: int, kind: str) -> dict[str, Any] | None:
+        """An entry's header metadata (checksum, dtype, tokens hash, extra), or None; not verified."""
+        return self._kv.header(chunk_id, kind)
+
+    def kv_path(self, chunk_id: int | None, kind: str) -> Path:
+        """Where an entry's file is (whether or not it exists)."""
+        return self._kv.path(chunk_id, kind)
+
+    def kv_files(self, kind: str) -> list[Path]:
+        """The entry files of one kind (``plain``, ``fused``) on disk."""
+        return list(self._kv.entries(kind))
+
+    @property
+    def kv_root(self) -> Path:
+        """The folder of the KV files."""
+        return Path(self._kv.root)
+
+    @property
+    def kv_dtype(self) -> str:
+        """The dtype new entries are stored in."""
+        return self._kv.dtype
+
+    def kv_identity(self) -> tuple[str, str, str, str]:
+        """``(root, fingerprint, system hash, dtype)``: what a worker in another process needs to write
+        entries this store accepts (:mod:`fusionrag.offline.distributed`)."""
+        return str(self._kv.root), self._kv.fingerprint, self._kv.system_hash, self._kv.dtype
+
+    def kv_source(self) -> DiskSource:
+        """The store's KV files as a :class:`~fusionrag.kvcache.sources.KVSource` (verified reads)."""
+        return DiskSource(self._kv, self._token_ids)
+
+    def cold_kv_source(self) -> ColdDiskSource:
+        """The same, dropping each file from the page cache before reading it (cold-disk benchmarks)."""
+        return ColdDiskSource(self._kv, self._token_ids)
+
+    def kv_files_for(self, source_factory: Any) -> Any:
+        """``source_factory(kv_files, token_ids_of)``: another tier over the same verified files (Redis)."""
+        return source_factory(self._kv, self._token_ids)
+
+    def load_entry(self, chunk_id: int, kind: str = "fused") -> KVEntry:
+        """KV, scores and header metadata of one entry, verified against the chunk's tokens."""
+        return self._kv.load(chunk_id, kind, token_ids=self.chunk(chunk_id).token_ids)
+
+    def load_kv(self, chunk_id: int, kind: str = "fused") -> KV:
+        """A verified chunk cache at its stored base position ``len(S)``, in the storage dtype."""
+        return self.load_entry(chunk_id, kind).kv
+
+    def is_current(self, chunk_id: int, kind: str, key: dict[str, Any], verify: bool = True) -> tuple[bool, bool]:
+        """``(exists, current)`` for one of the chunk's entries.
+
+        Current means: made by this model after this ``S`` for the chunk's tokens, in the store's
+        dtype, with the settings in ``key`` (fused: neighbours and order), *and* (``verify``) it passes
+        full verification: a truncated or bit-flipped file whose header still looks right is rebuilt,
+        never skipped forever. An entry left by another store (same id, other tokens) is not current.
+        """
+        meta = self._kv.header(chunk_id, kind)
+        if meta is None:
+            return self._kv.path(chunk_id, kind).exists(), False
+        try:
+            extra = json.loads(meta.get("extra", "{}"))
+        except ValueError:
+            return True, False
+        current = (
+            meta.get("fingerprint") == self._kv.fingerprint
+            and meta.get("system_hash") == self._kv.system_hash
+            and meta.get("dtype") == self._kv.dtype
+            and meta.get("tokens_sha256") == tokens_hash(self.chunk(chunk_id).token_ids)
+            and {k: extra.get(k) for k in key} == key
+        )
+        if current and verify:
+            try:
+                self.load_entry(chunk_id, kind)
+            except CacheIntegrityError:
+                return True, False
+        return True, current
+
+    # -- writing ---------------------------------------------------------------------------
+
+    def save_system_kv(self, kv: KV) -> None:
+        """Store ``S``'s KV in fp32: it prefixes every prompt, so it is kept at full precision."""
+        self._kv.save(None, "system", kv, self.prompt.system_token_ids, dtype="float32")
+
+    def save_kv(self, chunk_id: int, kind: str, kv: KV, token_ids: Any, scores: torch.Tensor | None = None,
+                extra: dict[str, Any] | None = None) -> None:
+        """Write one entry atomically (verified on every later read)."""
+        self._kv.save(chunk_id, kind, kv, token_ids, scores=scores, extra=extra)
+
+    def remove_kv(self, chunk_id: int, kind: str) -> bool:
+        """Delete one entry; whether there was one."""
+        return self._kv.remove(chunk_id, kind)
+
+    def remove_temp_kv_files(self) -> None:
+        """Delete temp files an interrupted write left behind."""
+        self._kv.remove_temp_files()
+
+    def convert_kv_dtype(self, dtype: str) -> list[tuple[int, str]]:
+        """Re-encode every chunk entry in ``dtype`` (no model run); returns the rewritten keys.
+
+        Each entry is read and verified first, so a conversion never launders a corrupted file.
+        Interrupted, it leaves a mix of verified entries of both dtypes (every entry says its own
+        format); running it again finishes the job.
+        """
+        dtype = canonical_dtype(dtype)
+        old = self._kv.dtype
+        if dtype == old:
+            return []
+        self.update_settings(kv_dtype=dtype, converted_from=old)
+        self._kv.dtype = dtype
+        changed = []
+        for cid in self.chunk_ids():
+            for kind in CHUNK_KINDS:
+                meta = self._kv.header(cid, kind)
+                if meta is None or meta.get("dtype") == dtype:
+                    continue
+                entry = self.load_entry(cid, kind)
+                self._kv.save(cid, kind, entry.kv, self.chunk(cid).token_ids, scores=entry.scores, extra=entry.extra)
+                changed.append((cid, kind))
+        return changed
+
+    def _token_ids(self, chunk_id: int) -> Any:
+        return self.chunk(chunk_id).token_ids
+
