@@ -96,7 +96,8 @@ def test_a_reader_sees_another_process_s_writes_before_its_next_use(tmp_path, lm
     writer = _reopen(tmp_path / "kb", lm)  # another process: its own connection
     new_ids = build.add_passages(writer, lm, [{"title": "New", "text": "a brand new passage about zebras"}])
     assert server_view.refresh() is True and server_view.refresh() is False
-    assert server_view.indexed_chunks() == n + 1 and server_view.search("a brand new passage about zebras", 1) == new_ids
+    assert server_view.indexed_chunks() == n + 1
+    assert server_view.search("a brand new passage about zebras", 1) == new_ids
     # the reader can write next without tripping over the other's chunk ids
     more = build.add_passages(server_view, lm, [{"title": "More", "text": "and one more about giraffes"}])
     assert more[0] == new_ids[0] + 1 and server_view.indexed_chunks() == n + 2 and verify_store(server_view).ok
