@@ -9,40 +9,19 @@ tokens' positions) and recompute ``softmax(q k^T / sqrt(d))`` against the keys w
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-
 import torch
 
 from fusionrag.models.registry import LoadedModel
 
 
-@contextmanager
-def capture_last_layer_queries(lm: LoadedModel) -> Iterator[list[torch.Tensor]]:
-    """Collect the last layer's raw ``q_proj`` outputs (``[1, n, heads*head_dim]``) while inside."""
-    captured: list[torch.Tensor] = []
-    attn = lm.model.model.layers[-1].self_attn
-    handle = attn.q_proj.register_forward_hook(lambda _m, _i, out: captured.append(out.detach()))
-    try:
-        yield captured
-    finally:
-        handle.remove()
+def capture_last_layer_queries(lm: LoadedModel):
+    """Collect the last layer's raw ``q_proj`` outputs while inside (:meth:`ModelAdapter.capture_last_queries`)."""
+    return lm.adapter.capture_last_queries()
 
 
 def finish_queries(lm: LoadedModel, q_proj_out: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """Raw ``q_proj`` output -> post-norm, post-RoPE queries ``[heads, n, head_dim]`` (fp32)."""
-    cfg = lm.config
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    q = q_proj_out.reshape(1, -1, cfg.num_attention_heads, head_dim)
-    attn = lm.model.model.layers[-1].self_attn
-    if getattr(attn, "q_norm", None) is not None:  # Qwen3 normalises each head before RoPE
-        q = attn.q_norm(q)
-    q = q.transpose(1, 2)  # [1, heads, n, d]
-    cos, sin = lm.model.model.rotary_emb(q, positions.reshape(1, -1).to(q.device))
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    half = head_dim // 2
-    rotated = torch.cat((-q[..., half:], q[..., :half]), dim=-1)
-    return (q * cos + rotated * sin)[0].float()
+    return lm.adapter.finish_queries(q_proj_out, positions)
 
 
 def attention_probs(queries: torch.Tensor, keys: torch.Tensor, allowed: torch.Tensor, scale: float) -> torch.Tensor:
@@ -58,10 +37,8 @@ def attention_probs(queries: torch.Tensor, keys: torch.Tensor, allowed: torch.Te
 
 
 def attention_scale(lm: LoadedModel) -> float:
-    cfg = lm.config
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    return float(lm.model.model.layers[-1].self_attn.scaling) if hasattr(
-        lm.model.model.layers[-1].self_attn, "scaling") else head_dim ** -0.5
+    """The last layer's softmax scale."""
+    return lm.adapter.attention_scale()
 
 
 def prefill_with_context_attention(

@@ -77,19 +77,11 @@ def _run(lm: LoadedModel, input_ids: torch.Tensor, positions: torch.Tensor, past
     stale = None if past_hidden is None else past_hidden.to(device=device, dtype=torch.bool)
     spec = SparseQuery(positions, base, past_len, stale)
     if past is None:  # the reference path without a past: an empty one
-        empty = torch.zeros(lm.num_layers, _kv_heads(lm), 0, _head_dim(lm), dtype=lm.dtype, device=device)
+        empty = torch.zeros(lm.adapter.empty_kv_shape(lm.num_layers), dtype=lm.dtype, device=device)
         past = KV(empty, empty, 0)
     past_dev = past.to(lm.dtype, device)
     with attention_hook.sparse_pass(past_dev, spec, get_backend(backend)):
         return _call(lm, input_ids, positions, cache, logits_to_keep, n_layers), cache
-
-
-def _kv_heads(lm: LoadedModel) -> int:
-    return getattr(lm.config, "num_key_value_heads", None) or lm.config.num_attention_heads
-
-
-def _head_dim(lm: LoadedModel) -> int:
-    return getattr(lm.config, "head_dim", None) or lm.config.hidden_size // lm.config.num_attention_heads
 
 
 def _call(lm: LoadedModel, input_ids: torch.Tensor, positions: torch.Tensor, cache: DynamicCache,
@@ -100,10 +92,10 @@ def _call(lm: LoadedModel, input_ids: torch.Tensor, positions: torch.Tensor, cac
                        use_cache=True, logits_to_keep=logits_to_keep,
                        **{attention_hook.cache_keyword(lm.model.forward): cache})
         return out.logits[0].float()
-    body = lm.model.model
-    hidden = body.embed_tokens(input_ids[None])
-    pos_emb = body.rotary_emb(hidden, position_ids=positions[None])
-    for layer in body.layers[:n_layers]:
+    adapter = lm.adapter
+    hidden = adapter.body.embed_tokens(input_ids[None])
+    pos_emb = adapter.rotary(hidden, positions[None])
+    for layer in adapter.layers[:n_layers]:
         hidden = layer(hidden, attention_mask=None, position_ids=positions[None], use_cache=True,
                        position_embeddings=pos_emb, **{attention_hook.cache_keyword(layer.forward): cache})
         hidden = hidden[0] if isinstance(hidden, tuple) else hidden

@@ -20,11 +20,11 @@ from typing import Any
 import torch
 
 from fusionrag.errors import FusionRAGError
+from fusionrag.models.adapter import ModelAdapter
 from fusionrag.models.compat import check_supported
 from fusionrag.models.devices import resolve_device, resolve_dtype
 from fusionrag.models.fingerprint import make_fingerprint, weights_hash
 from fusionrag.models.gguf import PackagedGGUF, ensure_converted
-from fusionrag.models.rope import inv_freq_of
 
 DEFAULT_MODEL = "qwen2.5-0.5b"
 
@@ -77,7 +77,15 @@ class LoadedModel:
 
     @cached_property
     def inv_freq(self) -> torch.Tensor:
-        return inv_freq_of(self.model)
+        return self.adapter.inv_freq()
+
+    @property
+    def adapter(self) -> ModelAdapter:
+        """Head sizes, the last layer's attention inputs and the rotary embedding (``models.adapter``)."""
+        cached = self.__dict__.get("_adapter")
+        if cached is None or cached.model is not self.model:
+            cached = self.__dict__["_adapter"] = ModelAdapter(self.model)
+        return cached
 
     @property
     def num_layers(self) -> int:

@@ -16,15 +16,8 @@ from __future__ import annotations
 import torch
 
 
-def inv_freq_of(model: torch.nn.Module) -> torch.Tensor:
-    """The model's own rotary inverse frequencies (float64), including linear/llama3 scaling."""
-    rotary = model.model.rotary_emb
-    # ``original_inv_freq`` is what the model uses for the rope types we accept
-    # (dynamic rope types, which mutate ``inv_freq``, are refused in compat.py).
-    return rotary.inv_freq.detach().to(torch.float64).cpu()
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """RoPE's rotate-half layout: ``(-x2, x1)`` of the two halves of the last dimension."""
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
@@ -43,5 +36,5 @@ def rotate_keys(keys: torch.Tensor, delta: int | torch.Tensor, inv_freq: torch.T
     cos = angles.cos().to(torch.float32)
     sin = angles.sin().to(torch.float32)
     k32 = keys.to(torch.float32)
-    rotated = k32 * cos + _rotate_half(k32) * sin
+    rotated = k32 * cos + rotate_half(k32) * sin
     return rotated.to(keys.dtype)
