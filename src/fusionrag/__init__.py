@@ -8,11 +8,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = ["Engine", "KnowledgeStore", "load_model"]
+__all__ = ["Engine", "KnowledgeStore", "Request", "ReuseRequest", "load_model", "register_policy"]
 
 if TYPE_CHECKING:
     from fusionrag.models import load_model
     from fusionrag.online.engine import Engine
+    from fusionrag.online.methods import register_policy
+    from fusionrag.online.request import ReuseRequest
+    from fusionrag.online.state import Request
     from fusionrag.retrieval.knowledge import KnowledgeStore
 
 
@@ -29,4 +32,16 @@ def __getattr__(name: str) -> Any:
         from fusionrag.models import load_model
 
         return load_model
+    if name == "ReuseRequest":
+        from fusionrag.online.request import ReuseRequest
+
+        return ReuseRequest
+    if name == "Request":
+        from fusionrag.online.state import Request
+
+        return Request
+    if name == "register_policy":
+        from fusionrag.online.methods import register_policy
+
+        return register_policy
     raise AttributeError(name)

@@ -219,3 +219,18 @@ def test_stage_timings_come_from_the_engines_synchronised_clock(engine):
     t = res.ttft_ms
     assert [round(t[k], 9) for k in ("retrieve", "load", "select", "recompute", "first_token")] == [5.0] * 5
     assert abs(t["total"] - 30.0) < 1e-9 and len(syncs) == 7
+
+
+def test_one_request_object_goes_from_prepared_to_finished(engine):
+    """prepare -> take_kv -> finish works on one Request (no copying into another result type)."""
+    from fusionrag.execution.generate import greedy_tokens
+    from fusionrag.online.request import ReuseRequest
+    from fusionrag.online.state import Request
+
+    req = engine.prepare(ReuseRequest(QUESTION, "fusionrag", 0.15, top_k=2))
+    assert isinstance(req, Request) and req.status == "prepared" and req.kv == "plain-first"
+    ids = list(greedy_tokens(engine.lm, req.take_kv(), req.pre.last_logits, 3))
+    done = engine.finish(req, ids)
+    assert done is req and req.status == "finished" and req.token_ids == ids and req.text == engine.lm.tokenizer.decode(
+        ids, skip_special_tokens=True).strip()
+    assert len(req.pre.kv) == 0  # the decoder took the KV: the finished request no longer holds it

@@ -7,9 +7,10 @@
     print(result.text, result.ttft_ms)
 
 Its surface is what the server's scheduler and the benchmarks use, nothing else:
-:meth:`prepare` (everything up to the first token), :meth:`finish` (the :class:`Answer`
-for generated tokens), :meth:`prefetch` (the asynchronous loader), :meth:`invalidate`
-(entries a store change made stale), :meth:`stats`, :meth:`prompt_tokens` and :attr:`lock`.
+:meth:`prepare` (everything up to the first token: a :class:`~fusionrag.online.state.Request`),
+:meth:`finish` (the same request, completed with its generated tokens), :meth:`prefetch` (the
+asynchronous loader), :meth:`invalidate` (entries a store change made stale), :meth:`stats`,
+:meth:`prompt_tokens` and :attr:`lock`.
 Stored KV is read through one :class:`~fusionrag.kvcache.sources.KVSource` (the disk, or a
 memory tier over it); decoding is the shared :class:`~fusionrag.execution.decoder.BatchDecoder`.
 """
@@ -19,7 +20,6 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -37,76 +37,13 @@ from fusionrag.models.clock import StageClock
 from fusionrag.models.registry import LoadedModel
 from fusionrag.online.methods import make_policy
 from fusionrag.online.policies import SelectionInput, select
-from fusionrag.online.prefill import Prefilled, assemble_context, prefill_full, prefill_reused
+from fusionrag.online.prefill import assemble_context, prefill_full, prefill_reused
 from fusionrag.online.request import DEFAULT_TOP_K, ReuseRequest, resolved_kv
+from fusionrag.online.state import Request
 from fusionrag.prompt import passage_hash
 from fusionrag.retrieval.knowledge import KnowledgeStore
 
 log = logging.getLogger(__name__)
-
-
-
-@dataclass
-class Answer:
-    text: str
-    token_ids: list[int]
-    method: str
-    kv: str
-    ratio: float
-    chunk_ids: list[int | None]  # None for request-supplied passages not in the store
-    context_tokens: int
-    recomputed_tokens: int
-    ttft_ms: dict[str, float]
-    first_logits: torch.Tensor = field(repr=False)
-    selected: torch.Tensor | None = field(default=None, repr=False)
-    spans: list[tuple[int, int]] = field(default_factory=list, repr=False)
-    passages: list[dict] = field(default_factory=list, repr=False)
-    chunk_token_ids: list[list[int]] = field(default_factory=list, repr=False)
-    fused_fallbacks: int = 0
-
-    def to_json(self) -> dict:
-        return {
-            "answer": self.text,
-            "method": self.method,
-            "kv": self.kv,
-            "ratio": self.ratio,
-            "chunk_ids": self.chunk_ids,
-            "context_tokens": self.context_tokens,
-            "recomputed_tokens": self.recomputed_tokens,
-            "generated_tokens": len(self.token_ids),
-            "ttft_ms": {k: round(v, 2) for k, v in self.ttft_ms.items()},
-            "fused_fallbacks": self.fused_fallbacks,
-        }
-
-
-@dataclass
-class Prepared:
-    """Everything up to the first token; decoding continues from ``pre`` (see :meth:`take_kv`)."""
-
-    pre: Prefilled
-    method: str
-    kv_kind: str  # "plain" | "fused" | "plain-first" | "none" (Full Attention)
-    ratio: float
-    chunk_ids: list[int | None]
-    passages: list[dict]
-    chunk_token_ids: list[list[int]]
-    ttft_ms: dict[str, float]
-    fused_fallbacks: int
-
-    @property
-    def prompt_tokens(self) -> int:
-        return self.pre.kv.base_position + len(self.pre.kv)
-
-    @property
-    def first_token(self) -> int:
-        """The greedy first answer token (no forward needed: the prefill's last logits)."""
-        return int(torch.argmax(self.pre.last_logits))
-
-    def take_kv(self) -> KV:
-        """Hand the prompt KV to a decoder; this object stops holding it (so its memory can go)."""
-        kv = self.pre.kv
-        self.pre.kv = KV.empty_like(kv, kv.base_position + len(kv))
-        return kv
 
 
 
@@ -175,7 +112,7 @@ class Engine:
 
     def answer(self, question: str, method: str = "fusionrag", ratio: float = 0.15, top_k: int | None = None,
                chunks: Sequence[dict] | None = None, max_new_tokens: int = 32, kv: str | None = None,
-               preamble: str = "") -> Answer:
+               preamble: str = "") -> Request:
         """Answer ``question``; ``chunks`` (``{title, text}`` dicts, in order) bypasses retrieval."""
         with self._lock:
             prep = self.prepare(question, method, ratio, top_k, chunks, kv, preamble)
@@ -197,7 +134,7 @@ class Engine:
 
     def prepare(self, question: str | ReuseRequest, method: str = "fusionrag", ratio: float = 0.15,
                 top_k: int | None = None, chunks: Sequence[dict] | None = None, kv: str | None = None,
-                preamble: str = "") -> Prepared:
+                preamble: str = "") -> Request:
         """Everything up to the first answer token, with the TTFT breakdown.
 
         Takes a :class:`~fusionrag.online.request.ReuseRequest` or its fields. ``preamble`` (a system
@@ -240,28 +177,14 @@ class Engine:
         clock.lap("first_token")
         timings = {**clock.stages, "total": clock.total()}
         pre.timings_ms["recompute"] = timings["recompute"]
-        return Prepared(pre, method, kv_kind, float(ratio), chunk_ids, passages,
-                        token_ids, timings, fallbacks)
+        return Request(pre, method, kv_kind, float(ratio), chunk_ids, passages, token_ids, timings, fallbacks)
 
-    def finish(self, prep: Prepared, token_ids: list[int]) -> Answer:
-        """The :class:`Answer` for a prepared request and its generated token ids."""
-        return Answer(
-            text=self.lm.tokenizer.decode(token_ids, skip_special_tokens=True).strip(),
-            token_ids=token_ids,
-            method=prep.method,
-            kv=prep.kv_kind,
-            ratio=prep.ratio,
-            chunk_ids=prep.chunk_ids,
-            context_tokens=prep.pre.context_tokens,
-            recomputed_tokens=prep.pre.recomputed,
-            ttft_ms=prep.ttft_ms,
-            first_logits=prep.pre.last_logits,
-            selected=prep.pre.selected,
-            spans=prep.pre.spans,
-            passages=prep.passages,
-            chunk_token_ids=prep.chunk_token_ids,
-            fused_fallbacks=prep.fused_fallbacks,
-        )
+    def finish(self, prep: Request, token_ids: list[int]) -> Request:
+        """Complete a prepared request with its generated token ids (the same object, now ``finished``)."""
+        prep.token_ids = list(token_ids)
+        prep.text = self.lm.tokenizer.decode(token_ids, skip_special_tokens=True).strip()
+        prep.status = "finished"
+        return prep
 
     def prompt_tokens(self, question: str, chunks: Sequence[dict], preamble: str = "") -> int:
         """Tokens of ``S`` + these passages + the question: a length check before spending a prefill."""

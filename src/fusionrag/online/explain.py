@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from fusionrag.files import atomic_write
-from fusionrag.online.engine import Answer
+from fusionrag.online.state import Answer
 
 _CSS = """
 body{font-family:system-ui,sans-serif;max-width:60rem;margin:2rem auto;line-height:1.5;color:#222}
