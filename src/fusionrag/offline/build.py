@@ -35,12 +35,11 @@ from fusionrag.models.registry import LoadedModel
 from fusionrag.offline.compact import after_fuse, keeps_plain
 from fusionrag.offline.preprocess import (
     DEFAULT_NEIGHBOUR_ORDER,
-    DEFAULT_TOP_N,
+    FuseSettings,
     LocalRunner,
     PreprocessReport,
     compute_plain,
     fuse_store,
-    prefix_order,
     stale_chunks,
 )
 from fusionrag.retrieval.chunking import DEFAULT_CHUNK_TOKENS, Chunk, Passage, Problem, dedup, expand_paths, make_chunks
@@ -61,26 +60,6 @@ def _writes(fn: F) -> F:
             return fn(store, *args, **kwargs)
 
     return wrapper  # type: ignore[return-value]
-
-
-@dataclass(frozen=True)
-class FuseSettings:
-    """How the offline stage fuses a chunk: what a fused entry depends on besides tokens, model and ``S``."""
-
-    top_n: int = DEFAULT_TOP_N
-    neighbour_order: str = DEFAULT_NEIGHBOUR_ORDER
-    same_document: bool = False
-    min_similarity: float | None = None  # keep only neighbours at least this similar (None: the top-n)
-
-    def __post_init__(self) -> None:
-        if int(self.top_n) < 0:
-            raise FusionRAGError(f"top-n must be >= 0, got {self.top_n}")
-        if self.min_similarity is not None and not -1.0 <= float(self.min_similarity) <= 1.0:
-            raise FusionRAGError(f"min-similarity is a cosine similarity in [-1, 1], got {self.min_similarity}")
-        prefix_order([], self.neighbour_order)  # validates the name
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def recorded_fuse_settings(store: KnowledgeStore) -> FuseSettings | None:
@@ -241,21 +220,24 @@ def _add_refs(store: KnowledgeStore, chunks: Sequence[Chunk]) -> None:
 
 
 @_writes
-def fuse(store: KnowledgeStore, lm: LoadedModel, top_n: int | None = None, *, neighbour_order: str | None = None,
-         same_document: bool | None = None, chunk_ids: Sequence[int] | None = None, progress: bool = True,
-         batch_size: int = 4, record: bool = True, verify: bool = True,
-         runner: LocalRunner | None = None, min_similarity: float | None = None,
+def fuse(store: KnowledgeStore, lm: LoadedModel, top_n: int | None = None, *, settings: FuseSettings | None = None,
+         neighbour_order: str | None = None, same_document: bool | None = None,
+         chunk_ids: Sequence[int] | None = None, progress: bool = True, batch_size: int = 4, record: bool = True,
+         verify: bool = True, runner: LocalRunner | None = None, min_similarity: float | None = None,
          neighbour_lists: Mapping[int, Sequence[int]] | None = None) -> PreprocessReport:
     """The offline stage: fuse chunks (all by default) with their top-n neighbours; resumable.
 
     ``neighbour_lists`` gives each chunk's neighbours (in prefix order) instead of the similarity
     search; they are not a setting a later ingest could repeat, so such a fuse records nothing.
-    Settings come from :func:`resolve_fuse_settings`. With ``record`` (the default) they
-    become the store's settings, so later ingests keep it fused the same way; a server
-    fusing only the chunks of one request without switching the store to fused mode passes
-    ``record=False``. The report's ``changed_keys`` are the entries rewritten.
+    Settings come whole (``settings``, e.g. from the CLI) or from :func:`resolve_fuse_settings`.
+    With ``record`` (the default) they become the store's settings, so later ingests keep it
+    fused the same way; a server fusing only the chunks of one request without switching the
+    store to fused mode passes ``record=False``. The report's ``changed_keys`` are the entries rewritten.
     """
-    settings = resolve_fuse_settings(store, top_n, neighbour_order, same_document, min_similarity)
+    if settings is None:
+        settings = resolve_fuse_settings(store, top_n, neighbour_order, same_document, min_similarity)
+    elif (top_n, neighbour_order, same_document, min_similarity) != (None, None, None, None):
+        raise FusionRAGError("give fuse settings either whole (settings=) or as single values, not both")
     if record and neighbour_lists is None:
         store.update_settings(fuse=settings.to_dict())
     store.remove_temp_kv_files()
@@ -267,10 +249,8 @@ def _fuse(store: KnowledgeStore, lm: LoadedModel, system: KV, settings: FuseSett
           chunk_ids: Sequence[int] | None, progress: bool, batch_size: int, verify: bool = True,
           runner: LocalRunner | None = None,
           neighbour_lists: Mapping[int, Sequence[int]] | None = None) -> PreprocessReport:
-    report = fuse_store(store, lm, system, top_n=settings.top_n, neighbour_order=settings.neighbour_order,
-                        same_document=settings.same_document, chunk_ids=chunk_ids, progress=progress,
-                        batch_size=batch_size, verify=verify, runner=runner,
-                        min_similarity=settings.min_similarity, neighbour_lists=neighbour_lists)
+    report = fuse_store(store, lm, system, settings, chunk_ids=chunk_ids, progress=progress,
+                        batch_size=batch_size, verify=verify, runner=runner, neighbour_lists=neighbour_lists)
     report.removed_keys.extend(after_fuse(store))  # a fused-only store drops the plain KV fusing re-created
     return report
 
@@ -280,8 +260,7 @@ def stale_fused(store: KnowledgeStore, settings: FuseSettings, chunk_ids: Sequen
     """The chunks (of ``chunk_ids``, default all) a fuse with ``settings`` would compute now: lets a
     caller cut one fuse into slices (a server interleaving a document job with chats)."""
     ids = store.chunk_ids() if chunk_ids is None else [int(c) for c in chunk_ids]
-    return stale_chunks(store, ids, settings.top_n, settings.neighbour_order, settings.same_document, verify,
-                        settings.min_similarity)[1]
+    return stale_chunks(store, ids, settings, verify)[1]
 
 
 @_writes

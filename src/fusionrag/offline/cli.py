@@ -88,10 +88,9 @@ def cmd_preprocess(args: argparse.Namespace) -> int:
             converted = compact.convert_kv_dtype(store, args.kv_dtype) if args.kv_dtype else []
             if args.plain_kv == "keep":
                 compact.set_plain_kv(store, "keep")
-            report = build.fuse(store, lm, top_n=args.top_n, progress=not args.quiet, runner=runner,
-                                neighbour_order=args.neighbour_order,
-                                same_document=True if args.same_document else None,
-                                min_similarity=args.min_similarity)
+            settings = build.resolve_fuse_settings(store, args.top_n, args.neighbour_order,
+                                                   True if args.same_document else None, args.min_similarity)
+            report = build.fuse(store, lm, settings=settings, progress=not args.quiet, runner=runner)
             if args.plain_kv == "drop":
                 compact.set_plain_kv(store, "drop")
                 report.removed_keys.extend(compact.drop_plain(store))

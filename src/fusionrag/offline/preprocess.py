@@ -64,6 +64,26 @@ def prefix_order(neighbours: Sequence[int], neighbour_order: str) -> list[int]:
     return list(reversed(neighbours)) if neighbour_order == "nearest_last" else list(neighbours)
 
 
+@dataclass(frozen=True)
+class FuseSettings:
+    """How the offline stage fuses a chunk: what a fused entry depends on besides tokens, model and ``S``."""
+
+    top_n: int = DEFAULT_TOP_N
+    neighbour_order: str = DEFAULT_NEIGHBOUR_ORDER
+    same_document: bool = False
+    min_similarity: float | None = None  # keep only neighbours at least this similar (None: the top-n)
+
+    def __post_init__(self) -> None:
+        if int(self.top_n) < 0:
+            raise FusionRAGError(f"top-n must be >= 0, got {self.top_n}")
+        if self.min_similarity is not None and not -1.0 <= float(self.min_similarity) <= 1.0:
+            raise FusionRAGError(f"min-similarity is a cosine similarity in [-1, 1], got {self.min_similarity}")
+        prefix_order([], self.neighbour_order)  # validates the name
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
 def plain_batch(lm: LoadedModel, system_kv: KV, token_ids: Mapping[int, Sequence[int]]) -> dict[int, KV]:
     """Plain KV of every chunk in ``token_ids`` (``{chunk_id: ids}``), each at base ``len(S)``."""
     return {cid: chunk_kv_plain(lm, system_kv, ids) for cid, ids in token_ids.items()}
@@ -229,8 +249,7 @@ def compute_plain(store: KnowledgeStore, lm: LoadedModel, system_kv: KV, chunk_i
     return len(todo), time.perf_counter() - t0
 
 
-def stale_chunks(store: KnowledgeStore, ids: Sequence[int], top_n: int, neighbour_order: str,
-                 same_document: bool, verify: bool = True, min_similarity: float | None = None,
+def stale_chunks(store: KnowledgeStore, ids: Sequence[int], settings: FuseSettings, verify: bool = True,
                  neighbour_lists: Mapping[int, Sequence[int]] | None = None,
                  ) -> tuple[dict[int, list[int]], list[int], set[int]]:
     """``(neighbours, todo, replaced)``: each chunk's neighbours now, the chunks whose fused entry is
@@ -238,13 +257,15 @@ def stale_chunks(store: KnowledgeStore, ids: Sequence[int], top_n: int, neighbou
 
     ``neighbour_lists`` replaces the similarity search with given lists (in prefix order; a study
     of where neighbours come from, or an application that knows which chunks go together)."""
+    top_n = settings.top_n
     if neighbour_lists is not None:
         neighbours = {int(c): [int(n) for n in neighbour_lists.get(int(c), [])][:top_n] for c in ids}
     else:
-        neighbours = compute_neighbours(store, ids, top_n, same_document, min_similarity)
+        neighbours = compute_neighbours(store, ids, top_n, settings.same_document, settings.min_similarity)
     todo, replaced = [], set()
     for cid in ids:
-        exists, current = entry_is_current(store, cid, fuse_key(neighbours[cid], neighbour_order), verify=verify)
+        exists, current = entry_is_current(store, cid, fuse_key(neighbours[cid], settings.neighbour_order),
+                                           verify=verify)
         if not current:
             todo.append(cid)
             if exists:
@@ -252,10 +273,9 @@ def stale_chunks(store: KnowledgeStore, ids: Sequence[int], top_n: int, neighbou
     return neighbours, todo, replaced
 
 
-def fuse_store(store: KnowledgeStore, lm: LoadedModel, system_kv: KV, top_n: int = DEFAULT_TOP_N,
-               neighbour_order: str = DEFAULT_NEIGHBOUR_ORDER, same_document: bool = False,
+def fuse_store(store: KnowledgeStore, lm: LoadedModel, system_kv: KV, settings: FuseSettings | None = None, *,
                chunk_ids: Sequence[int] | None = None, progress: bool = True, batch_size: int = 4,
-               verify: bool = True, runner: LocalRunner | None = None, min_similarity: float | None = None,
+               verify: bool = True, runner: LocalRunner | None = None,
                neighbour_lists: Mapping[int, Sequence[int]] | None = None) -> PreprocessReport:
     """Fuse every chunk (of ``chunk_ids``) whose fused entry is missing or out of date.
 
@@ -265,16 +285,15 @@ def fuse_store(store: KnowledgeStore, lm: LoadedModel, system_kv: KV, top_n: int
     tokens, so an interrupted run resumes where it stopped and an incremental ingest
     re-fuses only chunks whose neighbour lists changed.
     """
-    if top_n < 0:
-        raise FusionRAGError(f"--top-n must be >= 0, got {top_n}")
-    prefix_order([], neighbour_order)  # validates the name
+    settings = settings or FuseSettings()  # validated when it was made
+    top_n, neighbour_order, same_document = settings.top_n, settings.neighbour_order, settings.same_document
+    min_similarity = settings.min_similarity
     report = PreprocessReport(top_n, neighbour_order, bool(same_document))
     ids = store.chunk_ids() if chunk_ids is None else [int(c) for c in chunk_ids]
     report.chunks = len(ids)
     if not ids:
         return report
-    neighbours, todo, replaced = stale_chunks(store, ids, top_n, neighbour_order, same_document, verify,
-                                              min_similarity, neighbour_lists)
+    neighbours, todo, replaced = stale_chunks(store, ids, settings, verify, neighbour_lists)
     report.skipped = len(ids) - len(todo)
     # Neighbours need plain KV: every chunk's (completes an interrupted ingest), or on a store that
     # drops plain KV only what this run reads (offline.compact).
