@@ -71,3 +71,22 @@ def test_delete_returns_both_kinds_of_every_removed_chunk(store, lm):
     ids = build.add_passages(store, lm, [{"title": "Z", "text": "zeta"}], doc="gone")
     assert build.delete_document(store, "gone") == [(ids[0], "plain"), (ids[0], "fused")]
     assert build.delete_document(store, "gone") == []
+
+
+def test_the_cli_and_python_make_stores_of_the_same_kv_dtype(tmp_path, lm, fusionrag_home):
+    """One default for the KV storage dtype, whichever door builds the store."""
+    from fusionrag.cli import main
+    from fusionrag.kvcache.store import DEFAULT_KV_DTYPE
+    from fusionrag.retrieval.knowledge import KnowledgeStore
+
+    doc = tmp_path / "in" / "a.txt"
+    doc.parent.mkdir()
+    doc.write_text("Alpha is a word about alpha and more text.")
+    assert main(["ingest", str(doc.parent), "--store", str(tmp_path / "cli"), "--model", "tiny-llama",
+                 "--embedder", "hashing-64", "--quiet"]) == 0
+    from_python = [build.create_store(tmp_path / "py", lm, embedder=HashingEmbedder()),
+                   KnowledgeStore.create(tmp_path / "py2", lm, embedder=HashingEmbedder())]
+    dtypes = {store_info(tmp_path / "cli")["settings"]["kv_dtype"], *(s.settings["kv_dtype"] for s in from_python)}
+    for s in from_python:
+        s.close()
+    assert dtypes == {DEFAULT_KV_DTYPE}

@@ -18,15 +18,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 from fusionrag.errors import FusionRAGError
 from fusionrag.online.policies import CacheBlend, CacheCraft, Epic, Policy, QueryGuided
 
 #: Stored KV a request can reuse: plain (each chunk after ``S`` alone), fused (after its nearest
 #: chunks, offline), or fused except the prompt's first chunk, which reads its plain KV.
-KV_KINDS: tuple[str, ...] = ("plain", "fused", "plain-first")
 KVKind = Literal["plain", "fused", "plain-first"]
+KV_KINDS: tuple[str, ...] = get_args(KVKind)
 Kind = Literal["product", "baseline", "study"]
 
 

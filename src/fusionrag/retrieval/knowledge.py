@@ -39,13 +39,12 @@ from fusionrag.models.registry import LoadedModel
 from fusionrag.prompt import PromptBuilder, chunk_text
 from fusionrag.retrieval.chunking import DEFAULT_CHUNK_TOKENS, Chunk
 from fusionrag.retrieval.embedder import Embedder, get_embedder
-from fusionrag.retrieval.index import VectorIndex
+from fusionrag.retrieval.indexed import IndexedChunks
 from fusionrag.retrieval.jobs import JobStore
 from fusionrag.retrieval.store_files import (
     SCHEMA,
     bump_generation,
     connect,
-    index_digest,
     migrate_refs,
     read_generation,
     writer_lock,
@@ -74,7 +73,7 @@ class ChunkRecord:
     content_hash: str
 
 
-class KnowledgeStore(StoredKV):
+class KnowledgeStore(IndexedChunks, StoredKV):
     """A store folder: chunks, vectors and KV files, bound to one model's fingerprint and ``S``.
 
     Holds no model: the model that built the store is named in its settings
@@ -357,63 +356,3 @@ class KnowledgeStore(StoredKV):
                     self._kv.path(cid, kind).unlink(missing_ok=True)
         return ids
 
-    # ------------------------------------------------------------ index
-
-    def _save_index(self) -> None:
-        """Write the index and record its digest and size in SQLite (verified on the next open)."""
-        path = self.path / INDEX_NAME
-        self._index.save(path)
-        self.update_settings(index_sha256=index_digest(path), index_count=len(self._index))
-
-    def rebuild_index(self) -> None:
-        """Drop the index file and rebuild it from the SQLite embeddings (``store verify --repair``)."""
-        with self._lock:
-            (self.path / INDEX_NAME).unlink(missing_ok=True)
-            self._index = self.load_index()
-
-    def neighbours(self, chunk_ids: Sequence[int], top_n: int, among: dict[int, set[int]] | None = None,
-                   min_similarity: float | None = None) -> dict[int, list[int]]:
-        """Each chunk's ``top_n`` most similar chunks (never itself), optionally only ``among`` a set per
-        chunk and at least ``min_similarity`` similar: what the offline stage fuses with."""
-        return self._index.neighbours_many(list(chunk_ids), top_n, among=among, min_similarity=min_similarity)
-
-    def indexed_chunks(self) -> int:
-        """How many chunks the vector index holds (equals the chunk count unless a writer is mid-way)."""
-        return len(self._index)
-
-    def vectors(self, chunk_ids: Sequence[int]) -> np.ndarray:
-        """The chunks' unit embeddings (rows in the order given)."""
-        return self._index.vectors(list(chunk_ids))
-
-    def load_index(self) -> VectorIndex:
-        """The FAISS index, verified against SQLite (digest and vector count); rebuilt if it does not match.
-
-        SQLite is the source of truth: a missing, corrupted, foreign or stale index (a crash
-        between the two writes, an external writer) is rebuilt from the stored embeddings.
-        """
-        dim = int(self.settings["embedding_dim"])
-        n = self._db.execute("SELECT COUNT(*) FROM chunks").fetchone()[0]
-        path = self.path / INDEX_NAME
-        recorded = read_settings(self._db)
-        if path.is_file() and recorded.get("index_count") == n and recorded.get("index_sha256") == index_digest(path):
-            try:
-                return VectorIndex.load(path, dim)
-            except FusionRAGError:
-                pass
-        if path.is_file():
-            log.warning("index %s does not match the store's metadata; rebuilding it from SQLite", path)
-        self._index = VectorIndex(dim)
-        rows = self._db.execute("SELECT id, embedding FROM chunks ORDER BY id").fetchall()
-        if rows:
-            self._index.add([r[0] for r in rows], np.stack([np.frombuffer(r[1], dtype=np.float32) for r in rows]))
-        self._save_index()
-        return self._index
-
-    def search(self, query: str, k: int) -> list[int]:
-        """Chunk ids ranked by similarity to ``query`` (at most ``k``)."""
-        if k <= 0 or len(self._index) == 0:
-            return []
-        _, ids = self._index.search(self.embedder.embed([query]), min(k, len(self._index)))
-        return [int(i) for i in ids[0] if i >= 0]
-
-    # ------------------------------------------------------------ KV
