@@ -33,6 +33,7 @@ def _command() -> str:
 def quality_spec(args: argparse.Namespace, **overrides):
     """The ``QualitySpec`` of parsed ``bench quality`` arguments (studies add their own fields as overrides)."""
     from fusionrag.bench.quality import QualitySpec
+    from fusionrag.offline.preprocess import FuseSettings
 
     fields = dict(
         data=[Path(p) for p in args.data],
@@ -47,11 +48,10 @@ def quality_spec(args: argparse.Namespace, **overrides):
         max_passage_words=args.max_passage_words,
         seed=args.seed,
         cache_dir=Path(args.cache_dir) if args.cache_dir else None,
-        neighbour_order=args.neighbour_order,
-        same_document=args.same_document,
+        fuse=FuseSettings(neighbour_order=args.neighbour_order, same_document=args.same_document,
+                          min_similarity=args.min_similarity),
         reuse_full_cache=args.reuse_full_cache,
         kv_dtype=args.kv_dtype,
-        min_similarity=args.min_similarity,
         max_passages=args.max_passages,
         decode=not args.no_decode,
         fuse_only_evaluated=args.fuse_only_evaluated,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -19,7 +20,7 @@ from fusionrag.bench.datasets import QAExample
 from fusionrag.bench.membership import Membership, membership
 from fusionrag.errors import FusionRAGError
 from fusionrag.offline import build
-from fusionrag.offline.preprocess import compute_neighbours, compute_plain
+from fusionrag.offline.preprocess import FuseSettings, compute_neighbours, compute_plain
 from fusionrag.retrieval.knowledge import KnowledgeStore
 
 
@@ -47,15 +48,13 @@ class StoreSettings(Protocol):
     model: str
     limit: int | None
     kb_limit: int | None
-    neighbour_order: str
-    same_document: bool
+    fuse: FuseSettings
     embedder: object | None
     cache_dir: Path | None
     out: Path
     progress: bool
     kv_dtype: str
     neighbours: NeighbourSource | None  # None: the corpus top-n, as `fusionrag preprocess`
-    min_similarity: float | None
     max_passages: int | None
 
 
@@ -73,11 +72,11 @@ def kb_size(spec: StoreSettings) -> int | None:
 
 def store_name(spec: StoreSettings, dataset: str, top_n: int) -> str:
     """The store (= knowledge base and offline settings) a cell of ``dataset`` at ``top_n`` reads."""
-    variant = f"-{spec.neighbour_order}" + ("-samedoc" if spec.same_document else "")
+    variant = f"-{spec.fuse.neighbour_order}" + ("-samedoc" if spec.fuse.same_document else "")
     if spec.neighbours is not None and spec.neighbours.name != "corpus":
         variant += f"-nb{spec.neighbours.name}"
-    if spec.min_similarity is not None:
-        variant += f"-sim{spec.min_similarity:g}"
+    if spec.fuse.min_similarity is not None:
+        variant += f"-sim{spec.fuse.min_similarity:g}"
     if spec.max_passages is not None:  # the knowledge base itself differs: passages were cut per question
         variant += f"-p{spec.max_passages}"
     if spec.kv_dtype != "float16":  # fp16 stores keep the names they had before int8 storage existed
@@ -188,22 +187,22 @@ def open_store(spec: StoreSettings, dataset: str, examples: list[QAExample], top
                   chunk_ids=None if fusing else only)
     if fusing:
         lists = None if spec.neighbours is None else \
-            spec.neighbours.lists(store, membership(store, examples), top_n, spec.min_similarity)
-        build.fuse(store, lm, top_n=top_n, progress=spec.progress, neighbour_order=spec.neighbour_order,
-                   same_document=spec.same_document, min_similarity=spec.min_similarity, neighbour_lists=lists,
-                   chunk_ids=only)
+            spec.neighbours.lists(store, membership(store, examples), top_n, spec.fuse.min_similarity)
+        build.fuse(store, lm, settings=replace(spec.fuse, top_n=top_n), progress=spec.progress,
+                   neighbour_lists=lists, chunk_ids=only)
     return store
 
 
 def store_composition(spec: StoreSettings, store: KnowledgeStore, examples: list[QAExample], top_n: int) -> dict:
     """What the neighbours of the store a run's fused cells read are (the source's own description, if any)."""
     source = spec.neighbours
-    out = {"source": "corpus" if source is None else source.name, "min_similarity": spec.min_similarity,
+    out = {"source": "corpus" if source is None else source.name, "min_similarity": spec.fuse.min_similarity,
            "top_n": top_n}
     if source is None:
         return out
     members = membership(store, examples)
-    lists = source.lists(store, members, top_n, spec.min_similarity)
+    lists = source.lists(store, members, top_n, spec.fuse.min_similarity)
     if lists is None:
-        lists = compute_neighbours(store, store.chunk_ids(), top_n, spec.same_document, spec.min_similarity)
+        lists = compute_neighbours(store, store.chunk_ids(), top_n, spec.fuse.same_document,
+                                   spec.fuse.min_similarity)
     return {**out, **source.composition(store, members, lists)}

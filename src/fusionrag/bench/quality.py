@@ -44,7 +44,7 @@ from fusionrag.bench.records import (
 )
 from fusionrag.errors import FusionRAGError
 from fusionrag.kvcache.store import DEFAULT_KV_DTYPE
-from fusionrag.offline.preprocess import DEFAULT_NEIGHBOUR_ORDER
+from fusionrag.offline.preprocess import FuseSettings
 from fusionrag.online.methods import KV_KINDS, method_info, reads_store
 from fusionrag.online.request import check_ratio
 
@@ -74,11 +74,11 @@ class QualitySpec:
     extra_meta: dict = field(default_factory=dict)
     embedder: object | None = None  # None: the store's default (MiniLM); tests inject a cheap one
     reuse_full_cache: bool = False  # True: a cached Full Attention result also serves the `full` cell (no TTFT)
-    neighbour_order: str = DEFAULT_NEIGHBOUR_ORDER  # offline: most similar neighbour right after S (measured)
-    same_document: bool = False  # offline: neighbours only from the chunk's own document group
+    #: The offline stage's settings, whole, as `fusionrag preprocess` takes them (its top_n is replaced by
+    #: each value of ``top_n``, which may list several for the ablation).
+    fuse: FuseSettings = field(default_factory=FuseSettings)
     kv_dtype: str = DEFAULT_KV_DTYPE  # as `fusionrag ingest` stores KV; non-fp16 stores are named so
     neighbours: NeighbourSource | None = None  # offline: None = the corpus top-n (as `fusionrag preprocess`)
-    min_similarity: float | None = None  # offline: a similarity floor instead of a fixed top-n
     max_passages: int | None = None  # passages per question (supporting ones kept); None: as in the file
     decode: bool = True  # False: teacher-forced metrics only (no greedy answer, no F1/agreement)
     full_reference: Path | None = None  # committed Full Attention reference (default: OUT/full_reference)
@@ -227,7 +227,7 @@ def run_quality(spec: QualitySpec) -> list[dict]:
             "knowledge_base_stores": knowledge_base_stores(mine),
             "neighbour_composition": compositions,
             "neighbours": "corpus" if spec.neighbours is None else spec.neighbours.name,
-            "min_similarity": spec.min_similarity,
+            "min_similarity": spec.fuse.min_similarity,
             "max_passages": spec.max_passages,
             "decode": spec.decode,
             "max_new_tokens": spec.max_new_tokens,
