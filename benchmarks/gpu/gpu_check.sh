@@ -33,7 +33,7 @@ step() {  # NAME STATUS: remember a failure, say which step it was
 '| transformers', transformers.__version__, '| triton', triton.__version__, '|', torch.cuda.get_device_name(0))"
 } 2>&1 | tee "$out/host.txt"
 step host "$?"
-timeout 120 $py -m pytest -q -p no:cacheprovider -m gpu tests/test_forward_backends.py 2>&1 | tee "$out/pytest_gpu.log"
+timeout 120 $py -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_forward_backends.py 2>&1 | tee "$out/pytest_gpu.log"
 step "pytest -m gpu" "$?"
 : > "$out/doctor.jsonl"
 for model in tiny-qwen2 tiny-llama; do

@@ -9,16 +9,8 @@ import numpy as np
 import pytest
 
 from bench_helpers import assert_png, bench_ttft_rows, quality_rows, ttft_rows
-from fusionrag.bench.report import (
-    build_meta,
-    markdown_table,
-    quality_markdown,
-    read_results,
-    to_jsonable,
-    write_json_atomic,
-    write_quality_report,
-    write_ttft_report,
-)
+from fusionrag.bench.provenance import build_meta, read_results, to_jsonable, write_json_atomic
+from fusionrag.bench.report import markdown_table, quality_markdown, write_quality_report, write_ttft_report
 
 
 def test_write_quality_report(tmp_path):

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from fusionrag.bench.loadtest import check_loopback
-from fusionrag.bench.report import build_meta
+from fusionrag.bench.provenance import build_meta
 from fusionrag.files import atomic_write, atomic_write_with, write_json_atomic
 from fusionrag.kvcache.store import CHUNK_KINDS
 

@@ -240,7 +240,7 @@ def run_quality(spec: QualitySpec) -> list[dict]:
 
 def _previous_compositions(out: Path) -> dict[str, dict]:
     """The neighbour compositions an earlier run into ``out`` recorded (one folder, several runs)."""
-    from fusionrag.bench.report import read_results
+    from fusionrag.bench.provenance import read_results
 
     if not (out / "results.json").is_file():
         return {}
@@ -260,7 +260,8 @@ def report_from_records(out: Path, command: str | None = None, data_files: Seque
     Lets several ``bench quality`` invocations (e.g. different ``--limit`` per dataset)
     share one folder and one final report, without recomputing anything.
     """
-    from fusionrag.bench.report import read_results, write_quality_report
+    from fusionrag.bench.provenance import read_results
+    from fusionrag.bench.report import write_quality_report
 
     records = list(read_records(out / "records.jsonl").values())
     if not records:
