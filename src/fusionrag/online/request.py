@@ -54,6 +54,13 @@ class ReuseRequest:
         question = (self.question or "").strip()
         if not question:
             raise InvalidRequest("the question is empty", "question", "empty_question")
+        for name, text in (("question", question), ("preamble", self.preamble or "")):
+            if not is_valid_text(text):
+                raise InvalidRequest(f"the {name} is not valid Unicode text (undecodable bytes or a lone surrogate)",
+                                     name, "invalid_unicode")
+        for i, c in enumerate(self.chunks or ()):
+            if not all(is_valid_text(str(c.get(k, ""))) for k in ("title", "text")):
+                raise InvalidRequest(f"passage {i} is not valid Unicode text", "documents", "invalid_unicode")
         return replace(out, question=question)
 
     def fields_validated(self, max_top_k: int | None = None) -> ReuseRequest:
@@ -87,6 +94,16 @@ class ReuseRequest:
         if self.preamble:
             out["preamble"] = self.preamble
         return out
+
+
+def is_valid_text(text: str) -> bool:
+    """Whether ``text`` can be encoded as UTF-8: no lone surrogates (from JSON ``\\ud800`` escapes or
+    from command-line bytes that were not UTF-8), which no tokenizer can read."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def method_info_or_invalid(method: str):

@@ -159,13 +159,29 @@ def _read_jsonl(path: Path, data: bytes, problems: list[Problem]) -> list[Passag
                 if not _valid_passage(item):
                     problems.append(Problem(str(path), lineno, f"passage {j} is not a {{title, text}} object; skipped"))
                     continue
+                if not _valid_unicode(item):
+                    problems.append(Problem(str(path), lineno, f"passage {j} ({str(item.get('title') or '')[:40]!r}) "
+                                                               "is not valid Unicode (a lone surrogate); skipped"))
+                    continue
                 out.append(Passage(str(item.get("title") or ""), item["text"], doc=doc))
+        elif _valid_passage(obj) and not _valid_unicode(obj):
+            problems.append(Problem(str(path), lineno, "the passage is not valid Unicode (a lone surrogate); skipped"))
         elif _valid_passage(obj):
             doc = str(obj.get("doc") or obj.get("doc_id") or path.name)
             out.append(Passage(str(obj.get("title") or ""), obj["text"], doc=doc))
         else:
             problems.append(Problem(str(path), lineno, "no 'passages' list and no 'text' string; line skipped"))
     return out
+
+
+def _valid_unicode(item: dict) -> bool:
+    """Whether a passage's title and text encode as UTF-8 (JSON can carry lone surrogates; tokenizers cannot)."""
+    try:
+        str(item.get("title") or "").encode("utf-8")
+        item["text"].encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _valid_passage(item: object) -> bool:

@@ -145,7 +145,8 @@ def create_app(engine: Any, settings: ServerSettings | None = None,
     async def completions(request: Request) -> Response:
         def parse(body: Any, settings: ServerSettings) -> GenerateRequest:
             tokenizer = sched.engine.lm.tokenizer
-            return parse_completion(body, settings, lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+            return parse_completion(body, settings, lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+                                    len(tokenizer))
 
         return await generate(server, request, False, parse)
 
@@ -174,6 +175,10 @@ def create_app(engine: Any, settings: ServerSettings | None = None,
         try:
             check_auth(request)
             body = await read_json(request, s.max_body_bytes)
+            if isinstance(body, dict) and set(body) - {"documents"}:
+                raise APIError(400, f"unknown field(s) {', '.join(map(repr, sorted(set(body) - {'documents'})))}; "
+                                    "send a list of {title, text} or {\"documents\": [...]}",
+                               code="unsupported_parameter", param=sorted(set(body) - {"documents"})[0])
             items = body.get("documents") if isinstance(body, dict) else body
             docs = parse_documents(items, s, "documents")
             ensure_ready()

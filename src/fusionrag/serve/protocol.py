@@ -118,8 +118,44 @@ async def read_json(request: Request, max_bytes: int) -> Any:
         raise APIError(400, f"malformed JSON: {exc}", code="invalid_json") from None
 
 
+def invalid_text_path(value: Any, path: str = "body") -> str | None:
+    """Where ``value`` (parsed JSON) holds a string that is not valid Unicode (a lone surrogate such as
+    ``\\ud800``, which JSON can encode and no tokenizer can read), or None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path
+        return None
+    if isinstance(value, dict):
+        for k, v in value.items():
+            found = invalid_text_path(k, path) or invalid_text_path(v, f"{path}.{k}" if path != "body" else str(k))
+            if found:
+                return found
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            found = invalid_text_path(v, f"{path}[{i}]")
+            if found:
+                return found
+    return None
+
+
+def check_text(body: Any) -> None:
+    """A 400 naming the field if any string in the body is not valid Unicode."""
+    where = invalid_text_path(body)
+    if where is not None:
+        raise APIError(400, f"'{where}' is not valid Unicode text (a lone surrogate?)", code="invalid_unicode",
+                       param=where.split(".")[0].split("[")[0])
+
+
+DOCUMENT_KEYS = frozenset({"title", "text"})
+
+
 def parse_documents(items: Any, s: ServerSettings, param: str) -> list[dict]:
-    """Validate ``[{title, text}]`` passages against the document limits."""
+    """Validate ``[{title, text}]`` passages against the document limits.
+
+    As strict as a request's top level: an unknown key is a 400, not silently dropped. The same
+    passage twice in one list is kept once (its KV would be computed and reused identically)."""
     if not isinstance(items, list) or not items:
         raise APIError(400, f"'{param}' must be a non-empty list of {{title, text}} objects", code="invalid_value",
                        param=param)
@@ -127,10 +163,16 @@ def parse_documents(items: Any, s: ServerSettings, param: str) -> list[dict]:
         raise APIError(413, f"too many documents: {len(items)} (limit {s.max_documents})", code="too_many_documents",
                        param=param)
     docs = []
+    seen: set[tuple[str, str]] = set()
     for i, d in enumerate(items):
         if not isinstance(d, dict) or not isinstance(d.get("text"), str) or not d["text"].strip():
             raise APIError(400, f"{param}[{i}] must be an object with a non-empty 'text' string",
                            code="invalid_value", param=param)
+        unknown = sorted(set(d) - DOCUMENT_KEYS)
+        if unknown:
+            raise APIError(400, f"{param}[{i}]: unknown field(s) {', '.join(map(repr, unknown))}; a passage is "
+                                "{title, text}", code="unsupported_parameter", param=param)
+        check_text({f"{param}[{i}]": d})
         title = d.get("title", "")
         if title is None:
             title = ""
@@ -139,6 +181,9 @@ def parse_documents(items: Any, s: ServerSettings, param: str) -> list[dict]:
         if len(d["text"]) + len(title) > s.max_document_chars:
             raise APIError(413, f"{param}[{i}] has {len(d['text']) + len(title)} characters "
                                 f"(limit {s.max_document_chars})", code="document_too_large", param=param)
+        if (title, d["text"]) in seen:
+            continue
+        seen.add((title, d["text"]))
         docs.append({"title": title, "text": d["text"]})
     return docs
 
@@ -196,6 +241,7 @@ class GenerateRequest:
 def _validated(model: type[ChatCompletionRequest | CompletionRequest], body: Any) -> Any:
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
+    check_text(body)
     try:
         return model.model_validate(body)
     except ValidationError as exc:
@@ -283,8 +329,11 @@ def parse_chat(body: Any, s: ServerSettings) -> GenerateRequest:
     return out
 
 
-def parse_completion(body: Any, s: ServerSettings, decode: Callable[[list[int]], str]) -> GenerateRequest:
+def parse_completion(body: Any, s: ServerSettings, decode: Callable[[list[int]], str],
+                     vocab_size: int | None = None) -> GenerateRequest:
     """A text-completions body: the prompt (a string, or token ids read back with ``decode``) is the question.
+
+    Token ids must lie within the vocabulary (``vocab_size``): anything else is a 400, not a decode error.
 
     ``<document>`` blocks in the prompt are the passages, as in chat.
     """
@@ -297,6 +346,11 @@ def parse_completion(body: Any, s: ServerSettings, decode: Callable[[list[int]],
     if isinstance(prompt, list):
         if not prompt:
             raise APIError(400, "'prompt' is empty", code="empty_question", param="prompt")
+        hi = vocab_size if vocab_size is not None else 2**31
+        bad = next((t for t in prompt if not 0 <= t < hi), None)
+        if bad is not None:
+            raise APIError(400, f"'prompt' token id {bad} is outside the vocabulary (0..{hi - 1})",
+                           code="invalid_value", param="prompt")
         prompt = decode(prompt)
     question, docs = split_documents(prompt, "prompt")
     logprobs = req.logprobs is not None

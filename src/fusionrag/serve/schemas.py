@@ -75,7 +75,7 @@ class _Generation(_Body):
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     sample_top_k: int | None = Field(None, ge=0, description="sampling top-k (top_k is the retrieval depth)")
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, le=2**64 - 1, description="sampling seed, 0..2**64-1")
     stop: str | list[str] | None = None
     n: int | None = Field(None, ge=1)
     user: str | None = None
