@@ -163,3 +163,41 @@ def test_verify_reports_each_broken_kv_file_and_repair_mends_it(tmp_path, lm, da
     assert main(["store", "verify", "--store", str(tmp_path / "kb"), "--repair", "--json", "--quiet"]) == 0
     assert json.loads(capsys.readouterr().out)["ok"] is True
     assert main(["store", "verify", "--store", str(tmp_path / "kb"), "--json"]) == 0
+
+
+@pytest.mark.parametrize("what", ["fifo", "symlink", "huge", "padded"])
+def test_a_kv_path_that_is_not_an_entry_is_never_read(tmp_path, lm, what):
+    """Before: a KV path that was not a regular file, or was absurdly large, was read whole before its header
+    was checked: `store verify` could block on a FIFO or grow without bound on a huge file, and the server
+    read such a file on every request. Now: checked (type, then size against the header) before reading;
+    verify reports it, answering treats it as missing and computes the chunk's KV."""
+    import os
+    import resource
+
+    from fusionrag.online.engine import Engine
+
+    store = _store(tmp_path / "kb", lm, fuse=True)
+    path = store.kv_path(5, "fused")
+    good = path.read_bytes()
+    path.unlink()
+    if what == "fifo":
+        os.mkfifo(path)
+    elif what == "symlink":
+        (tmp_path / "elsewhere.safetensors").write_bytes(good)
+        os.symlink(tmp_path / "elsewhere.safetensors", path)
+    elif what == "huge":
+        path.write_bytes(good)
+        os.truncate(path, 6 << 30)  # sparse: 6 GiB on paper, nothing on disk
+    else:
+        path.write_bytes(good + b"\0" * 4096)
+    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    report = verify_store(store)
+    assert not report.ok and any("chunk 5" in p.what for p in report.problems)
+    assert store.kv_header(5, "fused") is None and (what != "fifo" or not store.has_kv(5, "fused"))
+    engine = Engine(store, lm)
+    res = engine.answer("topic 1 item 5", method="fusionrag", ratio=0.15, kv="fused",
+                        chunks=[{"title": "T5", "text": PASSAGES[5]["text"]}], max_new_tokens=2)
+    assert res.fused_fallbacks == 1  # answered from freshly computed plain KV, the path never trusted
+    grown_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before
+    assert grown_kib < 512 * 1024  # nothing near the file's claimed size was read into memory
+    store.close()

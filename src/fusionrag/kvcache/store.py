@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,6 +53,47 @@ STORAGE_DTYPES = ("float16", "float32", "int8")
 #: on 50 paired TriviaQA questions, and it halves the store (docs/decisions.md, studies/kv_int8/results/summary).
 DEFAULT_KV_DTYPE = "int8"
 _MAX_HEADER = 16 << 20
+#: The largest entry a store reads (header and tensors). A 4K-token chunk of a 7B-class model in fp32
+#: is ~2 GiB of KV; anything claiming more is refused before a byte of it is read.
+MAX_ENTRY_BYTES = 4 << 30
+
+
+def _entry_file(path: Path, what: str, max_bytes: int = MAX_ENTRY_BYTES) -> tuple[int, bytes]:
+    """``(file size, header bytes)`` of an entry file, checked before its tensors are read.
+
+    Only a regular file (not a symlink, FIFO or device: opening a FIFO would block forever) whose
+    size equals what its header describes, within ``max_bytes``, is read; anything else raises
+    :class:`CacheIntegrityError` without reading the rest, so memory stays bounded."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        raise CacheIntegrityError(f"{what} is missing ({path})") from None
+    except OSError as exc:
+        raise CacheIntegrityError(f"{what}: cannot read {path}: {exc.strerror or exc}") from exc
+    if not stat.S_ISREG(st.st_mode):
+        raise CacheIntegrityError(f"{what}: {path} is not a regular file (a link, FIFO or device); not read")
+    if st.st_size < 8:
+        raise CacheIntegrityError(f"{what}: {path} is truncated or corrupted ({st.st_size} bytes)")
+    if st.st_size > max_bytes:
+        raise CacheIntegrityError(f"{what}: {path} has {st.st_size} bytes, more than an entry can be; not read")
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+            n = int.from_bytes(head, "little")
+            if n <= 0 or n > min(_MAX_HEADER, st.st_size - 8):
+                raise CacheIntegrityError(f"{what}: {path} is truncated or corrupted (header length {n})")
+            header = f.read(n)
+    except OSError as exc:
+        raise CacheIntegrityError(f"{what}: cannot read {path}: {exc.strerror or exc}") from exc
+    try:
+        tensors = json.loads(header)
+        end = max((int(v["data_offsets"][1]) for k, v in tensors.items() if k != "__metadata__"), default=0)
+    except (ValueError, TypeError, KeyError, AttributeError):
+        raise CacheIntegrityError(f"{what}: {path} is truncated or corrupted (unreadable header)") from None
+    if 8 + n + end != st.st_size:
+        raise CacheIntegrityError(f"{what}: {path} is truncated or corrupted ({st.st_size} bytes, its header "
+                                  f"describes {8 + n + end})")
+    return st.st_size, head + header
 
 
 def canonical_dtype(name: str) -> str:
@@ -100,7 +143,11 @@ class KVStore:
         return self.root / f"{int(chunk_id) // 1000:05d}" / f"{int(chunk_id)}.{kind}.safetensors"
 
     def exists(self, chunk_id: int | None, kind: str) -> bool:
-        return self.path(chunk_id, kind).is_file()
+        """Whether a regular file is there (a link, FIFO or device is not an entry; not verified)."""
+        try:
+            return stat.S_ISREG(os.lstat(self.path(chunk_id, kind)).st_mode)
+        except OSError:
+            return False
 
     def entries(self, kind: str) -> list[Path]:
         return sorted(self.root.glob(f"*/*.{kind}.safetensors")) if self.root.is_dir() else []
@@ -175,24 +222,24 @@ class KVStore:
         """
         path = self.path(chunk_id, kind)
         try:
-            with open(path, "rb") as f:
-                n = int.from_bytes(f.read(8), "little")
-                if n <= 0 or n > _MAX_HEADER:
-                    return None
-                meta = json.loads(f.read(n)).get("__metadata__")
-        except (OSError, ValueError, AttributeError):
+            _, head = _entry_file(path, _what(chunk_id, kind))
+            meta = json.loads(head[8:]).get("__metadata__")
+        except (CacheIntegrityError, ValueError, AttributeError):
             return None
         return meta if isinstance(meta, dict) else None
 
     def read_bytes(self, chunk_id: int | None, kind: str) -> bytes:
         """The entry's file as stored (what a shared tier copies); :class:`CacheIntegrityError` if unreadable."""
         path = self.path(chunk_id, kind)
+        size, _ = _entry_file(path, _what(chunk_id, kind))  # what it is and how big, before reading it
         try:
-            return path.read_bytes()
-        except FileNotFoundError:
-            raise CacheIntegrityError(f"{_what(chunk_id, kind)} is missing ({path})") from None
+            with open(path, "rb") as f:
+                data = f.read(size + 1)
         except OSError as exc:
-            raise CacheIntegrityError(f"{_what(chunk_id, kind)}: cannot read {path}: {exc}") from exc
+            raise CacheIntegrityError(f"{_what(chunk_id, kind)}: cannot read {path}: {exc.strerror or exc}") from exc
+        if len(data) != size:
+            raise CacheIntegrityError(f"{_what(chunk_id, kind)}: {path} changed size while it was read")
+        return data
 
     def load(self, chunk_id: int | None, kind: str, token_ids=None) -> KVEntry:
         """Read and verify one entry; :class:`CacheIntegrityError` says what is wrong."""
