@@ -1,6 +1,8 @@
 """The ``fusionrag`` command line: a thin layer over the Python API.
 
-User errors (:class:`FusionRAGError`) print one line and exit 2, never a traceback.
+Every error is one line on stderr and an exit code, never a traceback (``--debug`` adds it):
+2 bad input or state, 3 a storage fault (out of space, permission or read-only, I/O error),
+4 a store that failed an integrity check, 130 interrupted.
 """
 
 from __future__ import annotations
@@ -8,10 +10,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sqlite3
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
-from fusionrag.errors import FusionRAGError
+from fusionrag.errors import FusionRAGError, exit_code, storage_error
 from fusionrag.models.devices import add_device_args
 from fusionrag.models.registry import DEFAULT_MODEL, KNOWN_NAMES
 
@@ -42,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Fast RAG prefill by reusing precomputed, similarity-fused chunk KV caches.",
     )
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores)")
+    parser.add_argument("--debug", action="store_true", help="on an error, print the traceback too")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("doctor", help="check the exactness invariants on a real model (JSON report)")
@@ -77,11 +82,27 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return func(args)
     except FusionRAGError as exc:
-        print(f"fusionrag: error: {exc}", file=sys.stderr)
-        return 2
+        return _fail(args, exc)
+    except OSError as exc:  # a disk fault no layer named: still one line, with what it is
+        return _fail(args, storage_error(exc, f"running 'fusionrag {args.command}'"), exc)
+    except sqlite3.Error as exc:  # the store's SQLite refused: space, permission, I/O or a damaged file
+        from fusionrag.retrieval.store_files import sqlite_fault
+
+        return _fail(args, sqlite_fault(exc, Path(getattr(args, "store", None) or "store.sqlite"),
+                                        f"running 'fusionrag {args.command}'"), exc)
     except KeyboardInterrupt:
         print("fusionrag: interrupted", file=sys.stderr)
         return 130
+
+
+def _fail(args: argparse.Namespace, exc: FusionRAGError, cause: BaseException | None = None) -> int:
+    """One line on stderr and the documented exit code (``--debug``: the traceback too)."""
+    if getattr(args, "debug", False):
+        import traceback
+
+        traceback.print_exception(cause or exc)
+    print(f"fusionrag: error: {exc}", file=sys.stderr)
+    return exit_code(exc)
 
 
 if __name__ == "__main__":

@@ -174,3 +174,15 @@ def test_the_store_keeps_its_database_index_and_kv_files_private():
     public = {n for n in dir(KnowledgeStore) if not n.startswith("_")}
     assert not public & {"db", "kv", "index", "execute"}
     assert {"neighbours", "vectors", "is_current", "convert_kv_dtype", "jobs", "save_kv", "kv_source"} <= public
+
+
+def test_a_store_opened_with_another_compute_dtype_says_dtype_not_model(tmp_path):
+    """Before: when only the compute dtype differed, the refusal advised --model (the model already given)."""
+    from fusionrag.errors import StoreMismatchError, exit_code
+    from fusionrag.models import load_model
+    from fusionrag.retrieval.knowledge import KnowledgeStore
+
+    KnowledgeStore.create(tmp_path / "kb", load_model("tiny-llama"), embedder=HashingEmbedder(64)).close()
+    with pytest.raises(StoreMismatchError, match="--dtype float32") as info:
+        KnowledgeStore.open(tmp_path / "kb", load_model("tiny-llama", dtype="bfloat16"))
+    assert "--model" not in str(info.value) and exit_code(info.value) == 2

@@ -115,7 +115,7 @@ def test_a_deleted_metadata_file_never_lets_old_kv_files_be_reused(tmp_path, lm)
     assert verify_store(store).ok
 
 
-def test_a_corrupted_metadata_file_is_one_line_and_exit_2(tmp_path, lm, capsys):
+def test_a_corrupted_metadata_file_is_one_line_and_exit_4(tmp_path, lm, capsys):
     """Before: a Python traceback and exit 1 in ask, store info and serve."""
     _store(tmp_path / "kb", lm).close()
     db = tmp_path / "kb" / "store.sqlite"
@@ -127,7 +127,7 @@ def test_a_corrupted_metadata_file_is_one_line_and_exit_2(tmp_path, lm, capsys):
     for argv in (["store", "info", "--store", str(tmp_path / "kb")],
                  ["ask", "what?", "--store", str(tmp_path / "kb")],
                  ["store", "verify", "--store", str(tmp_path / "kb")]):
-        assert main(argv) == 2, argv
+        assert main(argv) == 4, argv  # 4: a store that failed an integrity check
         err = capsys.readouterr().err
         assert err.startswith("fusionrag: error: ") and "corrupted" in err and "Traceback" not in err
         assert len(err.strip().splitlines()) == 1

@@ -40,7 +40,11 @@ class IndexedChunks:
 
 
     def _save_index(self) -> None:
-        """Write the index and record its digest and size in SQLite (verified on the next open)."""
+        """Write the index and record its digest and size in SQLite (verified on the next open).
+
+        A read-only store keeps a rebuilt index in memory only."""
+        if getattr(self, "read_only", False):
+            return
         path = self.path / INDEX_NAME
         self._index.save(path)
         self.update_settings(index_sha256=index_digest(path), index_count=len(self._index))

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
-from fusionrag.errors import CacheIntegrityError, FusionRAGError
+from fusionrag.errors import FusionRAGError, StoragePermissionError, StoreMismatchError
 from fusionrag.kvcache.store import CHUNK_KINDS, DEFAULT_KV_DTYPE, KVStore, canonical_dtype
 from fusionrag.models.registry import LoadedModel
 from fusionrag.prompt import PromptBuilder, chunk_text
@@ -47,6 +47,7 @@ from fusionrag.retrieval.store_files import (
     connect,
     migrate_refs,
     read_generation,
+    store_is_writable,
     writer_lock,
 )
 from fusionrag.retrieval.store_info import DB_NAME, INDEX_NAME, KV_DIR, read_settings
@@ -83,8 +84,10 @@ class KnowledgeStore(IndexedChunks, StoredKV):
     """
 
     def __init__(self, path: Path, fingerprint: str, prompt: PromptBuilder, settings: dict[str, Any],
-                 db: sqlite3.Connection, embedder: Embedder | None) -> None:
+                 db: sqlite3.Connection, embedder: Embedder | None, read_only: bool = False) -> None:
         self.path = Path(path)
+        #: Opened without write access: reads work, a write raises StoragePermissionError.
+        self.read_only = read_only
         self.fingerprint = fingerprint
         self.prompt = prompt
         self.settings = settings
@@ -94,7 +97,8 @@ class KnowledgeStore(IndexedChunks, StoredKV):
         self._records: dict[int, ChunkRecord] = {}
         self._lock = threading.RLock()
         self._writing = 0  # depth of writer() in this process (the file lock is taken once)
-        migrate_refs(db)
+        if not read_only:
+            migrate_refs(db)
         self._generation = self.generation()
         self._index = self.load_index()
 
@@ -141,24 +145,36 @@ class KnowledgeStore(IndexedChunks, StoredKV):
         return cls(path, lm.fingerprint, prompt, settings, db, embedder)
 
     @classmethod
-    def open(cls, path, lm: LoadedModel, embedder: Embedder | None = None) -> KnowledgeStore:
-        """An existing store, checked against ``lm``: another model or another ``S`` is refused."""
+    def open(cls, path, lm: LoadedModel, embedder: Embedder | None = None,
+             read_only: bool | None = None) -> KnowledgeStore:
+        """An existing store, checked against ``lm``: another model or another ``S`` is refused.
+
+        ``read_only`` (default: when this process cannot write the folder) opens it without writing
+        anything: answering and verifying work on read-only media; a write raises a clear error."""
         path = Path(path)
         if not (path / DB_NAME).is_file():
             raise FusionRAGError(f"no knowledge base at {path} (create one with: fusionrag ingest PATH --store {path})")
-        db = connect(path / DB_NAME, SCHEMA)
+        if read_only is None:
+            read_only = not store_is_writable(path)
+        db = connect(path / DB_NAME, None if read_only else SCHEMA, read_only=read_only)
         settings = read_settings(db)
         if settings.get("format") != STORE_FORMAT:
             raise FusionRAGError(f"{path}: unsupported store format {settings.get('format')!r}")
+        theirs, ours = str(settings["fingerprint"]).rpartition(":"), lm.fingerprint.rpartition(":")
+        if lm.fingerprint != settings["fingerprint"] and theirs[0] == ours[0]:  # same weights, other compute dtype
+            raise StoreMismatchError(
+                f"the knowledge base at {path} was built with {settings['model']} computing in {theirs[2]}, not "
+                f"{ours[2]}: its caches are only valid in that dtype. Use --dtype {theirs[2]} (the model is right)."
+            )
         if lm.fingerprint != settings["fingerprint"]:
-            raise CacheIntegrityError(
+            raise StoreMismatchError(
                 f"the knowledge base at {path} was built with model {settings['model']} ({settings['fingerprint']}); "
                 f"the loaded model {lm.name} ({lm.fingerprint}) cannot reuse its caches. Use --model "
                 f"{settings['model']} or build a new store."
             )
         prompt = PromptBuilder(lm.tokenizer)
         if prompt.system_hash != settings["system_hash"]:
-            raise CacheIntegrityError(
+            raise StoreMismatchError(
                 f"the knowledge base at {path} was built with another system prompt "
                 f"({settings['system_hash']} != {prompt.system_hash}); its caches cannot be reused"
             )
@@ -166,7 +182,7 @@ class KnowledgeStore(IndexedChunks, StoredKV):
             raise FusionRAGError(
                 f"the knowledge base at {path} was embedded with {settings['embedder']}, not {embedder.name}"
             )
-        return cls(path, lm.fingerprint, prompt, settings, db, embedder)
+        return cls(path, lm.fingerprint, prompt, settings, db, embedder, read_only)
 
     def close(self) -> None:
         with self._lock:
@@ -197,6 +213,9 @@ class KnowledgeStore(IndexedChunks, StoredKV):
     def writer(self, timeout_s: float = 30.0) -> Iterator[None]:
         """Hold the writer lock (one writing process at a time; re-entrant here); bump the generation
         on exit, which readers in other processes notice (:meth:`refresh`)."""
+        if self.read_only:
+            raise StoragePermissionError(f"the store at {self.path} is open read-only (read-only media or no "
+                                         "write permission): it can answer and be verified, not changed")
         with self._lock:
             if self._writing:
                 self._writing += 1

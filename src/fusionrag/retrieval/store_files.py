@@ -24,7 +24,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from fusionrag.errors import FusionRAGError
+from fusionrag.errors import FusionRAGError, StorageFullError, StorageIOError, StoragePermissionError
 from fusionrag.files import file_sha256
 
 LOCK_NAME = "store.lock"
@@ -63,16 +63,59 @@ CREATE TABLE IF NOT EXISTS jobs (
 class StoreCorruptedError(FusionRAGError):
     """A store file failed its integrity check (the message says which and what to do)."""
 
+    exit_code = 4
+
 
 class StoreBusyError(FusionRAGError):
     """Another process holds the store's writer lock."""
 
 
+def sqlite_fault(exc: sqlite3.Error, path: Path, doing: str = "using the store") -> FusionRAGError:
+    """What a SQLite error is: out of space, read-only / permission, I/O, busy, or a corrupted file.
+
+    Only the last says "corrupted": a full disk or a read-only mount is not a damaged store."""
+    msg = str(exc).lower()
+    if "full" in msg:
+        return StorageFullError(f"out of disk space while {doing} ({path}): nothing committed was lost; free some "
+                                "space and run the same command again (it resumes where it stopped)")
+    if "readonly" in msg or "read-only" in msg or "permission" in msg or "access" in msg:
+        return StoragePermissionError(f"cannot write {path} while {doing}: read-only or permission denied; "
+                                      "commands that only read (ask, store info, store verify, serve) still work")
+    if "unable to open" in msg:
+        folder = Path(path).parent
+        if not os.access(folder, os.R_OK | os.X_OK) or (Path(path).exists() and not os.access(path, os.R_OK)):
+            return StoragePermissionError(f"cannot open {path}: permission denied")
+        return StorageIOError(f"cannot open {path} while {doing} ({exc})")
+    if "i/o" in msg:
+        return StorageIOError(f"I/O error on {path} while {doing} ({exc}): the disk reported a failure; check "
+                              "the device, then run 'fusionrag store verify'")
+    if "locked" in msg or "busy" in msg:
+        return StoreBusyError(f"{path} is locked by another process; try again when it has finished")
+    return StoreCorruptedError(
+        f"the store's metadata {path} is corrupted ({exc}); it is the source of truth and cannot be repaired "
+        "by 'store verify --repair' (which mends KV files and the index): restore it from a backup or rebuild "
+        "the store with 'fusionrag ingest'")
+
+
+def store_is_writable(folder: Path) -> bool:
+    """Whether this process may write the store's folder and its SQLite file (else it opens read-only)."""
+    db = Path(folder) / "store.sqlite"
+    return os.access(folder, os.W_OK | os.X_OK) and (not db.exists() or os.access(db, os.W_OK))
+
+
 def connect(path: Path, schema: str | None = None, read_only: bool = False) -> sqlite3.Connection:
-    """Open the store's SQLite file, verified; shared across threads (callers serialise access)."""
+    """Open the store's SQLite file, verified; shared across threads (callers serialise access).
+
+    ``read_only``: no write at all (read-only media, a folder without write permission); a WAL-mode
+    database that cannot be opened read-only in place (its ``-shm`` file cannot be created) is opened
+    as immutable, which is right for media nobody writes to."""
     try:
         if read_only:
-            db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, check_same_thread=False)
+            try:
+                db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, check_same_thread=False)
+                db.execute("PRAGMA quick_check").fetchone()
+            except sqlite3.OperationalError:
+                db = sqlite3.connect(f"file:{path}?mode=ro&immutable=1", uri=True, check_same_thread=False)
         else:
             db = sqlite3.connect(str(path), check_same_thread=False, timeout=30)
             db.execute("PRAGMA journal_mode=WAL")
@@ -81,16 +124,16 @@ def connect(path: Path, schema: str | None = None, read_only: bool = False) -> s
             raise sqlite3.DatabaseError(result[0] if result else "no result")
         if schema and not read_only:
             db.executescript(schema)
-    except sqlite3.DatabaseError as exc:
-        raise StoreCorruptedError(
-            f"the store's metadata {path} is corrupted ({exc}); it is the source of truth and cannot be "
-            "repaired: restore it from a backup or rebuild the store with 'fusionrag ingest'"
-        ) from None
+    except sqlite3.Error as exc:
+        raise sqlite_fault(exc, path, "opening the store") from None
     return db
 
 
 def migrate_refs(db: sqlite3.Connection) -> None:
     """Stores made before chunk references existed: each chunk is referenced by its own document."""
+    has_chunks = db.execute("SELECT 1 FROM chunks LIMIT 1").fetchone() is not None
+    if not has_chunks or db.execute("SELECT 1 FROM chunk_refs LIMIT 1").fetchone() is not None:
+        return  # nothing to migrate: no write (a read-only store opens too)
     with db:
         if db.execute("SELECT 1 FROM chunk_refs LIMIT 1").fetchone() is None:
             db.execute("INSERT OR IGNORE INTO chunk_refs(chunk_id, doc) SELECT id, doc FROM chunks")

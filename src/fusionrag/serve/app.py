@@ -127,6 +127,12 @@ def create_app(engine: Any, settings: ServerSettings | None = None,
             raise APIError(401, "missing or invalid API key (send 'Authorization: Bearer KEY')",
                            "authentication_error", "invalid_api_key")
 
+    def writable() -> None:
+        """Document jobs change the store: a store opened read-only refuses them (chats still work)."""
+        if sched.engine is not None and getattr(sched.engine.store, "read_only", False):
+            raise APIError(409, "the store is read-only (read-only media or no write permission): documents cannot "
+                                "be added or deleted; questions are answered as usual", code="read_only_store")
+
     def ensure_ready() -> None:
         if sched.load_error is not None:
             raise APIError(503, f"the model failed to load: {sched.load_error}", "server_error", "unavailable")
@@ -182,6 +188,7 @@ def create_app(engine: Any, settings: ServerSettings | None = None,
             items = body.get("documents") if isinstance(body, dict) else body
             docs = parse_documents(items, s, "documents")
             ensure_ready()
+            writable()
             if jobs.counts().get("pending", 0) + jobs.counts().get("running", 0) >= s.max_document_jobs:
                 raise APIError(429, f"too many document jobs in progress (limit {s.max_document_jobs})",
                                "rate_limit_error", "queue_full")
@@ -216,7 +223,8 @@ def create_app(engine: Any, settings: ServerSettings | None = None,
                                code="conflict")
             if job.status == "deleted":
                 return JSONResponse(job.to_json())
-            if job.status == "ready":
+            writable()
+            if job.status in ("ready", "failed"):  # a failed job may have added some passages: remove them too
                 await asyncio.wrap_future(jobs.delete(sched, job))
             job.status = "deleted"
             return JSONResponse(job.to_json())

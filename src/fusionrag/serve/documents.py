@@ -204,6 +204,9 @@ class DocumentJobs:
         scheduler.run_task(self._run_slice, scheduler, job, steps)  # the next slice queues behind waiting chats
 
     def _resume(self, scheduler: Any) -> None:
+        if getattr(scheduler.engine.store, "read_only", False):
+            log.warning("the store is read-only: unfinished document jobs are not resumed")
+            return
         for job_id, status, data in scheduler.engine.store.jobs.all():
             job = DocumentJob(job_id, data.pop("documents"), status, **{k: data[k] for k in data if k != "slices"})
             if status in ("pending", "running"):
