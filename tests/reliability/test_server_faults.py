@@ -18,6 +18,7 @@ from fastapi.testclient import TestClient
 
 from fusionrag.models import load_model
 from fusionrag.offline.verify import verify_store
+from fusionrag.prompt import passage_hash
 from fusionrag.retrieval.embedder import HashingEmbedder
 from fusionrag.retrieval.knowledge import KnowledgeStore
 from fusionrag.serve.app import create_app
@@ -209,3 +210,39 @@ def test_a_job_too_large_is_413_before_anything_is_queued(tmp_path):
         assert app.state.jobs.counts().get("pending", 0) + app.state.jobs.counts().get("running", 0) <= 1
         assert len(sched.engine.store.chunk_ids()) <= n + 3
     sched.close()
+
+
+def test_deleting_a_failed_job_removes_what_it_had_added(tmp_path, monkeypatch):
+    """Before: a job that failed mid-way (the disk filled) answered DELETE with 200 'deleted', but the passages
+    it had already added stayed in the database and the index, were still retrieved, and the job stayed
+    'failed'. Now the deletion removes them, and the job records it."""
+    import errno
+
+    from fusionrag.serve import documents
+
+    real_add = documents.build.add_passages
+    calls = {"n": 0}
+
+    def add_then_fail(*args, **kwargs):
+        calls["n"] += str(kwargs.get("doc", "")).startswith("api:")  # the job's slices, not the store's build
+        if calls["n"] == 2:
+            raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "kb" / "kv"))
+        return real_add(*args, **kwargs)
+
+    monkeypatch.setattr(documents.build, "add_passages", add_then_fail)
+    app = create_app(store_factory(tmp_path / "kb"), ServerSettings(default_max_tokens=2))
+    app.state.scheduler.wait_ready(120)
+    texts = [f"Zebra {i} grazes on grass." for i in range(12)]  # short: one chunk each (byte tokenizer)
+    with TestClient(app, raise_server_exceptions=False) as client:
+        job = _wait_job(client, client.post("/v1/documents", json=[{"title": "Z", "text": t} for t in texts]
+                                            ).json()["id"])
+        assert job["status"] == "failed" and "out of disk space" in job["error"]
+        store = app.state.scheduler.engine.store
+        added = [store.find_by_hash(passage_hash("Z", t)) for t in texts]
+        assert sum(c is not None for c in added) == documents.PASSAGES_PER_SLICE  # the first slice got in
+        r = client.delete(f"/v1/documents/{job['id']}")
+        assert r.status_code == 200 and r.json()["status"] == "deleted"
+        assert all(store.find_by_hash(passage_hash("Z", t)) is None for t in texts)
+        assert not set(store.search("zebra grazes on grass", 5)) & {c for c in added if c is not None}
+        assert client.get(f"/v1/documents/{job['id']}").json()["status"] == "deleted"
+        assert [status for job_id, status, _ in store.jobs.all() if job_id == job["id"]] == ["deleted"]

@@ -31,7 +31,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from fusionrag.errors import FusionRAGError
+from fusionrag.errors import FusionRAGError, storage_error
 from fusionrag.offline import build
 from fusionrag.online.engine import Engine
 from fusionrag.serve.protocol import APIError
@@ -120,6 +120,8 @@ def job_slices(engine: Engine, job: DocumentJob, settings: ServerSettings) -> It
             yield
         job.status = "ready"
     except Exception as exc:
+        if isinstance(exc, OSError):  # the disk refused: say what it is (space, permission, I/O)
+            exc = storage_error(exc, f"adding the documents of job {job.id}")
         log.warning("document job %s failed: %s", job.id, exc)
         job.error = str(exc) if isinstance(exc, FusionRAGError) else f"{type(exc).__name__}: {exc}"
         job.status = "failed"
