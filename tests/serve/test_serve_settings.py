@@ -61,3 +61,27 @@ def test_a_kv_tier_password_never_reaches_logs():
     s = ServerSettings(kv_tier="redis://user:secret@10.0.0.5:6379/0")
     assert s.to_json()["kv_tier"] == "redis://***@10.0.0.5:6379/0"
     assert ServerSettings(kv_tier="unix:///tmp/r.sock").to_json()["kv_tier"] == "unix:///tmp/r.sock"
+
+
+@pytest.mark.parametrize("flags, named", [({"max_batch": -1}, "max_batch"), ({"port": 99999}, "port"),
+                                          ({"memory_budget_mb": -5}, "memory_budget_mb"),
+                                          ({"default_method": "bogus"}, "default_method"),
+                                          ({"default_ratio": 5.0}, "default_ratio"),
+                                          ({"adhoc_cache_mb": -1}, "adhoc_cache_mb")])
+def test_settings_are_checked_before_anything_loads(flags, named):
+    """Before: 'serve --method bogus --ratio 5' started and blamed every client with a 400; --max-batch -1,
+    --port 99999 and --memory-budget-mb -5 were tracebacks after the model had loaded."""
+    from fusionrag.errors import FusionRAGError
+    from fusionrag.serve.settings import load_settings
+
+    with pytest.raises(FusionRAGError, match=f"invalid server setting {named}"):
+        load_settings(**flags)
+
+
+def test_the_client_passage_cache_cap_is_a_setting_shown_in_help_and_metrics(client):
+    """Before: a hard-coded 2 GiB cap, separate from --memory-budget-mb and not in 'serve --help'."""
+    from fusionrag.serve.settings import settings_help
+
+    assert "adhoc_cache_mb" in settings_help() and "shutdown_timeout_s" in settings_help()
+    text = client.get("/metrics").text
+    assert "fusionrag_adhoc_kv_limit_bytes" in text and "fusionrag_adhoc_kv_bytes" in text

@@ -67,6 +67,7 @@ class Engine:
         self._system_kv: KV | None = None
         # KV of request-supplied passages (not in the store): a prefix cache with the alternative
         # path, so each distinct passage has one ``S + chunk`` replica whatever its position.
+        self.adhoc_cache_bytes = adhoc_cache_bytes  # the cap, reported by stats() and /metrics
         self.prefix_cache = AlternativePathCache(max_bytes=adhoc_cache_bytes)
         self._lock = threading.RLock()  # the model runs one request at a time
         self.damaged: set[Key] = set()  # stored entries that failed verification (answered around, not repaired)
@@ -228,7 +229,8 @@ class Engine:
         caching tier), ``prefix_cache`` (PrefixCacheStats of request-supplied passages) and
         ``adhoc_entries`` (how many such KVs are cached)."""
         return {"tiers": dict(self.kv_source.stats()), "prefix_cache": self.prefix_cache.stats(),
-                "adhoc_entries": len(self.prefix_cache), "damaged_entries": len(self.damaged)}
+                "adhoc_entries": len(self.prefix_cache), "adhoc_bytes": self.prefix_cache.nbytes,
+                "adhoc_limit_bytes": self.adhoc_cache_bytes or 0, "damaged_entries": len(self.damaged)}
 
     # -- internals --------------------------------------------------------------------
 

@@ -26,7 +26,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
               f"{'' if settings.api_key else ' WITHOUT an API key'}", file=sys.stderr)
     print(f"fusionrag: serving {args.store} on http://{settings.host}:{settings.port} "
           f"(OpenAI base_url http://{settings.host}:{settings.port}/v1)", file=sys.stderr)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=args.log_level, access_log=False)
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level=args.log_level, access_log=False,
+                timeout_graceful_shutdown=settings.shutdown_timeout_s)
     return 0
 
 

@@ -34,6 +34,10 @@ _FLAGS = (
     ("--ratio", "default_ratio", float, "default recompute ratio"),
     ("--memory-budget-mb", "memory_budget_mb", int,
      "in-memory KV tier (heat-based, with the asynchronous loader); 0 reads the store directly"),
+    ("--adhoc-cache-mb", "adhoc_cache_mb", int,
+     "KV kept of request-supplied passages the store does not hold (alternative-path prefix cache)"),
+    ("--shutdown-timeout", "shutdown_timeout_s", float, "seconds open requests may finish after SIGTERM"),
+    ("--max-new-tokens", "max_new_tokens", int, "upper bound on a request's max_tokens"),
 )
 
 
@@ -81,7 +85,8 @@ def kv_tier_source(url: str, store: Any) -> Any:
 
 
 def engine_factory(store: str, model: str | None, memory_budget_mb: int = 0,
-                   kv_tier: str | None = None, devices: dict | None = None) -> Callable[[], Any]:
+                   kv_tier: str | None = None, devices: dict | None = None,
+                   adhoc_cache_mb: int = 2048) -> Callable[[], Any]:
     """Builds the engine on the model thread (the store's SQLite connection belongs to its creating thread)."""
     if not Path(store).exists():
         raise FusionRAGError(f"no knowledge store at '{store}'; create one with "
@@ -91,10 +96,12 @@ def engine_factory(store: str, model: str | None, memory_budget_mb: int = 0,
         from fusionrag.online.engine import Engine
 
         budget = memory_budget_mb << 20 or None
-        engine = Engine.open(store, model=model, memory_budget_bytes=None if kv_tier else budget, **(devices or {}))
+        adhoc = adhoc_cache_mb << 20
+        engine = Engine.open(store, model=model, memory_budget_bytes=None if kv_tier else budget,
+                             adhoc_cache_bytes=adhoc, **(devices or {}))
         if kv_tier:  # rebuilt over the shared tier (the engine's own disk source is what it falls back to)
             engine = Engine(engine.store, engine.lm, kv_source=kv_tier_source(kv_tier, engine.store),
-                            memory_budget_bytes=budget)
+                            memory_budget_bytes=budget, adhoc_cache_bytes=adhoc)
         return engine
 
     return factory
@@ -106,7 +113,7 @@ def build_app(args: argparse.Namespace) -> tuple[FastAPI, ServerSettings]:
 
     settings = settings_from_args(args)
     app = create_app(engine_factory(args.store, args.model, settings.memory_budget_mb,
-                                    settings.kv_tier, device_options(args)), settings)
+                                    settings.kv_tier, device_options(args), settings.adhoc_cache_mb), settings)
     print(f"fusionrag: loading the model for {args.store} ...", file=sys.stderr)
     app.state.scheduler.wait_ready()  # a bad store or model fails here, as one line, before binding
     return app, settings

@@ -155,6 +155,13 @@ def _engine_metrics(es: dict[str, Any]) -> Iterator[Any]:
         g = GaugeMetricFamily("fusionrag_adhoc_kv_entries", "Cached KVs of request-supplied passages.")
         g.add_metric([], es["adhoc_entries"])
         yield g
+    for key, name, doc in (("adhoc_bytes", "fusionrag_adhoc_kv_bytes", "Bytes of cached KVs of request-supplied "
+                            "passages."), ("adhoc_limit_bytes", "fusionrag_adhoc_kv_limit_bytes",
+                                           "Their cap (--adhoc-cache-mb; 0 when unbounded).")):
+        if es.get(key) is not None:
+            g = GaugeMetricFamily(name, doc)
+            g.add_metric([], es[key])
+            yield g
     pc = es.get("prefix_cache")
     if pc is not None:
         c = CounterMetricFamily("fusionrag_prefix_cache_lookups", "Request-supplied passage lookups.",

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from fusionrag.errors import FusionRAGError
@@ -27,35 +27,51 @@ class ServerSettings(BaseModel):
     model_config = ConfigDict(validate_assignment=True, extra="forbid")
 
     host: str = Field("127.0.0.1", description="bind address (loopback by default: exposing a server is a choice)")
-    port: int = Field(8000, description="TCP port")
+    port: int = Field(8000, ge=0, le=65535, description="TCP port (0: any free port)")
     api_key: str | None = Field(None, description="if set, every route but /health, /ready and /ui needs "
                                                   "'Authorization: Bearer KEY'")
     model_name: str | None = Field(None, description="the 'model' reported in responses (default: the engine's)")
-    max_body_bytes: int = Field(1 << 20, description="request body limit in bytes")
-    max_prompt_tokens: int = Field(8192, description="prompt token limit (S + passages + question)")
-    max_new_tokens: int = Field(512, description="upper bound on a request's max_tokens")
-    default_max_tokens: int = Field(64, description="max_tokens of requests that name none")
-    max_documents: int = Field(64, description="passages per request and per POST /v1/documents")
-    max_document_chars: int = Field(32_000, description="characters per passage")
-    max_top_k: int = Field(32, description="upper bound on a request's retrieval top_k")
-    max_stop: int = Field(8, description="stop strings per request")
-    max_queue: int = Field(64, description="requests waiting for prefill before 429")
-    max_batch: int = Field(8, description="requests decoded together per step")
-    max_document_jobs: int = Field(16, description="document jobs pending at once before 429")
-    max_job_chunks: int = Field(512, description="chunks one document job may add (413 beyond)")
-    max_job_tokens: int = Field(131_072, description="tokens one document job may add (413 beyond)")
+    max_body_bytes: int = Field(1 << 20, ge=1, description="request body limit in bytes")
+    max_prompt_tokens: int = Field(8192, ge=1, description="prompt token limit (S + passages + question)")
+    max_new_tokens: int = Field(512, ge=1, description="upper bound on a request's max_tokens")
+    default_max_tokens: int = Field(64, ge=1, description="max_tokens of requests that name none")
+    max_documents: int = Field(64, ge=1, description="passages per request and per POST /v1/documents")
+    max_document_chars: int = Field(32_000, ge=1, description="characters per passage")
+    max_top_k: int = Field(32, ge=1, description="upper bound on a request's retrieval top_k")
+    max_stop: int = Field(8, ge=0, description="stop strings per request")
+    max_queue: int = Field(64, ge=0, description="requests waiting for prefill before 429")
+    max_batch: int = Field(8, ge=1, description="requests decoded together per step")
+    max_document_jobs: int = Field(16, ge=1, description="document jobs pending at once before 429")
+    max_job_chunks: int = Field(512, ge=1, description="chunks one document job may add (413 beyond)")
+    max_job_tokens: int = Field(131_072, ge=1, description="tokens one document job may add (413 beyond)")
     default_method: str = Field("fusionrag", description="method of requests that name none")
-    default_ratio: float = Field(0.15, description="recompute ratio of requests that name none")
-    default_temperature: float = Field(0.0, description="temperature of requests that name none (0: greedy)")
-    request_timeout_s: float = Field(600.0, description="seconds a request may wait for its next token")
-    stall_after_s: float = Field(120.0, description="/health says 'degraded' once the busy model thread has "
+    default_ratio: float = Field(0.15, ge=0.0, le=1.0, description="recompute ratio of requests that name none")
+    default_temperature: float = Field(0.0, ge=0.0, le=2.0,
+                                       description="temperature of requests that name none (0: greedy)")
+    request_timeout_s: float = Field(600.0, gt=0, description="seconds a request may wait for its next token")
+    stall_after_s: float = Field(120.0, ge=0, description="/health says 'degraded' once the busy model thread has "
                                                     "finished nothing for this long")
-    explain_keep: int = Field(256, description="recent answers kept for GET /v1/explain/{id}")
+    explain_keep: int = Field(256, ge=0, description="recent answers kept for GET /v1/explain/{id}")
     preprocess_top_n: int | None = Field(10, description="fused preprocess after adding documents (None: plain)")
-    keep_jobs: int = Field(1000, description="finished document jobs remembered for GET")
-    memory_budget_mb: int = Field(1024, description="in-memory KV tier in MiB (0 reads the store directly)")
+    keep_jobs: int = Field(1000, ge=0, description="finished document jobs remembered for GET")
+    memory_budget_mb: int = Field(1024, ge=0, description="in-memory KV tier in MiB (0 reads the store directly)")
     kv_tier: str | None = Field(None, description="a KV tier shared by servers, between the memory tier and the "
                                                   "disk: redis://HOST:PORT[/DB] or unix:///PATH.sock")
+    adhoc_cache_mb: int = Field(2048, ge=0, description="KV of request-supplied passages the store does not hold "
+                                                       "(the alternative-path prefix cache), MiB; 0: none kept")
+    shutdown_timeout_s: float = Field(30.0, gt=0, description="on SIGTERM, seconds open requests may finish before "
+                                                             "they are cut off")
+
+    @field_validator("default_method")
+    @classmethod
+    def _known_method(cls, value: str) -> str:
+        from fusionrag.online.methods import method_info
+
+        try:
+            method_info(value)
+        except FusionRAGError as exc:  # pydantic reports ValueErrors: one line naming the setting and choices
+            raise ValueError(str(exc)) from None
+        return value
 
     def to_json(self) -> dict[str, Any]:
         """The settings for logs and reports, with the API key reduced to whether one is set."""
