@@ -45,7 +45,7 @@ def test_nested_bodies_are_as_strict_as_the_top_level(client):
     """Before: unknown keys of a `documents` item were silently dropped."""
     body = {"messages": USER, "max_tokens": 2, "documents": [{"title": "T", "text": "t", "url": "x"}]}
     err = error_of(client.post("/v1/chat/completions", json=body), 400, "unsupported_parameter")
-    assert "'url'" in err["message"]
+    assert "documents.0.url" in err["message"]
     error_of(client.post("/v1/documents", json=[{"text": "t", "source": "s"}]), 400, "unsupported_parameter")
     error_of(client.post("/v1/documents", json={"documents": [{"text": "t"}], "wait": True}), 400,
              "unsupported_parameter")

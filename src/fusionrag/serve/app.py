@@ -56,7 +56,13 @@ from fusionrag.serve.protocol import (
     parse_documents,
     read_json,
 )
-from fusionrag.serve.schemas import ChatCompletionRequest, CompletionRequest, body_schema
+from fusionrag.serve.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DocumentsRequest,
+    body_schema,
+    component_schemas,
+)
 from fusionrag.serve.settings import ServerSettings
 from fusionrag.serve.ui import ui_page
 
@@ -176,7 +182,7 @@ def create_app(engine: Any, settings: ServerSettings | None = None,
 
     # -- documents --------------------------------------------------------------------------
 
-    @app.post("/v1/documents")
+    @app.post("/v1/documents", openapi_extra=body_schema(DocumentsRequest))
     async def add_documents(request: Request) -> Response:
         try:
             check_auth(request)
@@ -282,4 +288,15 @@ def create_app(engine: Any, settings: ServerSettings | None = None,
             return as_api_error(exc).response()
         return Response(metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
+    default_openapi = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        """FastAPI's document, plus the nested models of the bodies the routes read themselves."""
+        if app.openapi_schema is None:
+            spec = default_openapi()
+            spec.setdefault("components", {}).setdefault("schemas", {}).update(
+                component_schemas(ChatCompletionRequest, CompletionRequest, DocumentsRequest))
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
     return app

@@ -269,7 +269,7 @@ def _common(req: ChatCompletionRequest | CompletionRequest, s: ServerSettings, q
         if documents:
             raise APIError(400, "passages were sent both in 'documents' and as <document> blocks in the message; "
                                 "send them one way", code="ambiguous_documents", param="documents")
-        documents = parse_documents(req.documents, s, "documents")
+        documents = parse_documents([d.model_dump() for d in req.documents], s, "documents")
     else:
         documents = parse_documents(documents, s, "messages") if documents else None
     if not question.strip():

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, RootModel, ValidationError
 
 from fusionrag.online.methods import KVKind
 
@@ -55,6 +55,22 @@ class TextPart(_Body):
     text: str
 
 
+class Passage(_Body):
+    """A passage sent by the client: used instead of retrieval, its KV reused if the store holds it."""
+
+    title: str | None = Field(None, description="the passage's title (part of its identity in the store)")
+    text: str = Field(min_length=1, description="the passage's text")
+
+
+class DocumentsWrapper(_Body):
+    documents: list[Passage] = Field(min_length=1)
+
+
+class DocumentsRequest(RootModel[list[Passage] | DocumentsWrapper]):
+    """``POST /v1/documents``: a list of passages, or ``{"documents": [...]}`` (the schema clients and fuzzers read;
+    the route validates the body itself, with the server's limits)."""
+
+
 class Message(_Body):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart] | None = None
@@ -85,7 +101,7 @@ class _Generation(_Body):
     ratio: float | None = None
     top_k: int | None = Field(None, description="retrieval depth: how many chunks to retrieve")
     kv: KVKind | None = None
-    documents: list[Any] | None = Field(None, description="[{title, text}] passages used instead of retrieval")
+    documents: list[Passage] | None = Field(None, description="[{title, text}] passages used instead of retrieval")
 
 
 class ChatCompletionRequest(_Generation):
@@ -114,6 +130,21 @@ def validation_error(exc: ValidationError) -> tuple[str, str, str | None]:
     return f"'{where}': {err.get('msg', 'invalid')}", code, field
 
 
+#: Where the request bodies' nested models live in the OpenAPI document (``#/$defs`` does not resolve there).
+REF_TEMPLATE = "#/components/schemas/{model}"
+
+
 def body_schema(model: type[BaseModel]) -> dict[str, Any]:
-    """``openapi_extra`` for a route that reads its body itself: the model's JSON schema as the request body."""
-    return {"requestBody": {"required": True, "content": {"application/json": {"schema": model.model_json_schema()}}}}
+    """``openapi_extra`` for a route that reads its body itself: the model's JSON schema as the request body;
+    its nested models are in ``components.schemas`` (:func:`component_schemas`), where ``$ref`` points."""
+    schema = model.model_json_schema(ref_template=REF_TEMPLATE)
+    schema.pop("$defs", None)
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+def component_schemas(*models: type[BaseModel]) -> dict[str, Any]:
+    """The nested models of these request bodies, for the OpenAPI document's ``components.schemas``."""
+    out: dict[str, Any] = {}
+    for model in models:
+        out.update(model.model_json_schema(ref_template=REF_TEMPLATE).get("$defs", {}))
+    return out
