@@ -18,21 +18,36 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
+#: A test seam for systematic fault injection (``tests/reliability/test_fault_injection.py``): called with
+#: ``(step, path)`` before every write-side step of every file the package writes (create, write, fsync,
+#: replace, directory fsync); it may raise ``OSError`` (ENOSPC, EIO) to make that step fail. None in use.
+fault_hook: Callable[[str, Path], None] | None = None
+
+
+def _step(step: str, path: Path) -> None:
+    if fault_hook is not None:
+        fault_hook(step, path)
+
 
 def atomic_write_with(path: str | Path, write: Callable[[Path], None]) -> Path:
     """Let ``write(tmp_path)`` produce the file (e.g. a library that takes a filename), then commit it."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    _step("create", path)
     fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
     tmp = Path(name)
     try:
+        _step("write", path)
         write(tmp)
+        _step("fsync", path)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
+        _step("replace", path)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+    _step("fsync-dir", path.parent)
     _fsync_dir(path.parent)
     return path
 

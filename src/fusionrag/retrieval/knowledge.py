@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import shutil
 import sqlite3
 import threading
@@ -138,10 +139,20 @@ class KnowledgeStore(IndexedChunks, StoredKV):
         # chunks that get the same ids: they are orphans, removed before the new store starts.
         shutil.rmtree(path / KV_DIR, ignore_errors=True)
         (path / INDEX_NAME).unlink(missing_ok=True)
+        # The database appears whole or not at all: made under a temporary name, then renamed, so a create
+        # interrupted by a full disk leaves no settings-less store.sqlite that no later run could open.
+        tmp = path / (DB_NAME + ".creating")
+        for leftover in (tmp, tmp.with_name(tmp.name + "-wal"), tmp.with_name(tmp.name + "-shm")):
+            leftover.unlink(missing_ok=True)
+        db = connect(tmp, SCHEMA)
+        try:
+            with db:
+                db.executemany("INSERT INTO settings(key, value) VALUES (?, ?)",
+                               [(k, json.dumps(v)) for k, v in settings.items()])
+        finally:
+            db.close()
+        os.replace(tmp, path / DB_NAME)
         db = connect(path / DB_NAME, SCHEMA)
-        with db:
-            db.executemany("INSERT INTO settings(key, value) VALUES (?, ?)",
-                           [(k, json.dumps(v)) for k, v in settings.items()])
         return cls(path, lm.fingerprint, prompt, settings, db, embedder)
 
     @classmethod

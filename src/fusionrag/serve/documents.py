@@ -24,16 +24,19 @@ from __future__ import annotations
 
 import logging
 import math
+import sqlite3
 import threading
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from fusionrag.errors import FusionRAGError, storage_error
 from fusionrag.offline import build
 from fusionrag.online.engine import Engine
+from fusionrag.retrieval.store_files import sqlite_fault
 from fusionrag.serve.protocol import APIError
 from fusionrag.serve.settings import ServerSettings
 
@@ -120,13 +123,21 @@ def job_slices(engine: Engine, job: DocumentJob, settings: ServerSettings) -> It
             yield
         job.status = "ready"
     except Exception as exc:
-        if isinstance(exc, OSError):  # the disk refused: say what it is (space, permission, I/O)
-            exc = storage_error(exc, f"adding the documents of job {job.id}")
         log.warning("document job %s failed: %s", job.id, exc)
-        job.error = str(exc) if isinstance(exc, FusionRAGError) else f"{type(exc).__name__}: {exc}"
+        job.error = fault_message(exc, store.path, f"adding the documents of job {job.id}")
         job.status = "failed"
     finally:
         job.finished = time.time()
+
+
+def fault_message(exc: BaseException, store_path: Path, doing: str) -> str:
+    """A job's error as the user should read it: a disk fault named for what it is (space, permission, I/O;
+    from the OS or from SQLite), a FusionRAGError as it is, anything else with its type."""
+    if isinstance(exc, OSError):
+        exc = storage_error(exc, doing)
+    elif isinstance(exc, sqlite3.Error):
+        exc = sqlite_fault(exc, store_path / "store.sqlite", doing)
+    return str(exc) if isinstance(exc, FusionRAGError) else f"{type(exc).__name__}: {exc}"
 
 
 def delete_document_job(engine: Engine, job: DocumentJob) -> None:
@@ -176,9 +187,18 @@ class DocumentJobs:
         """Load the store's saved jobs and restart the unfinished ones (queued as a model-thread task)."""
         scheduler.run_task(self._resume, scheduler)
 
-    def save(self, engine: Engine, job: DocumentJob) -> None:
+    def save(self, engine: Engine, job: DocumentJob) -> bool:
+        """Record the job durably; if the store cannot be written (a full disk...), the job ends 'failed'
+        with that fault named, rather than staying 'pending' or 'running' forever. Whether it was saved."""
         body = {k: v for k, v in asdict(job).items() if k not in ("id", "status")}
-        engine.store.jobs.put(job.id, job.status, body)
+        try:
+            engine.store.jobs.put(job.id, job.status, body)
+            return True
+        except Exception as exc:
+            log.warning("document job %s could not be saved: %s", job.id, exc)
+            job.error = fault_message(exc, engine.store.path, f"saving document job {job.id}")
+            job.status, job.finished = "failed", time.time()
+            return False
 
     def delete(self, scheduler: Any, job: DocumentJob) -> Any:
         """Remove a ready job's documents (model thread); returns the scheduler's future."""
@@ -191,7 +211,8 @@ class DocumentJobs:
         return scheduler.run_task(run)
 
     def _begin(self, scheduler: Any, job: DocumentJob) -> None:
-        self.save(scheduler.engine, job)
+        if not self.save(scheduler.engine, job):
+            return
         job.status = "running"
         self._run_slice(scheduler, job, job_slices(scheduler.engine, job, self.settings))
 
@@ -202,7 +223,9 @@ class DocumentJobs:
             self.save(scheduler.engine, job)
             return
         job.slices += 1
-        self.save(scheduler.engine, job)
+        if not self.save(scheduler.engine, job):
+            steps.close()  # the job ended 'failed'; a DELETE removes what it had added
+            return
         scheduler.run_task(self._run_slice, scheduler, job, steps)  # the next slice queues behind waiting chats
 
     def _resume(self, scheduler: Any) -> None:
