@@ -22,6 +22,7 @@ from fusionrag.prompt import passage_hash
 from fusionrag.retrieval.embedder import HashingEmbedder
 from fusionrag.retrieval.knowledge import KnowledgeStore
 from fusionrag.serve.app import create_app
+from fusionrag.serve.server_thread import ServerThread
 from fusionrag.serve.settings import ServerSettings
 from serve_helpers import USER, store_factory
 
@@ -246,3 +247,25 @@ def test_deleting_a_failed_job_removes_what_it_had_added(tmp_path, monkeypatch):
         assert not set(store.search("zebra grazes on grass", 5)) & {c for c in added if c is not None}
         assert client.get(f"/v1/documents/{job['id']}").json()["status"] == "deleted"
         assert [status for job_id, status, _ in store.jobs.all() if job_id == job["id"]] == ["deleted"]
+
+
+def test_a_half_sent_request_is_closed_and_a_second_sigterm_forces_the_exit(tmp_path):
+    """Before: a half-sent request held its connection forever; a second SIGTERM did not force an exit."""
+    from fusionrag.serve.http import Server, make_config
+
+    app = create_app(store_factory(tmp_path / "kb", fuse=False), ServerSettings(default_max_tokens=2))
+    app.state.scheduler.wait_ready(120)
+    with ServerThread(app, header_timeout_s=1.0) as server:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
+            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"mess")
+            t0 = time.monotonic()
+            assert s.recv(1024) == b"" and time.monotonic() - t0 < 5  # closed by the server, not the client
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
+            s.sendall(b"GET /health HT")  # half a request line
+            assert s.recv(1024) == b""
+        assert httpx.get(f"{server.base_url}/health", timeout=10).status_code == 200  # whole requests still served
+    srv = Server(make_config(app, "127.0.0.1", 0))
+    srv.handle_exit(signal.SIGTERM, None)
+    assert srv.should_exit and not srv.force_exit  # the first waits for open requests (up to the timeout)
+    srv.handle_exit(signal.SIGTERM, None)
+    assert srv.force_exit

@@ -16,7 +16,7 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    import uvicorn
+    from fusionrag.serve.http import Server, make_config
 
     if not args.store:
         raise FusionRAGError("serve needs --store DIR (a knowledge store from 'fusionrag ingest')")
@@ -26,8 +26,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
               f"{'' if settings.api_key else ' WITHOUT an API key'}", file=sys.stderr)
     print(f"fusionrag: serving {args.store} on http://{settings.host}:{settings.port} "
           f"(OpenAI base_url http://{settings.host}:{settings.port}/v1)", file=sys.stderr)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=args.log_level, access_log=False,
-                timeout_graceful_shutdown=settings.shutdown_timeout_s)
+    Server(make_config(app, settings.host, settings.port, args.log_level, settings.header_timeout_s,
+                       settings.shutdown_timeout_s)).run()
     return 0
 
 

@@ -17,12 +17,12 @@ class ServerThread:
     """Run an ASGI app with uvicorn on a loopback port (0 = a free one) in a background thread."""
 
     def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning",
-                 lifespan: str = "on") -> None:
-        import uvicorn
+                 lifespan: str = "on", header_timeout_s: float = 30.0) -> None:
+        from fusionrag.serve.http import Server, make_config
 
         self.host = host
-        config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan=lifespan, access_log=False)
-        self.server = uvicorn.Server(config)
+        config = make_config(app, host, port, log_level, header_timeout_s=header_timeout_s, lifespan=lifespan)
+        self.server = Server(config)
         self.thread = threading.Thread(target=self.server.run, name="fusionrag-uvicorn", daemon=True)
         self.port = port
 

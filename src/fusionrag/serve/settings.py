@@ -60,7 +60,9 @@ class ServerSettings(BaseModel):
     adhoc_cache_mb: int = Field(2048, ge=0, description="KV of request-supplied passages the store does not hold "
                                                        "(the alternative-path prefix cache), MiB; 0: none kept")
     shutdown_timeout_s: float = Field(30.0, gt=0, description="on SIGTERM, seconds open requests may finish before "
-                                                             "they are cut off")
+                                                             "they are cut off (a second SIGTERM exits at once)")
+    header_timeout_s: float = Field(30.0, gt=0, description="seconds a request may take to arrive completely "
+                                                           "(half-sent requests are closed)")
 
     @field_validator("default_method")
     @classmethod
