@@ -269,3 +269,42 @@ def test_a_half_sent_request_is_closed_and_a_second_sigterm_forces_the_exit(tmp_
     assert srv.should_exit and not srv.force_exit  # the first waits for open requests (up to the timeout)
     srv.handle_exit(signal.SIGTERM, None)
     assert srv.force_exit
+
+
+def test_open_streams_are_ended_before_the_shutdown_deadline_cuts_them():
+    """Before: SIGTERM waited for open streams with no limit. Now the first waits up to the shutdown timeout,
+    and shortly before it the open requests are ended (the scheduler's close: a final SSE error event)."""
+    import asyncio
+    import threading
+
+    from fusionrag.serve.http import Server, make_config
+
+    ended = threading.Event()
+
+    async def forever(scope, receive, send):  # an answer that would never finish on its own
+        if scope["type"] == "lifespan":
+            while True:
+                kind = (await receive())["type"]
+                await send({"type": kind + ".complete"})  # lifespan.startup / lifespan.shutdown
+                if kind == "lifespan.shutdown":
+                    return
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+        while not ended.is_set():
+            await send({"type": "http.response.body", "body": b"data: x\n\n", "more_body": True})
+            await asyncio.sleep(0.05)
+        await send({"type": "http.response.body", "body": b'data: {"error": "shutting down"}\n\n', "more_body": False})
+
+    srv = Server(make_config(forever, "127.0.0.1", 0, "warning", shutdown_timeout_s=2.0), on_deadline=ended.set)
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not srv.started and time.monotonic() < deadline:
+        time.sleep(0.02)
+    port = srv.servers[0].sockets[0].getsockname()[1]
+    with httpx.stream("GET", f"http://127.0.0.1:{port}/", timeout=10) as r:
+        t0 = time.monotonic()
+        srv.should_exit = True  # what the first SIGTERM does
+        body = b"".join(r.iter_bytes())
+    assert ended.is_set() and b"shutting down" in body and time.monotonic() - t0 < 5
+    thread.join(10)
+    assert not thread.is_alive()

@@ -27,7 +27,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     print(f"fusionrag: serving {args.store} on http://{settings.host}:{settings.port} "
           f"(OpenAI base_url http://{settings.host}:{settings.port}/v1)", file=sys.stderr)
     Server(make_config(app, settings.host, settings.port, args.log_level, settings.header_timeout_s,
-                       settings.shutdown_timeout_s)).run()
+                       settings.shutdown_timeout_s), on_deadline=app.state.scheduler.close).run()
     return 0
 
 

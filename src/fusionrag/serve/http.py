@@ -6,12 +6,14 @@
   ``header_timeout_s`` of its first byte (or of the connection).
 - **A second SIGTERM exits at once.** uvicorn forces an exit on a second SIGINT only; a
   supervisor's second SIGTERM should not wait for open streams either (:class:`Server`). The
-  first waits for open requests up to ``shutdown_timeout_s``.
+  first waits for open requests up to ``shutdown_timeout_s``; near that deadline the open ones
+  are ended with an error (a final SSE error event for streams) rather than cut mid-answer.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 import h11
@@ -57,12 +59,31 @@ class BoundedH11Protocol(H11Protocol):
 
 
 class Server(uvicorn.Server):
-    """uvicorn's server, where a second SIGTERM (not only SIGINT) forces the exit."""
+    """uvicorn's server, where a second SIGTERM (not only SIGINT) forces the exit, and open requests are
+    ended by ``on_deadline`` (the scheduler's close: streams get a final SSE error event, others a 503)
+    shortly before the graceful-shutdown timeout would cut them off mid-answer."""
+
+    def __init__(self, config: uvicorn.Config, on_deadline: Callable[[], None] | None = None) -> None:
+        super().__init__(config)
+        self.on_deadline = on_deadline
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         if self.should_exit:
             self.force_exit = True
         super().handle_exit(sig, frame)
+
+    async def shutdown(self, sockets: Any = None) -> None:
+        handle = None
+        timeout = self.config.timeout_graceful_shutdown
+        if self.on_deadline is not None and timeout:
+            loop = asyncio.get_running_loop()
+            callback = self.on_deadline
+            handle = loop.call_later(max(0.0, timeout * 0.8), lambda: loop.run_in_executor(None, callback))
+        try:
+            await super().shutdown(sockets)
+        finally:
+            if handle is not None:
+                handle.cancel()
 
 
 def make_config(app: Any, host: str, port: int, log_level: str = "info", header_timeout_s: float = 30.0,
