@@ -54,14 +54,18 @@ def test_sqlite_errors_are_classified_not_all_called_corruption():
         assert ("corrupted" in str(err)) == (kind is StoreCorruptedError)
 
 
-def test_a_full_disk_is_one_line_exit_3_and_a_rerun_resumes(tmp_path, mount, capsys, fusionrag_home):
-    """Before: a Python traceback (OSError: [Errno 28]) or 'store.sqlite is corrupted', exit 1 or 2."""
+@pytest.mark.parametrize("size", ["600k", "1200k", "2500k"])  # the disk fills in SQLite, the index, the KV files
+def test_a_full_disk_is_one_line_exit_3_and_a_rerun_resumes(tmp_path, mount, capsys, fusionrag_home, size):
+    """Before: a Python traceback (OSError: [Errno 28], or FAISS's RuntimeError) or 'store.sqlite is
+    corrupted', exit 1 or 2."""
     data = _passages(tmp_path / "many.jsonl")
-    disk = mount("size=600k")
+    disk = mount(f"size={size}")
     code = main(["ingest", str(data), "--store", str(disk / "kb"), *INGEST])
     err = capsys.readouterr().err
     assert code == 3 and "out of disk space" in err and "corrupted" not in err and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1
+    if size == "2500k":  # full while writing KV: how much more the rest needs
+        assert "more are needed for the" in err
     assert main(["store", "info", "--store", str(disk / "kb")]) == 0  # reading needs no space
     capsys.readouterr()
     mount.remount("size=40m")

@@ -21,6 +21,8 @@ settings is decided in one place, :mod:`fusionrag.offline.build`.
 
 from __future__ import annotations
 
+import errno
+import shutil
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -30,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from tqdm.auto import tqdm
 
-from fusionrag.errors import FusionRAGError
+from fusionrag.errors import FusionRAGError, StorageFullError
 from fusionrag.execution.attention import prefill_with_context_attention
 from fusionrag.execution.segments import chunk_kv_plain
 from fusionrag.kvcache.kv import KV, assemble
@@ -242,11 +244,38 @@ def compute_plain(store: KnowledgeStore, lm: LoadedModel, system_kv: KV, chunk_i
     with tqdm(total=len(todo), unit="chunk", desc="plain KV (S + chunk)", disable=not progress) as bar:
         batches = [{c: store.chunk(c).token_ids for c in todo[i:i + batch_size]}
                    for i in range(0, len(todo), batch_size)]
+        written = 0
         for batch, kvs in (runner or LocalRunner(store, lm)).plain(system_kv, batches):
             for cid, kv in kvs.items():
-                store.save_kv(cid, "plain", kv, batch[cid])
+                save_entry(store, cid, "plain", kv, batch[cid], left=len(todo) - written)
+                written += 1
                 bar.update(1)
     return len(todo), time.perf_counter() - t0
+
+
+def save_entry(store: KnowledgeStore, cid: int, kind: str, kv: KV, token_ids: Sequence[int], left: int,
+               **fields: Any) -> None:
+    """Save one KV entry; out of disk space, say how much more the entries still to write need.
+
+    The estimate is the mean size of the store's entries of that kind (or this entry's KV) times the
+    entries left; nothing already written is lost and the same command resumes."""
+    try:
+        store.save_kv(cid, kind, kv, token_ids, **fields)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        sizes = [f.stat().st_size for f in store.kv_files(kind)[:64]]
+        per_entry = sum(sizes) / len(sizes) if sizes else kv.nbytes
+        free = shutil.disk_usage(store.kv_root if store.kv_root.exists() else store.path).free
+        raise StorageFullError(
+            f"out of disk space while writing the {kind} KV of chunk {cid}: about {_mib(per_entry * left)} more "
+            f"are needed for the {left} entries left ({_mib(free)} free on {store.path}); nothing already "
+            "written was lost: free the space and run the same command again (it resumes where it stopped)"
+        ) from exc
+
+
+def _mib(n: float) -> str:
+    return f"{n / (1 << 20):,.1f} MiB"
 
 
 def stale_chunks(store: KnowledgeStore, ids: Sequence[int], settings: FuseSettings, verify: bool = True,
@@ -314,7 +343,8 @@ def fuse_store(store: KnowledgeStore, lm: LoadedModel, system_kv: KV, settings: 
                     f = fused[cid]
                     extra = {**fuse_key(f.neighbours, f.neighbour_order), "top_n": top_n,
                              "same_document": bool(same_document), "min_similarity": min_similarity}
-                    store.save_kv(cid, "fused", f.kv, tokens[cid], scores=f.scores, extra=extra)
+                    save_entry(store, cid, "fused", f.kv, tokens[cid], left=len(todo) - report.computed,
+                               scores=f.scores, extra=extra)
                     store.record_neighbours({cid: f.neighbours})
                     report.computed += 1
                     report.changed.append(cid)

@@ -17,6 +17,8 @@ HNSW graph goes next to it (``<name>.hnsw``) so a large store does not rebuild i
 
 from __future__ import annotations
 
+import errno
+import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -154,11 +156,11 @@ class VectorIndex:
     # ------------------------------------------------------------ persistence
 
     def save(self, path: Path) -> None:
-        atomic_write_with(path, lambda tmp: faiss.write_index(self.index, str(tmp)))
+        atomic_write_with(path, lambda tmp: _write_index(self.index, tmp))
         side = _hnsw_path(path)
         if self._hnsw is not None and self.approximate:
             graph = self._hnsw
-            atomic_write_with(side, lambda tmp: faiss.write_index(graph, str(tmp)))
+            atomic_write_with(side, lambda tmp: _write_index(graph, tmp))
         else:
             side.unlink(missing_ok=True)
 
@@ -212,3 +214,14 @@ def _top(pairs: list[tuple[float, int]], n: int, min_similarity: float | None = 
     # Round the scores so float noise does not decide between equally similar chunks.
     pairs.sort(key=lambda p: (-round(p[0], 5), p[1]))
     return [i for _, i in pairs[:n]]
+
+
+def _write_index(index, tmp: Path) -> None:
+    """``faiss.write_index``, its write failures raised as the OSError they are (FAISS reports a full disk
+    as a RuntimeError naming strerror), so the callers' storage-fault handling names them."""
+    try:
+        faiss.write_index(index, str(tmp))
+    except RuntimeError as exc:
+        text = str(exc)
+        code = errno.ENOSPC if "No space left" in text else errno.EACCES if "ermission" in text else errno.EIO
+        raise OSError(code, os.strerror(code), str(tmp)) from exc
