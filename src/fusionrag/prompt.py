@@ -31,6 +31,16 @@ def chunk_text(title: str, text: str) -> str:
     return f"[{title}] {body}\n\n" if title else f"{body}\n\n"
 
 
+def is_valid_text(text: str) -> bool:
+    """Whether ``text`` encodes as UTF-8: no lone surrogates (from JSON ``\\ud800`` escapes or from
+    command-line bytes that were not UTF-8), which no tokenizer can read."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def passage_hash(title: str, text: str) -> str:
     """Identity of a passage (and of a stored chunk): sha256 of exactly the text the prompt will contain."""
     return content_hash(chunk_text(title, text))

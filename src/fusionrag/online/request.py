@@ -16,6 +16,7 @@ from typing import Any
 
 from fusionrag.errors import FusionRAGError
 from fusionrag.online.methods import KV_KINDS, default_kv, method_info
+from fusionrag.prompt import is_valid_text
 
 DEFAULT_METHOD = "fusionrag"
 DEFAULT_RATIO = 0.15
@@ -94,16 +95,6 @@ class ReuseRequest:
         if self.preamble:
             out["preamble"] = self.preamble
         return out
-
-
-def is_valid_text(text: str) -> bool:
-    """Whether ``text`` can be encoded as UTF-8: no lone surrogates (from JSON ``\\ud800`` escapes or
-    from command-line bytes that were not UTF-8), which no tokenizer can read."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def method_info_or_invalid(method: str):

@@ -19,7 +19,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from fusionrag.prompt import PromptBuilder, passage_hash
+from fusionrag.prompt import PromptBuilder, is_valid_text, passage_hash
 
 SUPPORTED_SUFFIXES = (".txt", ".md", ".jsonl")
 DEFAULT_CHUNK_TOKENS = 256
@@ -176,12 +176,7 @@ def _read_jsonl(path: Path, data: bytes, problems: list[Problem]) -> list[Passag
 
 def _valid_unicode(item: dict) -> bool:
     """Whether a passage's title and text encode as UTF-8 (JSON can carry lone surrogates; tokenizers cannot)."""
-    try:
-        str(item.get("title") or "").encode("utf-8")
-        item["text"].encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
+    return is_valid_text(str(item.get("title") or "")) and is_valid_text(item["text"])
 
 
 def _valid_passage(item: object) -> bool:

@@ -22,7 +22,7 @@ from pydantic import ValidationError
 
 from fusionrag.errors import CacheIntegrityError, FusionRAGError
 from fusionrag.online.request import InvalidRequest, ReuseRequest
-from fusionrag.prompt import conversation_preamble
+from fusionrag.prompt import conversation_preamble, is_valid_text
 from fusionrag.retrieval.store_files import StoreBusyError, StoreCorruptedError
 from fusionrag.serve.requests import (
     PromptTooLongError,
@@ -122,11 +122,7 @@ def invalid_text_path(value: Any, path: str = "body") -> str | None:
     """Where ``value`` (parsed JSON) holds a string that is not valid Unicode (a lone surrogate such as
     ``\\ud800``, which JSON can encode and no tokenizer can read), or None."""
     if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return path
-        return None
+        return None if is_valid_text(value) else path
     if isinstance(value, dict):
         for k, v in value.items():
             found = invalid_text_path(k, path) or invalid_text_path(v, f"{path}.{k}" if path != "body" else str(k))
