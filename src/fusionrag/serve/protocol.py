@@ -144,7 +144,7 @@ def check_text(body: Any) -> None:
                        param=where.split(".")[0].split("[")[0])
 
 
-DOCUMENT_KEYS = frozenset({"title", "text"})
+DOCUMENT_KEYS = frozenset({"title", "text", "source", "id"})
 
 
 def parse_documents(items: Any, s: ServerSettings, param: str) -> list[dict]:
@@ -167,7 +167,7 @@ def parse_documents(items: Any, s: ServerSettings, param: str) -> list[dict]:
         unknown = sorted(set(d) - DOCUMENT_KEYS)
         if unknown:
             raise APIError(400, f"{param}[{i}]: unknown field(s) {', '.join(map(repr, unknown))}; a passage is "
-                                "{title, text}", code="unsupported_parameter", param=param)
+                                "{title, text, source, id}", code="unsupported_parameter", param=param)
         check_text({f"{param}[{i}]": d})
         title = d.get("title", "")
         if title is None:
@@ -177,10 +177,14 @@ def parse_documents(items: Any, s: ServerSettings, param: str) -> list[dict]:
         if len(d["text"]) + len(title) > s.max_document_chars:
             raise APIError(413, f"{param}[{i}] has {len(d['text']) + len(title)} characters "
                                 f"(limit {s.max_document_chars})", code="document_too_large", param=param)
+        for key in ("source", "id"):
+            if d.get(key) is not None and (not isinstance(d[key], str) or not d[key].strip() or len(d[key]) > 4096):
+                raise APIError(400, f"{param}[{i}].{key} must be a non-empty string of at most 4096 characters",
+                               code="invalid_value", param=param)
         if (title, d["text"]) in seen:
             continue
         seen.add((title, d["text"]))
-        docs.append({"title": title, "text": d["text"]})
+        docs.append({"title": title, "text": d["text"], **{k: d[k] for k in ("source", "id") if d.get(k) is not None}})
     return docs
 
 

@@ -60,6 +60,10 @@ class Passage(_Body):
 
     title: str | None = Field(None, description="the passage's title (part of its identity in the store)")
     text: str = Field(min_length=1, description="the passage's text")
+    source: str | None = Field(None, description="where the text came from (a file path or URL): lets the server "
+                                                 "split it the way the store's reader split that file")
+    id: str | None = Field(None, description="the document's id in the store (POST /v1/documents: the same id "
+                                             "again replaces the document)")
 
 
 class DocumentsWrapper(_Body):
