@@ -17,10 +17,19 @@ from typing import Any
 
 from fusionrag.files import content_hash
 
-SYSTEM_PROMPT = (
+#: The instruction of a new store when ``ingest --system-prompt`` names none: general, so summaries,
+#: longer answers and agent steps are not cut down to a few words.
+DEFAULT_SYSTEM_PROMPT = (
+    "You are a helpful assistant. Use the passages below to answer the user's request. "
+    "If they do not contain what is needed, say so."
+)
+#: The short-answer instruction of the QA benchmarks (the paper's setting, F1/EM on short answers),
+#: and of every store made before the instruction became a store setting (they did not record one).
+SHORT_ANSWER_PROMPT = (
     "You are a helpful assistant. Answer the question using the passages below. "
     "Reply with a short answer of a few words, without explanation."
 )
+MAX_SYSTEM_PROMPT_CHARS = 8000
 _CTX = "\x00CONTEXT\x00"
 
 
@@ -39,6 +48,29 @@ def is_valid_text(text: str) -> bool:
     except UnicodeEncodeError:
         return False
     return True
+
+
+def read_system_prompt(value: str | None) -> str:
+    """``--system-prompt TEXT|FILE``: the text of a file when ``value`` names one, else ``value`` itself
+    (None: :data:`DEFAULT_SYSTEM_PROMPT`). A prompt that is empty, not UTF-8 or too long is refused."""
+    from pathlib import Path
+
+    from fusionrag.errors import FusionRAGError
+
+    if value is None:
+        return DEFAULT_SYSTEM_PROMPT
+    text = value
+    path = Path(value) if len(value) < 4096 and "\n" not in value else None
+    if path is not None and path.is_file():
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise FusionRAGError(f"cannot read the system prompt file {path}: {exc}") from None
+    text = text.strip()
+    if not text or not is_valid_text(text) or len(text) > MAX_SYSTEM_PROMPT_CHARS:
+        raise FusionRAGError(f"the system prompt must be non-empty UTF-8 text of at most {MAX_SYSTEM_PROMPT_CHARS} "
+                             "characters")
+    return text
 
 
 def passage_hash(title: str, text: str) -> str:
@@ -70,7 +102,12 @@ class PromptBuilder:
     """Tokenises prompt segments for one tokenizer and system prompt."""
 
     tokenizer: Any
-    system_prompt: str = SYSTEM_PROMPT
+    system_prompt: str = DEFAULT_SYSTEM_PROMPT
+
+    @classmethod
+    def for_store(cls, tokenizer: Any, settings: dict[str, Any]) -> PromptBuilder:
+        """The prompt a store's KV was computed with: its recorded instruction (older stores: the short-answer one)."""
+        return cls(tokenizer, settings.get("system_prompt", SHORT_ANSWER_PROMPT))
 
     @cached_property
     def _template_parts(self) -> tuple[str, str]:

@@ -24,6 +24,7 @@ from fusionrag.bench.records import FullCache, example_sha
 from fusionrag.models import load_model
 from fusionrag.offline import build
 from fusionrag.online.engine import Engine
+from fusionrag.prompt import SHORT_ANSWER_PROMPT
 from fusionrag.retrieval.embedder import HashingEmbedder
 
 
@@ -42,7 +43,8 @@ def main() -> None:
     ref = FullReference(Path(args.reference), lm.name)
     cache = FullCache(Path(args.cache_dir), lm.name)
     with tempfile.TemporaryDirectory() as tmp:  # an empty store: the engine needs one, Full Attention reads none
-        engine = Engine(build.create_store(Path(tmp) / "empty", lm, embedder=HashingEmbedder()), lm)
+        engine = Engine(build.create_store(Path(tmp) / "empty", lm, embedder=HashingEmbedder(),
+                                               system_prompt=SHORT_ANSWER_PROMPT), lm)
         for ex in tqdm(examples, desc="Full Attention reference", unit="question"):
             sha = example_sha(ex)
             if ref.get(ex.dataset, ex.id, args.max_new_tokens, sha) is not None:

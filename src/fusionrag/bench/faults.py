@@ -28,6 +28,7 @@ from fusionrag.bench.loadtest import check_loopback
 from fusionrag.bench.provenance import build_meta
 from fusionrag.files import atomic_write, atomic_write_with, write_json_atomic
 from fusionrag.kvcache.store import CHUNK_KINDS
+from fusionrag.prompt import SHORT_ANSWER_PROMPT
 
 
 @dataclass
@@ -123,7 +124,7 @@ def run_faults(spec: FaultSpec) -> dict[str, Any]:
 
     lm = load_model(spec.model)
     path = fusionrag_home() / "bench" / f"faults-{spec.model}-{int(time.time())}"
-    store = build.create_store(path, lm, model_source=spec.model)
+    store = build.create_store(path, lm, model_source=spec.model, system_prompt=SHORT_ANSWER_PROMPT)
     sample = load_sample()
     build.add_passages(store, lm, [p for ex in sample for p in ex["passages"]], doc="sample")
     build.fuse(store, lm, top_n=3, progress=False)

@@ -21,6 +21,7 @@ from fusionrag.bench.membership import Membership, membership
 from fusionrag.errors import FusionRAGError
 from fusionrag.offline import build
 from fusionrag.offline.preprocess import FuseSettings, compute_neighbours, compute_plain
+from fusionrag.prompt import SHORT_ANSWER_PROMPT
 from fusionrag.retrieval.knowledge import KnowledgeStore
 
 
@@ -132,8 +133,9 @@ def _fill_store(spec: StoreSettings, path: Path, dataset: str, examples: list[QA
     if (path / "store.sqlite").exists():
         store = KnowledgeStore.open(path, lm=lm, embedder=spec.embedder)
     else:
-        store = build.create_store(path, lm, chunk_tokens=100_000, kv_dtype=spec.kv_dtype, embedder=spec.embedder,
-                                   model_source=spec.model)
+        store = build.create_store(
+            path, lm, system_prompt=SHORT_ANSWER_PROMPT, chunk_tokens=100_000, kv_dtype=spec.kv_dtype,
+            embedder=spec.embedder, model_source=spec.model)
     if store.settings["kv_dtype"] != spec.kv_dtype:
         store.close()
         raise FusionRAGError(f"{path} stores {store.settings['kv_dtype']} KV, not {spec.kv_dtype}")

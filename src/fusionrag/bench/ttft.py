@@ -27,6 +27,7 @@ from fusionrag.errors import FusionRAGError
 from fusionrag.kvcache.sources import KVSource, PreloadedSource, drop_from_page_cache
 from fusionrag.kvcache.store import CHUNK_KINDS
 from fusionrag.offline import build
+from fusionrag.prompt import SHORT_ANSWER_PROMPT
 
 
 @dataclass
@@ -160,8 +161,9 @@ def run_ttft(spec: TTFTSpec) -> list[dict]:
     if (path / "store.sqlite").exists():
         store = KnowledgeStore.open(path, lm=lm, embedder=spec.embedder)
     else:
-        store = build.create_store(path, lm, chunk_tokens=512, kv_dtype="float16", embedder=spec.embedder,
-                                   model_source=spec.model)
+        store = build.create_store(
+            path, lm, system_prompt=SHORT_ANSWER_PROMPT, chunk_tokens=512, kv_dtype="float16",
+            embedder=spec.embedder, model_source=spec.model)
     need = max(spec.context_tokens)
     passages, total = [], 0
     for ex in examples:

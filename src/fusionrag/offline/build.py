@@ -42,6 +42,7 @@ from fusionrag.offline.preprocess import (
     fuse_store,
     stale_chunks,
 )
+from fusionrag.prompt import DEFAULT_SYSTEM_PROMPT
 from fusionrag.retrieval.chunking import DEFAULT_CHUNK_TOKENS, Chunk, Passage, Problem, dedup, expand_paths, make_chunks
 from fusionrag.retrieval.chunking import read_passages as read_file_passages
 from fusionrag.retrieval.embedder import Embedder
@@ -122,10 +123,10 @@ class IngestReport:
 
 def create_store(path: str | Path, lm: LoadedModel, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
                  kv_dtype: str = DEFAULT_KV_DTYPE, embedder: Embedder | None = None,
-                 model_source: str | None = None) -> KnowledgeStore:
-    """A new, empty store with ``S``'s KV computed."""
+                 model_source: str | None = None, system_prompt: str = DEFAULT_SYSTEM_PROMPT) -> KnowledgeStore:
+    """A new, empty store with ``S``'s KV computed (``system_prompt``: the instruction in ``S``)."""
     store = KnowledgeStore.create(path, lm, chunk_tokens=chunk_tokens, kv_dtype=kv_dtype, embedder=embedder,
-                                  model_source=model_source)
+                                  model_source=model_source, system_prompt=system_prompt)
     with store.writer():
         ensure_system_kv(store, lm)
     return store

@@ -35,6 +35,7 @@ def _open(store_dir: Path, model: str | None, embedder=None, devices: dict | Non
 def cmd_ingest(args: argparse.Namespace) -> int:
     from fusionrag.models import DEFAULT_MODEL, load_model
     from fusionrag.offline import build
+    from fusionrag.prompt import read_system_prompt
     from fusionrag.retrieval.embedder import get_embedder
     from fusionrag.retrieval.store_info import DB_NAME
 
@@ -50,12 +51,16 @@ def cmd_ingest(args: argparse.Namespace) -> int:
                     f"the store at {store_dir} uses --{opt.replace('_', '-')} {store.settings[key]}; "
                     "it cannot change after creation (use a new --store)"
                 )
+        if args.system_prompt is not None and read_system_prompt(args.system_prompt) != store.prompt.system_prompt:
+            raise FusionRAGError(f"the store at {store_dir} was made with another --system-prompt; every cached KV "
+                                 "was computed after it, so it cannot change (use a new --store)")
     else:
         model = args.model or DEFAULT_MODEL
         embedder = get_embedder(args.embedder) if args.embedder else None
         lm = load_model(model, **device_options(args))
         store = build.create_store(store_dir, lm, chunk_tokens=args.chunk_tokens or 256,
-                                   kv_dtype=args.kv_dtype or DEFAULT_KV_DTYPE, embedder=embedder, model_source=model)
+                                   kv_dtype=args.kv_dtype or DEFAULT_KV_DTYPE, embedder=embedder, model_source=model,
+                                   system_prompt=read_system_prompt(args.system_prompt))
     runner = _ray_runner(args, store)
     try:
         report = build.ingest(store, lm, [Path(p) for p in args.paths], progress=not args.quiet, runner=runner)
@@ -158,6 +163,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--store", required=True, help="knowledge-base folder (created if missing)")
     p.add_argument("--model", default=None, help=_MODEL_HELP)
     p.add_argument("--chunk-tokens", type=int, default=None, help="max tokens per chunk, title included (default 256)")
+    p.add_argument("--system-prompt", default=None, metavar="TEXT|FILE",
+                   help="the instruction before the passages, for a new store (recorded; every cached KV is computed "
+                        "after it). Default: a general one; the QA benchmarks use a short-answer one")
     p.add_argument("--kv-dtype", choices=list(STORAGE_DTYPES), default=None,
                    help=f"KV storage dtype of a new store (default {DEFAULT_KV_DTYPE}: int8 codes + fp16 scales, "
                         "half of float16, no resolved fidelity loss measured; rotation is always fp32)")

@@ -37,7 +37,7 @@ from tqdm.auto import tqdm
 from fusionrag.errors import FusionRAGError, StoragePermissionError, StoreMismatchError
 from fusionrag.kvcache.store import CHUNK_KINDS, DEFAULT_KV_DTYPE, KVStore, canonical_dtype
 from fusionrag.models.registry import LoadedModel
-from fusionrag.prompt import PromptBuilder, chunk_text
+from fusionrag.prompt import DEFAULT_SYSTEM_PROMPT, PromptBuilder, chunk_text
 from fusionrag.retrieval.chunking import DEFAULT_CHUNK_TOKENS, Chunk
 from fusionrag.retrieval.embedder import Embedder, get_embedder
 from fusionrag.retrieval.indexed import IndexedChunks
@@ -107,8 +107,12 @@ class KnowledgeStore(IndexedChunks, StoredKV):
 
     @classmethod
     def create(cls, path, lm: LoadedModel, chunk_tokens: int = DEFAULT_CHUNK_TOKENS, kv_dtype: str = DEFAULT_KV_DTYPE,
-               embedder: Embedder | None = None, model_source: str | None = None) -> KnowledgeStore:
+               embedder: Embedder | None = None, model_source: str | None = None,
+               system_prompt: str = DEFAULT_SYSTEM_PROMPT) -> KnowledgeStore:
         """A new, empty store for ``lm`` (``model_source``: what :func:`load_model` needs to reload it).
+
+        ``system_prompt`` is the instruction in ``S``: recorded, and part of every cache's identity
+        (``S``'s hash), since every chunk's KV is computed after it.
 
         ``S``'s KV is not computed here (that runs the model): :func:`fusionrag.offline.build.create_store`
         does both, and every build step computes it when it is missing.
@@ -120,13 +124,14 @@ class KnowledgeStore(IndexedChunks, StoredKV):
             raise FusionRAGError(f"chunk size must be at least 8 tokens, got {chunk_tokens}")
         kv_dtype = canonical_dtype(kv_dtype)
         embedder = embedder if embedder is not None else get_embedder(None)
-        prompt = PromptBuilder(lm.tokenizer)
+        prompt = PromptBuilder(lm.tokenizer, system_prompt)
         settings = {
             "format": STORE_FORMAT,
             "model": model_source or lm.name,
             "fingerprint": lm.fingerprint,
             "system_hash": prompt.system_hash,
             "system_tokens": len(prompt.system_token_ids),
+            "system_prompt": system_prompt,
             "chunk_tokens": int(chunk_tokens),
             "kv_dtype": kv_dtype,
             "embedder": embedder.name,
@@ -183,7 +188,7 @@ class KnowledgeStore(IndexedChunks, StoredKV):
                 f"the loaded model {lm.name} ({lm.fingerprint}) cannot reuse its caches. Use --model "
                 f"{settings['model']} or build a new store."
             )
-        prompt = PromptBuilder(lm.tokenizer)
+        prompt = PromptBuilder.for_store(lm.tokenizer, settings)
         if prompt.system_hash != settings["system_hash"]:
             raise StoreMismatchError(
                 f"the knowledge base at {path} was built with another system prompt "
