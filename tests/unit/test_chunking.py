@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -84,9 +85,10 @@ def test_malformed_input_is_reported_and_rest_read(tmp_path):
     (tmp_path / "empty.txt").write_text("")
     (tmp_path / "blob.md").write_bytes(b"\x00\x01\x02binary\xff")
     (tmp_path / "latin1.txt").write_bytes("caf\xe9 au lait".encode("latin-1"))
-    (tmp_path / "notes.pdf").write_bytes(b"%PDF")
+    (tmp_path / "notes.pdf").write_bytes(b"%PDF")  # a broken PDF: named, not a traceback
+    (tmp_path / "sheet.xlsx").write_bytes(b"PK")
     problems = []
-    files = expand_paths([tmp_path, tmp_path / "missing.txt", tmp_path / "notes.pdf"], problems)
+    files = expand_paths([tmp_path, tmp_path / "missing.txt", tmp_path / "sheet.xlsx"], problems)
     passages = [p for f in files for p in read_passages(f, problems)]
     assert [p.text for p in passages] == ["alpha", "beta"]
     text = "\n".join(str(p) for p in problems)
@@ -96,7 +98,10 @@ def test_malformed_input_is_reported_and_rest_read(tmp_path):
     assert f"{tmp_path / 'empty.txt'}: empty file" in text
     assert f"{tmp_path / 'blob.md'}: binary file" in text
     assert f"{tmp_path / 'latin1.txt'}:1: not valid UTF-8" in text
-    assert "no such file" in text and "unsupported file type '.pdf'" in text
+    assert "no such file" in text and "unsupported file type '.xlsx'" in text
+    assert f"{tmp_path / 'notes.pdf'}: cannot read this PDF file" in text
+    failed = sorted(Path(p.path).name for p in problems if p.file_skipped)
+    assert failed == ["blob.md", "latin1.txt", "missing.txt", "notes.pdf", "sheet.xlsx"]  # not empty.txt
 
 
 def test_markdown_sections_and_text_files(tmp_path):

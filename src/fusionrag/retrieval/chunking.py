@@ -1,4 +1,4 @@
-"""Reading documents and cutting them into token-bounded chunks.
+"""Cutting passages into token-bounded chunks (reading files: :mod:`fusionrag.retrieval.readers`).
 
 A chunk is the unit of KV reuse, so its size is measured in the *LLM's* tokens, exactly
 as the chunk will appear in the prompt (``PromptBuilder.chunk_token_ids(title, text)``, title
@@ -6,42 +6,28 @@ included). Chunks are cut on sentence boundaries (then whitespace, then characte
 pathological inputs) and a passage that already fits is kept verbatim, so its content
 hash equals the hash of the same passage seen online (``chunk_text(title, text)``).
 
-Readers never abort an ingest: a malformed line or file is reported as a
-:class:`Problem` (file and line) and skipped, and the rest of the input is used.
+``Passage``, ``Problem``, ``expand_paths`` and ``read_passages`` live with the readers and are
+importable from here too.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
-from fusionrag.prompt import PromptBuilder, is_valid_text, passage_hash
+from fusionrag.prompt import PromptBuilder, passage_hash
+from fusionrag.retrieval.readers import SUPPORTED_SUFFIXES, Passage, Problem, expand_paths, read_passages
 
-SUPPORTED_SUFFIXES = (".txt", ".md", ".jsonl")
+__all__ = ["DEFAULT_CHUNK_TOKENS", "SUPPORTED_SUFFIXES", "Chunk", "Passage", "Problem", "dedup", "expand_paths",
+           "make_chunks", "read_passages", "split_passage"]
+
 DEFAULT_CHUNK_TOKENS = 256
 
 # A sentence ends after . ! or ? (optionally followed by closing quotes/brackets) and
 # whitespace, or at a blank line.
 _SENTENCE_END = re.compile(r"(?<=[.!?])[\"'\)\]»”’]*\s+|\n\s*\n")
 _WORD = re.compile(r"\S+\s*")
-_MD_HEADING = re.compile(r"^(#{1,6})\s+(.+?)\s*#*\s*$")
-
-
-@dataclass(frozen=True)
-class Passage:
-    """A titled piece of text (before splitting), from document ``doc`` when it came from a file.
-
-    The one passage type: readers, the evaluation sets and request-supplied documents all
-    use it. Frozen and hashable, so passages shared by several questions de-duplicate.
-    """
-
-    title: str
-    text: str
-    doc: str = ""
 
 
 @dataclass(frozen=True)
@@ -57,146 +43,6 @@ class Chunk:
     @property
     def n_tokens(self) -> int:
         return len(self.token_ids)
-
-
-@dataclass(frozen=True)
-class Problem:
-    """Input that was skipped, and why (``line`` is 1-based, ``None`` for the whole file)."""
-
-    path: str
-    line: int | None
-    message: str
-
-    def __str__(self) -> str:
-        where = self.path if self.line is None else f"{self.path}:{self.line}"
-        return f"{where}: {self.message}"
-
-
-# ---------------------------------------------------------------- readers
-
-
-def expand_paths(paths: Iterable[Path | str], problems: list[Problem]) -> list[Path]:
-    """Files to read: files as given, folders searched recursively for supported suffixes."""
-    out: list[Path] = []
-    for raw in paths:
-        p = Path(raw)
-        if p.is_dir():
-            out.extend(_walk(p))
-        elif p.is_file():
-            if p.suffix.lower() in SUPPORTED_SUFFIXES:
-                out.append(p)
-            else:
-                problems.append(Problem(str(p), None, f"unsupported file type '{p.suffix}' "
-                                        f"(supported: {', '.join(SUPPORTED_SUFFIXES)})"))
-        else:
-            problems.append(Problem(str(p), None, "no such file or folder"))
-    return out
-
-
-def _walk(root: Path) -> list[Path]:
-    """Supported files under ``root``, following symlinked folders (each real folder once: no loops)."""
-    found: list[Path] = []
-    seen: set[str] = set()
-    for folder, dirs, files in os.walk(root, followlinks=True):
-        real = os.path.realpath(folder)
-        if real in seen:
-            dirs[:] = []
-            continue
-        seen.add(real)
-        dirs.sort()
-        found.extend(Path(folder) / f for f in sorted(files) if Path(f).suffix.lower() in SUPPORTED_SUFFIXES
-                     and (Path(folder) / f).is_file())
-    return found
-
-
-def read_passages(path: Path, problems: list[Problem]) -> list[Passage]:
-    """All passages of one file; anything unreadable goes to ``problems`` instead."""
-    try:
-        data = path.read_bytes()
-    except OSError as exc:
-        problems.append(Problem(str(path), None, f"cannot read: {exc.strerror or exc}"))
-        return []
-    if not data.strip():
-        problems.append(Problem(str(path), None, "empty file"))
-        return []
-    if b"\x00" in data[:8192]:
-        problems.append(Problem(str(path), None, "binary file (contains NUL bytes); skipped"))
-        return []
-    if path.suffix.lower() == ".jsonl":
-        return _read_jsonl(path, data, problems)
-    try:
-        text = data.decode("utf-8-sig")
-    except UnicodeDecodeError as exc:
-        line = data[: exc.start].count(b"\n") + 1
-        problems.append(Problem(str(path), line, "not valid UTF-8 text; file skipped"))
-        return []
-    if path.suffix.lower() == ".md":
-        return _markdown_sections(path, text)
-    return [Passage(path.stem, text, doc=path.name)] if text.strip() else []
-
-
-def _read_jsonl(path: Path, data: bytes, problems: list[Problem]) -> list[Passage]:
-    """The shared-data schema (``passages`` per question) or one ``{title, text}`` per line."""
-    out: list[Passage] = []
-    for lineno, raw in enumerate(data.split(b"\n"), start=1):
-        if not raw.strip():
-            continue
-        try:
-            obj = json.loads(raw.decode("utf-8-sig" if lineno == 1 else "utf-8"))
-        except UnicodeDecodeError:
-            problems.append(Problem(str(path), lineno, "not valid UTF-8; line skipped"))
-            continue
-        except json.JSONDecodeError as exc:
-            problems.append(Problem(str(path), lineno, f"bad JSON ({exc.msg}); line skipped"))
-            continue
-        if not isinstance(obj, dict):
-            problems.append(Problem(str(path), lineno, "expected a JSON object; line skipped"))
-            continue
-        if isinstance(obj.get("passages"), list):
-            # One question: its passages form one document group (used by same-document neighbours).
-            doc = f"{path.name}#{obj.get('id', lineno)}"
-            for j, item in enumerate(obj["passages"]):
-                if not _valid_passage(item):
-                    problems.append(Problem(str(path), lineno, f"passage {j} is not a {{title, text}} object; skipped"))
-                    continue
-                if not _valid_unicode(item):
-                    problems.append(Problem(str(path), lineno, f"passage {j} ({str(item.get('title') or '')[:40]!r}) "
-                                                               "is not valid Unicode (a lone surrogate); skipped"))
-                    continue
-                out.append(Passage(str(item.get("title") or ""), item["text"], doc=doc))
-        elif _valid_passage(obj) and not _valid_unicode(obj):
-            problems.append(Problem(str(path), lineno, "the passage is not valid Unicode (a lone surrogate); skipped"))
-        elif _valid_passage(obj):
-            doc = str(obj.get("doc") or obj.get("doc_id") or path.name)
-            out.append(Passage(str(obj.get("title") or ""), obj["text"], doc=doc))
-        else:
-            problems.append(Problem(str(path), lineno, "no 'passages' list and no 'text' string; line skipped"))
-    return out
-
-
-def _valid_unicode(item: dict) -> bool:
-    """Whether a passage's title and text encode as UTF-8 (JSON can carry lone surrogates; tokenizers cannot)."""
-    return is_valid_text(str(item.get("title") or "")) and is_valid_text(item["text"])
-
-
-def _valid_passage(item: object) -> bool:
-    return (isinstance(item, dict) and isinstance(item.get("text"), str)
-            and isinstance(item.get("title", ""), str | None))
-
-
-def _markdown_sections(path: Path, text: str) -> list[Passage]:
-    """One passage per heading section, titled by the heading (the file stem before the first one)."""
-    sections: list[tuple[str, list[str]]] = [(path.stem, [])]
-    in_fence = False
-    for line in text.splitlines():
-        if line.lstrip().startswith(("```", "~~~")):
-            in_fence = not in_fence
-        m = None if in_fence else _MD_HEADING.match(line)
-        if m:
-            sections.append((m.group(2).strip(), []))
-        else:
-            sections[-1][1].append(line)
-    return [Passage(title, "\n".join(lines), doc=path.name) for title, lines in sections if "\n".join(lines).strip()]
 
 
 # ---------------------------------------------------------------- splitting
