@@ -16,58 +16,20 @@ same passages get the same content hashes.
 
 from __future__ import annotations
 
-import io
 import json
-import logging
 import os
 import re
-import zipfile
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
-from xml.etree import ElementTree
 
 from fusionrag.prompt import is_valid_text
+from fusionrag.retrieval.formats import html_passages, read_docx, read_html, read_pdf
+from fusionrag.retrieval.passages import ParsedFile, Passage, Problem, sections
 
-
-@dataclass(frozen=True)
-class Passage:
-    """A titled piece of text (before splitting), from document ``doc`` when it came from a file.
-
-    The one passage type: readers, the evaluation sets and request-supplied documents all
-    use it. Frozen and hashable, so passages shared by several questions de-duplicate.
-    """
-
-    title: str
-    text: str
-    doc: str = ""
-
-
-@dataclass(frozen=True)
-class Problem:
-    """Input that was skipped, and why (``line`` is 1-based, ``None`` for the whole file).
-
-    ``file_skipped``: nothing of the file was used (unreadable, broken, encrypted, unsupported);
-    a skipped line or passage, or an empty file, is listed but is not a failed file."""
-
-    path: str
-    line: int | None
-    message: str
-    file_skipped: bool = False
-
-    def __str__(self) -> str:
-        where = self.path if self.line is None else f"{self.path}:{self.line}"
-        return f"{where}: {self.message}"
-
-
-@dataclass(frozen=True)
-class ParsedFile:
-    """What a reader made of one file: its title (for listings) and its passages."""
-
-    title: str
-    passages: list[Passage]
-
+__all__ = ["READERS", "SUPPORTED_SUFFIXES", "ParsedFile", "Passage", "Problem", "expand_paths", "load_bytes",
+           "parse_file", "passages_from_text", "read_passages", "register_reader"]
 
 #: A reader: (path, the file's bytes, problems) -> the file's title and passages.
 Reader = Callable[[Path, bytes, list[Problem]], ParsedFile]
@@ -177,7 +139,7 @@ def passages_from_text(text: str, source: str | None = None, title: str | None =
     if suffix == ".md":
         return _markdown(doc, name, text)
     if suffix in (".html", ".htm"):
-        return _html_passages(doc, stem, text, title)[1]
+        return html_passages(doc, stem, text, title)[1]
     if suffix == ".jsonl":
         return _read_jsonl(path, text.encode("utf-8"), [])
     if suffix == ".pdf":
@@ -224,18 +186,7 @@ def _markdown(doc: str, stem: str, text: str) -> list[Passage]:
             m = None if in_fence else _MD_HEADING.match(line)
             yield (True, m.group(2).strip()) if m else (False, line)
 
-    return _sections(doc, stem, lines())
-
-
-def _sections(doc: str, first_title: str, items: Iterable[tuple[bool, str]]) -> list[Passage]:
-    """Passages from ``(is_heading, line)`` items: each heading starts a section titled by it."""
-    sections: list[tuple[str, list[str]]] = [(first_title, [])]
-    for is_heading, line in items:
-        if is_heading:
-            sections.append((line, []))
-        else:
-            sections[-1][1].append(line)
-    return [Passage(title, "\n".join(lines), doc=doc) for title, lines in sections if "\n".join(lines).strip()]
+    return sections(doc, stem, lines())
 
 
 def _read_jsonl_file(path: Path, data: bytes, problems: list[Problem]) -> ParsedFile:
@@ -291,161 +242,12 @@ def _valid_passage(item: object) -> bool:
             and isinstance(item.get("title", ""), str | None))
 
 
-# ---------------------------------------------------------------- PDF, HTML, DOCX
-
-
-def _broken(path: Path, problems: list[Problem], fmt: str, why: BaseException | str) -> ParsedFile:
-    """A file of format ``fmt`` that cannot be used: ``why`` is an exception (the parser's words) or a sentence."""
-    if isinstance(why, BaseException):
-        why = f"cannot read this {fmt} file ({' '.join(str(why).split())[:160] or type(why).__name__})"
-    problems.append(Problem(str(path), None, f"{why}; skipped", file_skipped=True))
-    return ParsedFile(path.stem, [])
-
-
-def _read_pdf(path: Path, data: bytes, problems: list[Problem]) -> ParsedFile:
-    """One passage per page that has text; titled with the metadata title, else the file's stem."""
-    from pypdf import PdfReader
-
-    quiet = logging.getLogger("pypdf")
-    level = quiet.level
-    quiet.setLevel(logging.ERROR)  # pypdf warns about every recoverable oddity; we report what matters
-    try:
-        reader = PdfReader(io.BytesIO(data))
-        if reader.is_encrypted and not _decrypts(reader):
-            return _broken(path, problems, "PDF", "encrypted PDF (password-protected): decrypt it first")
-        meta = reader.metadata
-        title = meta.title if meta is not None and isinstance(meta.title, str) and meta.title.strip() else ""
-        pages = [_clean(page.extract_text() or "") for page in reader.pages]
-    except Exception as exc:  # a parser of untrusted bytes raises many kinds: any of them means "broken"
-        return _broken(path, problems, "PDF", exc)
-    finally:
-        quiet.setLevel(level)
-    title = " ".join(title.split()) or path.stem
-    passages = [Passage(title, page, doc=path.name) for page in pages if page.strip()]
-    if not passages:
-        return _broken(path, problems, "PDF", f"no extractable text in its {len(pages)} page(s) (a scan? OCR it first)")
-    return ParsedFile(title, passages)
-
-
-def _decrypts(reader) -> bool:
-    """Whether an encrypted PDF opens without a password (many have only an owner password)."""
-    try:
-        return bool(reader.decrypt(""))
-    except Exception:  # an unsupported cipher (pypdf needs 'cryptography' for AES) or a broken dictionary
-        return False
-
-
-def _clean(page: str) -> str:
-    """Extracted page text: lines without trailing spaces, no runs of blank lines."""
-    lines = [line.rstrip() for line in page.splitlines()]
-    return re.sub(r"\n{3,}", "\n\n", "\n".join(lines)).strip()
-
-
-_HTML_NOISE = ("script", "style", "noscript", "template", "svg", "iframe", "nav", "header", "footer", "aside",
-               "form", "button", "select", "head")
-_HTML_BLOCKS = ("p", "div", "li", "ul", "ol", "pre", "blockquote", "table", "tr", "td", "th", "dt", "dd", "dl",
-                "figcaption", "caption", "section", "article", "main", "hr", "address", "details", "summary")
-_HEADINGS = ("h1", "h2", "h3", "h4", "h5", "h6")
-_MARK = "\ue000"  # private use: marks a heading line in the flattened text
-
-
-def _read_html(path: Path, data: bytes, problems: list[Problem]) -> ParsedFile:
-    try:
-        title, passages = _html_passages(path.name, path.stem, data, None)
-    except Exception as exc:  # html.parser is lenient; anything it raises means the file is unusable
-        return _broken(path, problems, "HTML", exc)
-    if not passages:
-        problems.append(Problem(str(path), None, "no text in the page's main content"))
-    return ParsedFile(title, passages)
-
-
-def _html_passages(doc: str, stem: str, markup: str | bytes, title: str | None) -> tuple[str, list[Passage]]:
-    """The page's title and its main text as heading sections (navigation, scripts and styles removed)."""
-    from bs4 import BeautifulSoup, NavigableString
-
-    soup = BeautifulSoup(markup, "html.parser")
-    own = " ".join(soup.title.get_text(" ").split()) if soup.title else ""
-    name = title if title is not None else (own or stem)
-    for tag in soup.find_all(_HTML_NOISE):
-        tag.decompose()
-    for tag in soup.find_all(lambda t: t.has_attr("hidden") or t.get("aria-hidden") == "true"):
-        tag.decompose()
-    root = soup.find("main") or soup.find("article") or soup.body or soup
-    for s in list(root.find_all(string=True)):
-        if type(s) is NavigableString and not any(p.name == "pre" for p in s.parents):
-            s.replace_with(NavigableString(re.sub(r"\s+", " ", str(s))))
-    for br in root.find_all("br"):
-        br.replace_with("\n")
-    for tag in root.find_all(_HEADINGS):
-        tag.replace_with(f"\n{_MARK}{' '.join(tag.get_text(' ').split())}\n")
-    for tag in root.find_all(_HTML_BLOCKS):
-        tag.insert_before("\n\n")
-        tag.insert_after("\n\n")
-    flat = root.get_text("")
-    items = ((True, line[1:].strip()) if line.startswith(_MARK) else (False, line.strip())
-             for line in flat.replace("\r", "").split("\n"))
-    passages = _sections(doc, name, _squeeze(items))
-    return name, passages
-
-
-def _squeeze(items: Iterable[tuple[bool, str]]) -> Iterator[tuple[bool, str]]:
-    """At most one blank line in a row, none at a section's start."""
-    blank = True
-    for is_heading, line in items:
-        if is_heading or line:
-            yield is_heading, line
-            blank = is_heading
-        elif not blank:
-            yield False, ""
-            blank = True
-
-
-_W = "{http://schemas.openxmlformats.org/wordprocessingml/2006/main}"
-_DOCX_MAX_XML = 256 << 20  # a document.xml larger than this is a zip bomb, not a document
-
-
-def _read_docx(path: Path, data: bytes, problems: list[Problem]) -> ParsedFile:
-    """Paragraphs in order; paragraphs styled as headings (or Title) start sections."""
-    try:
-        with zipfile.ZipFile(io.BytesIO(data)) as z:
-            if z.getinfo("word/document.xml").file_size > _DOCX_MAX_XML:
-                return _broken(path, problems, "DOCX", "not a usable DOCX file (its document.xml is implausibly large)")
-            body = ElementTree.fromstring(z.read("word/document.xml"))
-            core = z.read("docProps/core.xml") if "docProps/core.xml" in z.namelist() else b""
-        items = list(_docx_paragraphs(body))
-        title = ""
-        if core:
-            node = ElementTree.fromstring(core).find("{http://purl.org/dc/elements/1.1/}title")
-            title = " ".join((node.text or "").split()) if node is not None else ""
-    except Exception as exc:  # zip, XML and missing-part errors: the file is not a usable .docx
-        return _broken(path, problems, "DOCX", exc)
-    title = title or path.stem
-    return ParsedFile(title, _sections(path.name, title, items))
-
-
-def _docx_paragraphs(body: ElementTree.Element) -> Iterator[tuple[bool, str]]:
-    for p in body.iter(f"{_W}p"):
-        style = p.find(f"{_W}pPr/{_W}pStyle")
-        kind = (style.get(f"{_W}val") or "") if style is not None else ""
-        parts = []
-        for node in p.iter():
-            if node.tag == f"{_W}t":
-                parts.append(node.text or "")
-            elif node.tag == f"{_W}tab":
-                parts.append("\t")
-            elif node.tag in (f"{_W}br", f"{_W}cr"):
-                parts.append("\n")
-        text = "".join(parts)
-        heading = bool(re.fullmatch(r"(?i)(heading\s*\d|title)", kind)) and bool(text.strip())
-        yield heading, text.strip() if heading else text
-
-
 register_reader([".txt"], "text", _read_txt, text=True)
 register_reader([".md"], "markdown", _read_md, text=True)
 register_reader([".jsonl"], "JSON lines", _read_jsonl_file, text=True)
-register_reader([".pdf"], "PDF", _read_pdf)
-register_reader([".html", ".htm"], "HTML", _read_html)
-register_reader([".docx"], "DOCX", _read_docx)
+register_reader([".pdf"], "PDF", read_pdf)
+register_reader([".html", ".htm"], "HTML", read_html)
+register_reader([".docx"], "DOCX", read_docx)
 
 #: Suffixes the readers handle (files with others are skipped when a folder is searched).
 SUPPORTED_SUFFIXES = supported_suffixes()

@@ -1,0 +1,158 @@
+"""Readers of the formats that need a parser: PDF (``pypdf``), HTML (``beautifulsoup4``), DOCX (zip + XML).
+
+Each takes ``(path, bytes, problems)`` and returns a :class:`ParsedFile`; a file it cannot use
+is a :class:`Problem` naming the reason (encrypted, broken, no text), never an exception.
+:mod:`fusionrag.retrieval.readers` registers them by suffix.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import re
+import zipfile
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from xml.etree import ElementTree
+
+from fusionrag.retrieval.passages import ParsedFile, Passage, Problem, sections, skipped_file
+
+
+def read_pdf(path: Path, data: bytes, problems: list[Problem]) -> ParsedFile:
+    """One passage per page that has text; titled with the metadata title, else the file's stem."""
+    from pypdf import PdfReader
+
+    quiet = logging.getLogger("pypdf")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)  # pypdf warns about every recoverable oddity; we report what matters
+    try:
+        reader = PdfReader(io.BytesIO(data))
+        if reader.is_encrypted and not _decrypts(reader):
+            return skipped_file(path, problems, "PDF", "encrypted PDF (password-protected): decrypt it first")
+        meta = reader.metadata
+        title = meta.title if meta is not None and isinstance(meta.title, str) and meta.title.strip() else ""
+        pages = [_clean(page.extract_text() or "") for page in reader.pages]
+    except Exception as exc:  # a parser of untrusted bytes raises many kinds: any of them means "broken"
+        return skipped_file(path, problems, "PDF", exc)
+    finally:
+        quiet.setLevel(level)
+    title = " ".join(title.split()) or path.stem
+    passages = [Passage(title, page, doc=path.name) for page in pages if page.strip()]
+    if not passages:
+        return skipped_file(path, problems, "PDF",
+                            f"no extractable text in its {len(pages)} page(s) (a scan? OCR it first)")
+    return ParsedFile(title, passages)
+
+
+def _decrypts(reader) -> bool:
+    """Whether an encrypted PDF opens without a password (many have only an owner password)."""
+    try:
+        return bool(reader.decrypt(""))
+    except Exception:  # an unsupported cipher (pypdf needs 'cryptography' for AES) or a broken dictionary
+        return False
+
+
+def _clean(page: str) -> str:
+    """Extracted page text: lines without trailing spaces, no runs of blank lines."""
+    lines = [line.rstrip() for line in page.splitlines()]
+    return re.sub(r"\n{3,}", "\n\n", "\n".join(lines)).strip()
+
+
+_HTML_NOISE = ("script", "style", "noscript", "template", "svg", "iframe", "nav", "header", "footer", "aside",
+               "form", "button", "select", "head")
+_HTML_BLOCKS = ("p", "div", "li", "ul", "ol", "pre", "blockquote", "table", "tr", "td", "th", "dt", "dd", "dl",
+                "figcaption", "caption", "section", "article", "main", "hr", "address", "details", "summary")
+_HEADINGS = ("h1", "h2", "h3", "h4", "h5", "h6")
+_MARK = "\ue000"  # private use: marks a heading line in the flattened text
+
+
+def read_html(path: Path, data: bytes, problems: list[Problem]) -> ParsedFile:
+    try:
+        title, passages = html_passages(path.name, path.stem, data, None)
+    except Exception as exc:  # html.parser is lenient; anything it raises means the file is unusable
+        return skipped_file(path, problems, "HTML", exc)
+    if not passages:
+        problems.append(Problem(str(path), None, "no text in the page's main content"))
+    return ParsedFile(title, passages)
+
+
+def html_passages(doc: str, stem: str, markup: str | bytes, title: str | None) -> tuple[str, list[Passage]]:
+    """The page's title and its main text as heading sections (navigation, scripts and styles removed)."""
+    from bs4 import BeautifulSoup, NavigableString
+
+    soup = BeautifulSoup(markup, "html.parser")
+    own = " ".join(soup.title.get_text(" ").split()) if soup.title else ""
+    name = title if title is not None else (own or stem)
+    for tag in soup.find_all(_HTML_NOISE):
+        tag.decompose()
+    for tag in soup.find_all(lambda t: t.has_attr("hidden") or t.get("aria-hidden") == "true"):
+        tag.decompose()
+    root = soup.find("main") or soup.find("article") or soup.body or soup
+    for s in list(root.find_all(string=True)):
+        if type(s) is NavigableString and not any(p.name == "pre" for p in s.parents):
+            s.replace_with(NavigableString(re.sub(r"\s+", " ", str(s))))
+    for br in root.find_all("br"):
+        br.replace_with("\n")
+    for tag in root.find_all(_HEADINGS):
+        tag.replace_with(f"\n{_MARK}{' '.join(tag.get_text(' ').split())}\n")
+    for tag in root.find_all(_HTML_BLOCKS):
+        tag.insert_before("\n\n")
+        tag.insert_after("\n\n")
+    flat = root.get_text("")
+    items = ((True, line[1:].strip()) if line.startswith(_MARK) else (False, line.strip())
+             for line in flat.replace("\r", "").split("\n"))
+    passages = sections(doc, name, _squeeze(items))
+    return name, passages
+
+
+def _squeeze(items: Iterable[tuple[bool, str]]) -> Iterator[tuple[bool, str]]:
+    """At most one blank line in a row, none at a section's start."""
+    blank = True
+    for is_heading, line in items:
+        if is_heading or line:
+            yield is_heading, line
+            blank = is_heading
+        elif not blank:
+            yield False, ""
+            blank = True
+
+
+_W = "{http://schemas.openxmlformats.org/wordprocessingml/2006/main}"
+_DOCX_MAX_XML = 256 << 20  # a document.xml larger than this is a zip bomb, not a document
+
+
+def read_docx(path: Path, data: bytes, problems: list[Problem]) -> ParsedFile:
+    """Paragraphs in order; paragraphs styled as headings (or Title) start sections."""
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as z:
+            if z.getinfo("word/document.xml").file_size > _DOCX_MAX_XML:
+                return skipped_file(path, problems, "DOCX",
+                                    "not a usable DOCX file (its document.xml is implausibly large)")
+            body = ElementTree.fromstring(z.read("word/document.xml"))
+            core = z.read("docProps/core.xml") if "docProps/core.xml" in z.namelist() else b""
+        items = list(_docx_paragraphs(body))
+        title = ""
+        if core:
+            node = ElementTree.fromstring(core).find("{http://purl.org/dc/elements/1.1/}title")
+            title = " ".join((node.text or "").split()) if node is not None else ""
+    except Exception as exc:  # zip, XML and missing-part errors: the file is not a usable .docx
+        return skipped_file(path, problems, "DOCX", exc)
+    title = title or path.stem
+    return ParsedFile(title, sections(path.name, title, items))
+
+
+def _docx_paragraphs(body: ElementTree.Element) -> Iterator[tuple[bool, str]]:
+    for p in body.iter(f"{_W}p"):
+        style = p.find(f"{_W}pPr/{_W}pStyle")
+        kind = (style.get(f"{_W}val") or "") if style is not None else ""
+        parts = []
+        for node in p.iter():
+            if node.tag == f"{_W}t":
+                parts.append(node.text or "")
+            elif node.tag == f"{_W}tab":
+                parts.append("\t")
+            elif node.tag in (f"{_W}br", f"{_W}cr"):
+                parts.append("\n")
+        text = "".join(parts)
+        heading = bool(re.fullmatch(r"(?i)(heading\s*\d|title)", kind)) and bool(text.strip())
+        yield heading, text.strip() if heading else text
