@@ -7,7 +7,7 @@
 - **The FAISS index** is derived data: after every save its sha256 and vector count are
   recorded in SQLite, and opening verifies them, so random bytes written into the file are
   detected (and the index rebuilt from SQLite) instead of silently returning wrong chunks.
-- **One writer**: every mutation holds an exclusive ``flock`` on ``store.lock``. A second
+- **One writer**: every mutation holds an exclusive lock on ``store.lock`` (``filelock``). A second
   writer (``fusionrag ingest`` while ``fusionrag serve`` adds documents) waits up to a
   timeout, then gets a clear error naming the holder; it never interleaves writes.
   Each committed change bumps the store's ``generation``, which readers poll to notice
@@ -20,7 +20,6 @@ import contextlib
 import json
 import os
 import sqlite3
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -159,33 +158,32 @@ def index_digest(path: Path) -> str:
 
 @contextlib.contextmanager
 def writer_lock(folder: Path, timeout_s: float = 30.0) -> Iterator[None]:
-    """Hold the store's exclusive writer lock (re-entrant within a process is the caller's job)."""
-    import fcntl
+    """Hold the store's exclusive writer lock (re-entrant within a process is the caller's job).
+
+    The lock is ``filelock``'s (an ``flock`` on ``store.lock``, waited for up to ``timeout_s``);
+    the holder writes ``pid N`` into the file, which a waiter that times out names in its error
+    (filelock >= 3.30 never truncates the file before it holds the lock)."""
+    from filelock import FileLock, Timeout
 
     folder.mkdir(parents=True, exist_ok=True)
-    with open(folder / LOCK_NAME, "a+") as f:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    f.seek(0)
-                    holder = f.read().strip() or "another process"
-                    raise StoreBusyError(
-                        f"the store at {folder} is being written by {holder}; only one writer at a time "
-                        "(wait for it to finish, or stop it)"
-                    ) from None
-                time.sleep(0.05)
+    path = folder / LOCK_NAME
+    lock = FileLock(path, timeout=timeout_s, poll_interval=0.05, fallback_to_soft=False)
+    try:
+        lock.acquire()
+    except Timeout:
         try:
-            f.seek(0)
-            f.truncate()
-            f.write(f"pid {os.getpid()}")
-            f.flush()
-            yield
+            holder = path.read_text().strip()
+        except OSError:
+            holder = ""
+        raise StoreBusyError(
+            f"the store at {folder} is being written by {holder or 'another process'}; only one writer at a time "
+            "(wait for it to finish, or stop it)"
+        ) from None
+    try:
+        path.write_text(f"pid {os.getpid()}")
+        yield
+    finally:
+        try:
+            path.write_text("")
         finally:
-            f.seek(0)
-            f.truncate()
-            f.flush()
-            fcntl.flock(f, fcntl.LOCK_UN)
+            lock.release()
