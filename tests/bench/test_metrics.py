@@ -30,6 +30,7 @@ from fusionrag.bench.metrics import (
     normalised_agreement,
     normalised_score,
     normalize_answer,
+    percentile_bootstrap,
     top1_agree,
 )
 from fusionrag.errors import FusionRAGError
@@ -224,6 +225,43 @@ def test_bootstrap_diff_ci_paired():
     assert lo <= mean <= hi
     with pytest.raises(ValueError, match="same length"):
         bootstrap_diff_ci([1.0], [1.0, 2.0])
+
+
+def test_bootstrap_ci_on_known_data_matches_the_binomial_quantiles():
+    """Ten 0s and ten 1s: a resampled mean is Binomial(20, 1/2) / 20, whose 2.5% and 97.5% quantiles are 0.3, 0.7."""
+    mean, lo, hi = bootstrap_ci([0.0] * 10 + [1.0] * 10, n_boot=4000)
+    assert mean == 0.5
+    assert lo == pytest.approx(0.3, abs=0.05) and hi == pytest.approx(0.7, abs=0.05)
+
+
+def test_bootstrap_ci_covers_the_true_mean_about_95_percent_of_the_time():
+    rng = np.random.default_rng(7)
+    samples = rng.exponential(1.0, size=(200, 60))  # true mean 1, skewed like per-question scores
+    covered = sum(lo <= 1.0 <= hi for _, lo, hi in (bootstrap_ci(s, seed=i) for i, s in enumerate(samples)))
+    assert 0.88 <= covered / len(samples) <= 0.99
+
+
+def test_bootstrap_diff_ci_resamples_pairs_not_each_side():
+    rng = np.random.default_rng(3)
+    base = rng.normal(0.5, 0.3, size=80)  # shared per-question difficulty
+    a = base + 0.05 + rng.normal(0, 0.02, size=80)
+    _, lo, hi = bootstrap_diff_ci(a, base)
+    assert lo <= 0.05 <= hi and lo > 0  # the true gap is inside, and the interval excludes 0
+    _, lo_a, hi_a = bootstrap_ci(a)
+    assert (hi - lo) < (hi_a - lo_a) / 5  # unpaired, the shared variance would swamp the gap
+
+
+def test_percentile_bootstrap_leaves_undefined_resamples_out():
+    def ratio(a, b, axis=-1):  # undefined where b's resampled mean is 0
+        mb = b.mean(axis=axis)
+        return np.where(mb == 0, np.nan, a.mean(axis=axis) / np.where(mb == 0, 1.0, mb))
+
+    a, b = np.array([1.0, 2.0, 3.0]), np.array([0.0, 0.0, 2.0])  # 8/27 of resamples draw no 2.0
+    lo, hi = percentile_bootstrap([a, b], ratio, n_boot=2000)
+    assert 1.5 - 1e-9 <= lo <= hi <= 3.5 + 1e-9  # the defined ratios lie in [1.5, 3.5]
+    assert all(math.isnan(v) for v in percentile_bootstrap([a, np.zeros(3)], ratio))
+    with pytest.raises(ValueError, match="n_boot"):
+        percentile_bootstrap([a], lambda x, axis=-1: x.mean(axis=axis), n_boot=0)
 
 
 # --------------------------------------------------------------------------- dataset loader

@@ -6,6 +6,7 @@ Pure functions of the records (no model, no files), so the report can be re-aggr
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
@@ -50,6 +51,13 @@ def _add_kl_recovery(rows: list[dict], groups: dict[tuple, list[dict]]) -> None:
     with a paired bootstrap interval (resampling questions; a ratio of means, never a mean of ratios)."""
     import numpy as np
 
+    from fusionrag.bench.likelihood import KL_RECOVERY_EPS
+
+    def recovery(a: np.ndarray, b: np.ndarray, axis: int = -1) -> np.ndarray:
+        kl_reuse = b.mean(axis=axis)
+        undefined = kl_reuse < KL_RECOVERY_EPS  # Full Reuse already ~ Full Attention: nothing to recover
+        return np.where(undefined, np.nan, 1.0 - a.mean(axis=axis) / np.where(undefined, 1.0, kl_reuse))
+
     for row in rows:
         reuse = groups.get((row["dataset"], "reuse", "plain", 0.0, 0), [])
         mine = groups[(row["dataset"], row["method"], row["kv"], row["ratio"], row["top_n"])]
@@ -61,12 +69,12 @@ def _add_kl_recovery(rows: list[dict], groups: dict[tuple, list[dict]]) -> None:
         row["kl_recovery"], row["kl_recovery_ci"] = None, [None, None]
         a, b = np.array(pairs, dtype=np.float64).T
         row["kl_recovery"] = metrics_recovery(a.mean(), b.mean())
-        rng = np.random.default_rng(0)
-        idx = rng.integers(0, len(a), size=(1000, len(a)))
-        boots = [metrics_recovery(x, y) for x, y in zip(a[idx].mean(1), b[idx].mean(1), strict=True)]
-        boots = [v for v in boots if v is not None]
-        if boots:
-            row["kl_recovery_ci"] = [float(np.quantile(boots, 0.025)), float(np.quantile(boots, 0.975))]
+        if len(pairs) == 1:
+            lo = hi = row["kl_recovery"]
+        else:
+            lo, hi = metrics.percentile_bootstrap([a, b], recovery)
+        if lo is not None and not (math.isnan(lo) or math.isnan(hi)):
+            row["kl_recovery_ci"] = [lo, hi]
 
 
 def metrics_recovery(kl_method: float, kl_reuse: float) -> float | None:

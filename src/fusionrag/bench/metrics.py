@@ -19,8 +19,9 @@ from __future__ import annotations
 import math
 import re
 import unicodedata
+import warnings
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 import torch
@@ -203,24 +204,52 @@ def _clean(values: Iterable[float | None]) -> np.ndarray:
     return arr[~np.isnan(arr)]
 
 
-def _bootstrap_means(x: np.ndarray, n_boot: int, seed: int) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    n = x.shape[0]
-    # Resample in blocks so n_boot x n indices never need more than ~4M entries at once.
-    block = max(1, min(n_boot, 4_000_000 // max(1, n)))
-    means = np.empty(n_boot, dtype=np.float64)
-    for start in range(0, n_boot, block):
-        stop = min(n_boot, start + block)
-        idx = rng.integers(0, n, size=(stop - start, n))
-        means[start:stop] = x[idx].mean(axis=1)
-    return means
-
-
 def _check_boot_args(n_boot: int, alpha: float) -> None:
     if n_boot < 1:
         raise ValueError(f"n_boot must be >= 1, got {n_boot}")
     if not 0 < alpha < 1:
         raise ValueError(f"alpha must be in (0, 1), got {alpha}")
+
+
+def percentile_bootstrap(
+    samples: Sequence[np.ndarray],
+    statistic: Callable[..., np.ndarray],
+    n_boot: int = 1000,
+    alpha: float = 0.05,
+    seed: int = 0,
+) -> tuple[float, float]:
+    """Percentile-bootstrap ``1 - alpha`` interval of ``statistic`` (``scipy.stats.bootstrap``).
+
+    ``samples`` are paired (row ``i`` of each is one question, resampled together);
+    ``statistic(*samples, axis=...)`` is vectorised. Resamples where the statistic is
+    undefined (NaN, e.g. a ratio over a ~0 mean) are left out of the quantiles. Resampling
+    goes in batches so ``n_boot x n`` indices never need more than ~4M entries at once.
+    """
+    from scipy.stats import bootstrap
+
+    _check_boot_args(n_boot, alpha)
+    batch = max(1, min(n_boot, 4_000_000 // max(1, len(samples[0]))))
+    with warnings.catch_warnings():  # n_boot == 1 (no standard error) and undefined resamples, handled here
+        warnings.simplefilter("ignore", RuntimeWarning)
+        warnings.filterwarnings("ignore", message="The BCa confidence interval cannot be calculated")
+        res = bootstrap(tuple(samples), statistic, n_resamples=n_boot, batch=batch,
+                        vectorized=True, paired=True, confidence_level=1 - alpha, method="percentile",
+                        rng=np.random.default_rng(seed))
+    lo, hi = float(res.confidence_interval.low), float(res.confidence_interval.high)
+    if math.isnan(lo) or math.isnan(hi):
+        defined = res.bootstrap_distribution[~np.isnan(res.bootstrap_distribution)]
+        if defined.size == 0:
+            return (math.nan, math.nan)
+        lo, hi = (float(v) for v in np.quantile(defined, [alpha / 2, 1 - alpha / 2]))
+    return (lo, hi)
+
+
+def _mean(x: np.ndarray, axis: int = -1) -> np.ndarray:
+    return np.mean(x, axis=axis)
+
+
+def _mean_difference(a: np.ndarray, b: np.ndarray, axis: int = -1) -> np.ndarray:
+    return np.mean(a - b, axis=axis)
 
 
 def bootstrap_ci(
@@ -239,9 +268,8 @@ def bootstrap_ci(
     mean = float(x.mean())
     if x.size == 1:
         return (mean, mean, mean)
-    means = _bootstrap_means(x, n_boot, seed)
-    lo, hi = np.quantile(means, [alpha / 2, 1 - alpha / 2])
-    return (mean, float(lo), float(hi))
+    lo, hi = percentile_bootstrap([x], _mean, n_boot, alpha, seed)
+    return (mean, lo, hi)
 
 
 def bootstrap_diff_ci(
@@ -260,5 +288,13 @@ def bootstrap_diff_ci(
     """
     if len(a) != len(b):
         raise ValueError(f"paired samples must have the same length, got {len(a)} and {len(b)}")
-    diffs = [None if _is_missing(x) or _is_missing(y) else float(x) - float(y) for x, y in zip(a, b, strict=True)]
-    return bootstrap_ci(diffs, n_boot=n_boot, alpha=alpha, seed=seed)
+    _check_boot_args(n_boot, alpha)
+    pairs = np.array([(float(x), float(y)) for x, y in zip(a, b, strict=True)
+                      if not (_is_missing(x) or _is_missing(y))], dtype=np.float64).reshape(-1, 2)
+    if pairs.shape[0] == 0:
+        return (math.nan, math.nan, math.nan)
+    mean = float((pairs[:, 0] - pairs[:, 1]).mean())
+    if pairs.shape[0] == 1:
+        return (mean, mean, mean)
+    lo, hi = percentile_bootstrap([pairs[:, 0], pairs[:, 1]], _mean_difference, n_boot, alpha, seed)
+    return (mean, lo, hi)
