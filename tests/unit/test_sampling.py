@@ -70,3 +70,25 @@ def test_top_k_and_top_p_restrict_the_candidates():
 def test_a_vanishing_temperature_is_greedy_not_an_overflow():
     logits = torch.tensor([0.0, 3.0, 1.0])
     assert TokenSampler(SamplingParams(temperature=1e-300, seed=1)).pick(logits).token == 1
+
+
+def test_the_warpers_scale_then_cut_top_k_then_top_p_like_generate():
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, 3.0])
+    s = TokenSampler(SamplingParams(temperature=2.0, top_k=4, top_p=0.8, seed=0))
+    scores = s.warpers(torch.empty(1, 0, dtype=torch.long), logits.unsqueeze(0))[0]
+    scaled = logits / 2.0  # top-4: tokens 5, 0, 1, 2; of those, the smallest prefix with 80% of the mass
+    probs = torch.softmax(scaled[[5, 0, 1, 2]], -1)
+    assert float(probs[:2].sum()) < 0.8 <= float(probs[:3].sum())
+    kept = torch.isfinite(scores)
+    assert kept.tolist() == [True, True, False, False, False, True]
+    assert torch.allclose(scores[kept], scaled[kept])
+
+
+def test_rows_of_one_batch_keep_their_own_parameters():
+    logits = torch.tensor([5.0, 4.9, 4.8, 4.7, 4.6])
+    narrow = TokenSampler(SamplingParams(temperature=1.0, top_k=1, seed=3))
+    wide = TokenSampler(SamplingParams(temperature=1.0, top_p=1.0, seed=3))
+    greedy = TokenSampler(SamplingParams(seed=3))
+    picks = [(narrow.pick(logits).token, wide.pick(logits).token, greedy.pick(logits).token) for _ in range(100)]
+    assert {n for n, _, _ in picks} == {0} and {g for _, _, g in picks} == {0}
+    assert len({w for _, w, _ in picks}) == 5  # near-uniform over five tokens: every one is drawn

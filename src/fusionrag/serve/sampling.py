@@ -4,7 +4,9 @@ Why here and not in the decode loop: the decoder returns each row's logits; what
 does with them (temperature, top-p, top-k, its own seeded generator, how many alternatives
 to report) is per request, so the scheduler applies a :class:`TokenSampler` per row. The
 first token comes from the prefill's last logits through the same sampler, so a seeded
-request is reproducible from its first token on.
+request is reproducible from its first token on. Temperature, top-k and top-p are
+transformers' logits warpers, one list per request: a warper holds one value for the whole
+batch it is given, so per-request values mean one list per row (docs/decisions/041).
 
 Stop strings are matched on the *text*, not on token ids: a stop string may end inside a
 token or span several tokens. :class:`StopMatcher` holds back the tail of the text that
@@ -17,6 +19,7 @@ import random
 from dataclasses import dataclass, field
 
 import torch
+from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 
 @dataclass(frozen=True)
@@ -57,11 +60,12 @@ class TokenSampler:
         self.params = params
         self.generator = torch.Generator(device="cpu")
         self.generator.manual_seed(params.seed if params.seed is not None else random.getrandbits(63))
+        self.warpers = None if params.greedy else warpers(params)
 
     def pick(self, logits: torch.Tensor) -> Picked:
         p = self.params
         logits = logits.detach().float().reshape(-1).cpu()
-        token = int(torch.argmax(logits)) if p.greedy else self._sample(logits)
+        token = int(torch.argmax(logits)) if self.warpers is None else self._sample(logits)
         if not p.logprobs:
             return Picked(token)
         logp = torch.log_softmax(logits, dim=-1)
@@ -72,20 +76,23 @@ class TokenSampler:
         return Picked(token, float(logp[token]), top)
 
     def _sample(self, logits: torch.Tensor) -> int:
-        p = self.params
-        scaled = logits / p.temperature
-        if p.top_k > 0 and p.top_k < scaled.numel():
-            kth = torch.topk(scaled, p.top_k).values[-1]
-            scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-        if p.top_p < 1.0:
-            order = torch.argsort(scaled, descending=True)
-            probs = torch.softmax(scaled[order], dim=-1)
-            # keep the smallest prefix whose mass reaches top_p (always at least the best token)
-            cut = (torch.cumsum(probs, dim=-1) - probs) >= p.top_p
-            scaled = scaled.clone()
-            scaled[order[cut]] = float("-inf")
-        probs = torch.softmax(scaled, dim=-1)
+        scores = self.warpers(_NO_INPUT_IDS, logits.unsqueeze(0))[0]
+        probs = torch.softmax(scores, dim=-1)
         return int(torch.multinomial(probs, 1, generator=self.generator))
+
+
+#: The warpers below read only the scores; the token ids so far are not needed.
+_NO_INPUT_IDS = torch.empty(1, 0, dtype=torch.long)
+
+
+def warpers(params: SamplingParams) -> LogitsProcessorList:
+    """transformers' temperature, top-k and top-p warpers for one request, in generate()'s order."""
+    out = LogitsProcessorList([TemperatureLogitsWarper(float(params.temperature))])
+    if params.top_k > 0:
+        out.append(TopKLogitsWarper(int(params.top_k)))
+    if params.top_p < 1.0:
+        out.append(TopPLogitsWarper(float(params.top_p)))
+    return out
 
 
 class StopMatcher:
