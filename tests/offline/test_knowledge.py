@@ -76,9 +76,10 @@ def test_store_lifecycle(tmp_path, lm):
     got = build.add_passages(ks, lm, [PASSAGES[3], {"title": "Dogs", "text": "Dogs bark."}])
     assert got == [3, 5] and ks.has_kv(5, "plain")
 
-    # ingesting the same file again adds nothing
+    # ingesting the same file again adds nothing: unchanged, skipped before it is read
     again = build.ingest(ks, lm, [tmp_path / "c.jsonl"], progress=False)
-    assert again.new_chunks == 0 and again.duplicates == 5 and again.plain_computed == 0
+    assert again.new_chunks == 0 and again.chunks == 0 and again.plain_computed == 0
+    assert again.documents["unchanged"] == [str((tmp_path / "c.jsonl").resolve())]
 
     info = store_info(ks.path)
     assert info["chunks"] == 6 and info["plain_kv"] == 6 and info["fused_kv"] == 0 and info["model"] == "tiny-llama"

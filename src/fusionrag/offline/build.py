@@ -32,6 +32,7 @@ from fusionrag.execution.segments import system_kv as compute_system_kv
 from fusionrag.kvcache.kv import KV
 from fusionrag.kvcache.store import CHUNK_KINDS, DEFAULT_KV_DTYPE
 from fusionrag.models.registry import LoadedModel
+from fusionrag.offline import file_docs
 from fusionrag.offline.compact import after_fuse, keeps_plain
 from fusionrag.offline.preprocess import (
     DEFAULT_NEIGHBOUR_ORDER,
@@ -44,9 +45,10 @@ from fusionrag.offline.preprocess import (
 )
 from fusionrag.prompt import DEFAULT_SYSTEM_PROMPT
 from fusionrag.retrieval.chunking import DEFAULT_CHUNK_TOKENS, Chunk, Passage, Problem, dedup, expand_paths, make_chunks
-from fusionrag.retrieval.chunking import read_passages as read_file_passages
 from fusionrag.retrieval.embedder import Embedder
 from fusionrag.retrieval.knowledge import KnowledgeStore
+from fusionrag.retrieval.readers import passages_from_text
+from fusionrag.retrieval.stored_docs import DocumentRecord
 
 Key = tuple[int, str]
 F = TypeVar("F", bound=Callable[..., Any])
@@ -103,22 +105,45 @@ class IngestReport:
     seconds: float = 0.0
     fuse: dict[str, Any] | None = None  # the incremental re-fuse (a PreprocessReport + settings), if the store is fused
     changed_keys: list[Key] = field(default_factory=list)  # fused entries rewritten by the re-fuse
+    #: Documents by what became of them: added, updated (replaced), unchanged (skipped), removed.
+    documents: dict[str, list[str]] = field(default_factory=lambda: {k: [] for k in DOCUMENT_OUTCOMES})
+    removed_ids: list[int] = field(default_factory=list)  # chunks no document uses any more, removed
+    removed_keys: list[Key] = field(default_factory=list)  # their entries: online tiers must drop them too
 
     @property
     def plain_chunks_per_s(self) -> float:
         return self.plain_computed / self.plain_seconds if self.plain_seconds > 0 else 0.0
 
+    @property
+    def failed_files(self) -> list[str]:
+        """Files of which nothing was used (unreadable, broken, encrypted, unsupported, missing)."""
+        return list(dict.fromkeys(p.path for p in self.problems if p.file_skipped))
+
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        del d["changed_keys"]
+        del d["changed_keys"], d["removed_keys"]
         d["problems"] = [str(p) for p in self.problems]
+        d["failed_files"] = self.failed_files
+        d["documents"] = {k: _capped(v) for k, v in self.documents.items()}
+        d["document_counts"] = {k: len(v) for k, v in self.documents.items()}
+        d["removed_ids"] = _capped(self.removed_ids)
         d["plain_chunks_per_s"] = round(self.plain_chunks_per_s, 3)
         d["plain_s_per_chunk"] = round(self.plain_seconds / self.plain_computed, 4) if self.plain_computed else 0.0
         for k in ("embed_seconds", "plain_seconds", "seconds"):
             d[k] = round(d[k], 3)
-        if len(d["new_ids"]) > 50:
-            d["new_ids"] = [*d["new_ids"][:50], f"... {len(self.new_ids) - 50} more"]
+        d["new_ids"] = _capped(self.new_ids)
         return d
+
+
+DOCUMENT_OUTCOMES = ("added", "updated", "unchanged", "removed")
+
+
+def _capped(items: Sequence[Any], most: int = 50) -> list[Any]:
+    return list(items) if len(items) <= most else [*items[:most], f"... {len(items) - most} more"]
+
+
+def _keys(chunk_ids: Iterable[int]) -> list[Key]:
+    return [(cid, kind) for cid in chunk_ids for kind in CHUNK_KINDS]
 
 
 def create_store(path: str | Path, lm: LoadedModel, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
@@ -143,32 +168,54 @@ def ensure_system_kv(store: KnowledgeStore, lm: LoadedModel) -> KV:
 
 @_writes
 def ingest(store: KnowledgeStore, lm: LoadedModel, paths: Iterable[Path | str], progress: bool = True,
-           fuse: bool | None = None, runner: LocalRunner | None = None) -> IngestReport:
+           fuse: bool | None = None, runner: LocalRunner | None = None, doc_id: str | None = None,
+           sync: bool = False) -> IngestReport:
     """Read, chunk, dedup, embed and index ``paths``; plain KV for new chunks; then re-fuse.
+
+    Each file is a document (:mod:`fusionrag.offline.file_docs`), keyed by its resolved path or
+    ``doc_id`` (one file only). An unchanged file (same bytes) is skipped; a changed one replaces
+    its document's chunks, and chunks no document uses any more are removed (their keys reported
+    in ``removed_keys``). ``sync`` also removes the documents whose files, under the given paths,
+    are gone.
 
     ``runner`` computes the KV batches (default in this process; ``offline.distributed`` on Ray).
 
     ``fuse`` None re-fuses a store that was fused before, with its recorded settings
-    (new chunks get fused KV; chunks whose neighbour lists now include a new chunk are
-    re-fused); True fuses even a never-fused store with the defaults; False never fuses.
+    (new chunks get fused KV; chunks whose neighbour lists now include a new chunk, or lost a
+    removed one, are re-fused); True fuses even a never-fused store with the defaults; False never fuses.
     """
     t0 = time.perf_counter()
     report = IngestReport()
     store.remove_temp_kv_files()
-    files = expand_paths(paths, report.problems)
+    given = [Path(p).expanduser() for p in paths]
+    if doc_id is not None and (len(given) != 1 or given[0].is_dir()):
+        raise FusionRAGError("--id names one document: give exactly one file with it")
+    files = expand_paths([p for p in given if p.exists() or not sync], report.problems)
+    gone = file_docs.synced_away(store, given, report.problems) if sync else []
+    files = list({f.resolve(): f for f in files}.values())  # a file named twice is read once
     report.files = len(files)
-    passages: list[Passage] = []
-    for f in tqdm(files, unit="file", desc="read", disable=not progress or len(files) < 2):
-        passages.extend(read_file_passages(f, report.problems))
-    report.passages = len(passages)
-    chunks = make_chunks(store.prompt, passages, int(store.settings["chunk_tokens"]), report.problems)
+    plans = [plan for f in tqdm(files, unit="file", desc="read", disable=not progress or len(files) < 2)
+             if (plan := file_docs.read_document(store, f, doc_id, report.problems, report.documents)) is not None]
+    report.passages = sum(plan.passages for plan in plans)
+    chunks = [c for plan in plans for c in plan.chunks]
     report.chunks = len(chunks)
     unique, dups = dedup(chunks)
+    first_user = {}
+    for plan in plans:
+        for c in plan.chunks:
+            first_user.setdefault(c.content_hash, plan.record.id)
     new = [c for c in unique if store.find_by_hash(c.content_hash) is None]
     report.duplicates = dups + len(unique) - len(new)
-    report.new_ids, report.embed_seconds = store.insert_chunks(new, progress)
-    _add_refs(store, chunks)  # a passage another document already brought in is referenced by this one too
+    report.new_ids, report.embed_seconds = store.insert_chunks(new, progress,
+                                                               refs=[first_user[c.content_hash] for c in new])
     report.new_chunks = len(new)
+    for plan in plans:  # each document now uses exactly its new chunks (shared ones stay shared)
+        store.set_document(plan.record, [store.find_by_hash(c.content_hash) for c in plan.chunks])
+        report.documents["updated" if plan.existed else "added"].append(plan.record.id)
+    gone = [*gone, *file_docs.replaced_legacy(store, plans)]
+    report.removed_ids = store.drop_documents(gone)  # and every chunk no document uses any more
+    report.documents["removed"] = sorted(gone)
+    report.removed_keys = _keys(report.removed_ids)
     system = ensure_system_kv(store, lm)
     # Every chunk lacking plain KV, not only the new ones: completes an interrupted ingest.
     # A store that drops plain KV (offline.compact) computes only what the re-fuse reads, in the re-fuse.
@@ -188,6 +235,10 @@ def add_passages(store: KnowledgeStore, lm: LoadedModel, passages: Sequence[dict
                  plain_kv: bool = True) -> list[int]:
     """Add ``{title, text}`` passages (split if longer than a chunk); returns their chunk ids in order.
 
+    A passage with a ``source`` (the file path or URL its text came from) is split as ingest's reader
+    of that format split the file (:func:`~fusionrag.retrieval.readers.passages_from_text`: a
+    Markdown file's heading sections...), so the same text gets the same chunks either way.
+
     Duplicates map to the existing ids. New chunks get plain KV (unless ``plain_kv`` is
     False: callers adding many small batches compute it once, with a progress bar, via
     :func:`fuse` or :func:`compute_plain`), not fused KV (call :func:`fuse` for that).
@@ -197,7 +248,12 @@ def add_passages(store: KnowledgeStore, lm: LoadedModel, passages: Sequence[dict
     for i, p in enumerate(passages):
         if not isinstance(p, dict) or not isinstance(p.get("text"), str):
             raise FusionRAGError(f"passage {i} must be a dict with a 'text' string (and optionally 'title')")
-        items.append(Passage(str(p.get("title") or ""), p["text"], doc=str(p.get("doc") or doc)))
+        user = str(p.get("doc") or doc)
+        if p.get("source"):
+            items += [Passage(q.title, q.text, doc=user)
+                      for q in passages_from_text(p["text"], str(p["source"]), str(p.get("title") or "") or None)]
+        else:
+            items.append(Passage(str(p.get("title") or ""), p["text"], doc=user))
     chunks = make_chunks(store.prompt, items, int(store.settings["chunk_tokens"]))
     unique, _ = dedup(chunks)
     store.insert_chunks([c for c in unique if store.find_by_hash(c.content_hash) is None])
@@ -273,4 +329,40 @@ def compute_plain_kv(store: KnowledgeStore, lm: LoadedModel, chunk_ids: Sequence
 @_writes
 def delete_document(store: KnowledgeStore, doc: str) -> list[Key]:
     """Remove document ``doc``'s chunks; returns the entries removed (for the engine's ``invalidate``)."""
-    return [(cid, kind) for cid in store.delete_doc(doc) for kind in CHUNK_KINDS]
+    return _keys(store.delete_doc(doc))
+
+
+@_writes
+def set_document(store: KnowledgeStore, doc: str, chunk_ids: Sequence[int], source: str | None = None,
+                 title: str = "", digest: str | None = None) -> list[Key]:
+    """Make ``chunk_ids`` exactly what document ``doc`` uses (a posted document replacing its earlier
+    version) and record it; chunks no document uses any more are removed: returns their entries."""
+    store.set_document(DocumentRecord(doc, "passages", source, digest, title=title), chunk_ids)
+    return _keys(store.remove_unreferenced())
+
+
+@dataclass
+class DeleteReport:
+    documents: list[str]
+    removed_ids: list[int]
+    fuse: dict[str, Any] | None = None  # the incremental re-fuse of a fused store
+    keys: list[Key] = field(default_factory=list)  # removed and re-fused entries: online tiers must drop them
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"removed": self.documents, "chunks_removed": len(self.removed_ids),
+                "removed_ids": _capped(self.removed_ids), "fuse": self.fuse}
+
+
+@_writes
+def delete_documents(store: KnowledgeStore, lm: LoadedModel, docs: Sequence[str], progress: bool = False,
+                     runner: LocalRunner | None = None) -> DeleteReport:
+    """Remove these documents and the chunks no other document uses; a fused store is then re-fused
+    incrementally (the chunks that had a removed chunk among their neighbours)."""
+    report = DeleteReport(list(docs), store.drop_documents(docs))
+    report.keys = _keys(report.removed_ids)
+    settings = recorded_fuse_settings(store)
+    if settings is not None:
+        pre = _fuse(store, lm, ensure_system_kv(store, lm), settings, None, progress, batch_size=4, runner=runner)
+        report.fuse = pre.to_dict()
+        report.keys += pre.changed_keys
+    return report

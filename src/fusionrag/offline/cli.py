@@ -1,4 +1,4 @@
-"""``fusionrag ingest``, ``fusionrag preprocess`` and ``fusionrag store info``.
+"""``fusionrag ingest``, ``preprocess``, ``documents``, ``delete`` and ``store info|verify``.
 
 Thin handlers over :mod:`fusionrag.offline.build`: they return
 an exit code and raise :class:`FusionRAGError` for user errors (the CLI prints one line).
@@ -29,7 +29,22 @@ def _open(store_dir: Path, model: str | None, embedder=None, devices: dict | Non
     from fusionrag.retrieval.store_info import stored_model
 
     lm = load_model(model or stored_model(store_dir), **(devices or {}))
-    return KnowledgeStore.open(store_dir, lm=lm, embedder=embedder), lm
+    store = KnowledgeStore.open(store_dir, lm=lm, embedder=embedder)
+    _record_model_path(store, model)
+    return store, lm
+
+
+def _record_model_path(store, model: str | None) -> None:
+    """A store that recorded its model as a relative folder (before paths were made absolute) records
+    the absolute folder it was just opened with (the same weights: the fingerprint matched)."""
+    from fusionrag.models import KNOWN_NAMES
+    from fusionrag.retrieval.knowledge import model_reference
+
+    recorded = str(store.settings["model"])
+    if (model and not store.read_only and recorded not in KNOWN_NAMES and not Path(recorded).is_absolute()
+            and Path(model_reference(model)).is_absolute()):
+        with store.writer():
+            store.update_settings(model=model_reference(model))
 
 
 def cmd_ingest(args: argparse.Namespace) -> int:
@@ -63,7 +78,8 @@ def cmd_ingest(args: argparse.Namespace) -> int:
                                    system_prompt=read_system_prompt(args.system_prompt))
     runner = _ray_runner(args, store)
     try:
-        report = build.ingest(store, lm, [Path(p) for p in args.paths], progress=not args.quiet, runner=runner)
+        report = build.ingest(store, lm, [Path(p) for p in args.paths], progress=not args.quiet, runner=runner,
+                              doc_id=args.id, sync=args.sync)
     finally:
         if runner is not None:
             runner.close()
@@ -71,9 +87,16 @@ def cmd_ingest(args: argparse.Namespace) -> int:
     for problem in report.problems:
         print(f"fusionrag: skipped {problem}", file=sys.stderr)
     print(json.dumps(report.to_dict(), indent=2))
-    if report.chunks == 0:
-        why = "see the skipped inputs above" if report.problems else "no supported files (.txt, .md, .jsonl)"
+    if report.chunks == 0 and not (report.documents["unchanged"] or report.documents["removed"]):
+        from fusionrag.retrieval.readers import SUPPORTED_SUFFIXES
+
+        why = ("see the skipped inputs above" if report.problems
+               else f"no supported files ({', '.join(SUPPORTED_SUFFIXES)})")
         raise FusionRAGError(f"nothing was ingested ({why})")
+    failed = report.failed_files
+    if failed and not args.skip_bad_files:
+        raise FusionRAGError(f"{len(failed)} file(s) could not be ingested (named above: skipped ...); the other files "
+                             "were ingested. Fix or remove them, or pass --skip-bad-files to accept that")
     return 0
 
 
@@ -124,6 +147,55 @@ def _add_ray_args(p: argparse.ArgumentParser) -> None:
                    help="Ray workers, one model each (default: the cluster's CPUs)")
 
 
+def cmd_documents(args: argparse.Namespace) -> int:
+    """List a store's documents (no model is loaded)."""
+    from fusionrag.retrieval.store_info import list_documents
+
+    docs = list_documents(Path(args.store))
+    if args.json:
+        print(json.dumps([d.to_dict() for d in docs], indent=2))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"{len(docs)} document(s) in {args.store}")
+    for col in ("id", "source", "chunks", "title", "ingested"):
+        table.add_column(col, overflow="fold", justify="right" if col == "chunks" else "left")
+    for d in docs:
+        row = d.to_dict()
+        table.add_row(d.id, "=" if d.source == d.id else (d.source or "-"), str(d.chunks), d.title,
+                      row["ingested"] or "-")
+    Console().print(table)
+    return 0
+
+
+def cmd_delete(args: argparse.Namespace) -> int:
+    """Remove documents by id or by file path; a fused store is re-fused where neighbour lists changed."""
+    from fusionrag.offline import build
+
+    store_dir = Path(args.store)
+    store, lm = _open(store_dir, args.model, devices=device_options(args))
+    try:
+        docs = list(dict.fromkeys(_document_id(store, store_dir, t) for t in args.targets))
+        report = build.delete_documents(store, lm, docs, progress=not args.quiet)
+    finally:
+        store.close()
+    print(json.dumps(report.to_dict(), indent=2))
+    return 0
+
+
+def _document_id(store, store_dir: Path, target: str) -> str:
+    """A document named by its id, or by its file's path (resolved: relative paths work)."""
+    if store.document(target) is not None:
+        return target
+    path = str(Path(target).expanduser().resolve())
+    found = store.document_by_source(path) or store.document(path)
+    if found is None:
+        raise FusionRAGError(f"no document '{target}' in the store at {store_dir} (list them with: fusionrag "
+                             f"documents --store {store_dir})")
+    return found.id
+
+
 def cmd_store_info(args: argparse.Namespace) -> int:
     from fusionrag.retrieval.store_info import store_info
 
@@ -158,9 +230,18 @@ def cmd_store_verify(args: argparse.Namespace) -> int:
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add ``ingest``, ``preprocess`` and ``store info`` to the ``fusionrag`` sub-commands."""
-    p = sub.add_parser("ingest", help="add .txt/.md/.jsonl documents to a knowledge base: chunks, vectors, plain KV")
+    p = sub.add_parser("ingest", help="add or update documents (.txt .md .jsonl .pdf .html .htm .docx) in a knowledge "
+                                      "base: chunks, vectors, plain KV; unchanged files are skipped")
     p.add_argument("paths", nargs="+", metavar="PATH", help="files or folders to ingest")
     p.add_argument("--store", required=True, help="knowledge-base folder (created if missing)")
+    p.add_argument("--id", default=None, metavar="ID",
+                   help="the document's id (one file only; default: the file's resolved absolute path). The same id "
+                        "again replaces the document")
+    p.add_argument("--sync", action="store_true",
+                   help="also remove the documents whose files are gone, among those under the given paths")
+    p.add_argument("--skip-bad-files", action="store_true",
+                   help="exit 0 when some files could not be read (they are still listed); default: exit 2 after "
+                        "ingesting the good ones")
     p.add_argument("--model", default=None, help=_MODEL_HELP)
     p.add_argument("--chunk-tokens", type=int, default=None, help="max tokens per chunk, title included (default 256)")
     p.add_argument("--system-prompt", default=None, metavar="TEXT|FILE",
@@ -200,6 +281,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_device_args(p)
     _add_ray_args(p)
     p.set_defaults(func=cmd_preprocess, plain_kv=None)
+
+    p = sub.add_parser("documents", help="list a knowledge base's documents (id, source, chunks, title, ingested)")
+    p.add_argument("--store", required=True, help="knowledge-base folder")
+    p.add_argument("--json", action="store_true", help="print them as JSON")
+    p.set_defaults(func=cmd_documents)
+
+    p = sub.add_parser("delete", help="remove documents (by id or file path) and the chunks only they used; "
+                                      "a fused store is re-fused where neighbour lists changed")
+    p.add_argument("targets", nargs="+", metavar="PATH|ID", help="document ids or their files' paths")
+    p.add_argument("--store", required=True, help="knowledge-base folder")
+    p.add_argument("--model", default=None, help="load the store's model from here (must be the same weights)")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    add_device_args(p)
+    p.set_defaults(func=cmd_delete)
 
     p = sub.add_parser("store", help="knowledge-base maintenance")
     store_sub = p.add_subparsers(dest="store_command", required=True)

@@ -35,8 +35,8 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from fusionrag.errors import FusionRAGError, StoragePermissionError, StoreMismatchError
-from fusionrag.kvcache.store import CHUNK_KINDS, DEFAULT_KV_DTYPE, KVStore, canonical_dtype
-from fusionrag.models.registry import LoadedModel
+from fusionrag.kvcache.store import DEFAULT_KV_DTYPE, KVStore, canonical_dtype
+from fusionrag.models.registry import KNOWN_NAMES, LoadedModel
 from fusionrag.prompt import DEFAULT_SYSTEM_PROMPT, PromptBuilder, chunk_text
 from fusionrag.retrieval.chunking import DEFAULT_CHUNK_TOKENS, Chunk
 from fusionrag.retrieval.embedder import Embedder, get_embedder
@@ -46,18 +46,29 @@ from fusionrag.retrieval.store_files import (
     SCHEMA,
     bump_generation,
     connect,
+    migrate_documents,
     migrate_refs,
     read_generation,
     store_is_writable,
     writer_lock,
 )
 from fusionrag.retrieval.store_info import DB_NAME, INDEX_NAME, KV_DIR, read_settings
+from fusionrag.retrieval.stored_docs import StoredDocuments
 from fusionrag.retrieval.stored_kv import StoredKV
 
 log = logging.getLogger(__name__)
 
 STORE_FORMAT = "fusionrag-store/1"
 
+
+
+def model_reference(model: str) -> str:
+    """What a store records to reload its model: a packaged or test model's name as it is, a local
+    checkpoint folder as its resolved absolute path (so the store works from any working directory)."""
+    if model in KNOWN_NAMES:
+        return model
+    folder = Path(model).expanduser()
+    return str(folder.resolve()) if folder.is_dir() else model
 
 
 class UnknownChunkError(FusionRAGError, KeyError):
@@ -75,7 +86,7 @@ class ChunkRecord:
     content_hash: str
 
 
-class KnowledgeStore(IndexedChunks, StoredKV):
+class KnowledgeStore(IndexedChunks, StoredKV, StoredDocuments):
     """A store folder: chunks, vectors and KV files, bound to one model's fingerprint and ``S``.
 
     Holds no model: the model that built the store is named in its settings
@@ -100,6 +111,7 @@ class KnowledgeStore(IndexedChunks, StoredKV):
         self._writing = 0  # depth of writer() in this process (the file lock is taken once)
         if not read_only:
             migrate_refs(db)
+            migrate_documents(db)
         self._generation = self.generation()
         self._index = self.load_index()
 
@@ -127,7 +139,7 @@ class KnowledgeStore(IndexedChunks, StoredKV):
         prompt = PromptBuilder(lm.tokenizer, system_prompt)
         settings = {
             "format": STORE_FORMAT,
-            "model": model_source or lm.name,
+            "model": model_reference(model_source or lm.name),
             "fingerprint": lm.fingerprint,
             "system_hash": prompt.system_hash,
             "system_tokens": len(prompt.system_token_ids),
@@ -321,8 +333,11 @@ class KnowledgeStore(IndexedChunks, StoredKV):
                 self._db.executemany("UPDATE chunks SET neighbours = ? WHERE id = ?",
                                     [(json.dumps([int(n) for n in v]), int(k)) for k, v in neighbours.items()])
 
-    def insert_chunks(self, chunks: Sequence[Chunk], progress: bool = False) -> tuple[list[int], float]:
-        """Embed and add new (not yet stored, unique) chunks; returns their ids and the embedding time."""
+    def insert_chunks(self, chunks: Sequence[Chunk], progress: bool = False,
+                      refs: Sequence[str] | None = None) -> tuple[list[int], float]:
+        """Embed and add new (not yet stored, unique) chunks; returns their ids and the embedding time.
+
+        ``refs``: the document using each chunk (default: its ``doc``, the reader's group name)."""
         if not chunks:
             return [], 0.0
         t0 = time.perf_counter()
@@ -341,9 +356,10 @@ class KnowledgeStore(IndexedChunks, StoredKV):
                 row = self._db.execute("SELECT MAX(id) FROM chunks").fetchone()
                 first = 0 if row[0] is None else int(row[0]) + 1
                 ids = list(range(first, first + len(chunks)))
-                self._db.executemany(
-                    "INSERT INTO chunk_refs(chunk_id, doc) VALUES (?, ?)", [(i, c.doc) for i, c in zip(ids, chunks,
-                                                                                                       strict=True)])
+                users = [c.doc for c in chunks] if refs is None else [str(r) for r in refs]
+                self._ensure_documents(users)
+                self._db.executemany("INSERT INTO chunk_refs(chunk_id, doc) VALUES (?, ?)",
+                                     list(zip(ids, users, strict=True)))
                 self._db.executemany(
                     "INSERT INTO chunks(id, doc, title, text, token_ids, n_tokens, content_hash, embedding) "
                     "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
@@ -358,36 +374,6 @@ class KnowledgeStore(IndexedChunks, StoredKV):
     def add_refs(self, chunk_ids: Sequence[int], doc: str) -> None:
         """Record that document ``doc`` uses these (existing) chunks, e.g. a passage posted again."""
         with self._lock, self._db:
+            self._ensure_documents([doc])
             self._db.executemany("INSERT OR IGNORE INTO chunk_refs(chunk_id, doc) VALUES (?, ?)",
                                 [(int(c), doc) for c in chunk_ids])
-
-    def delete_doc(self, doc: str) -> list[int]:
-        """Remove document ``doc``: its references, and every chunk no other document still uses
-        (metadata, vectors and KV files). Returns the removed chunk ids.
-
-        Chunk ids are never reused. Fused KVs of other chunks that had a removed chunk
-        among their neighbours stay valid caches; the next fuse sees their neighbour
-        lists change and re-fuses them (incremental update). Online tiers holding the
-        removed entries must be told: :func:`fusionrag.offline.build.delete_document`
-        returns their keys.
-        """
-        with self._lock:
-            mine = [r[0] for r in self._db.execute("SELECT chunk_id FROM chunk_refs WHERE doc = ?", (doc,))]
-            if not mine:
-                return []
-            with self._db:
-                self._db.execute("DELETE FROM chunk_refs WHERE doc = ?", (doc,))
-                still = {r[0] for r in self._db.execute(
-                    f"SELECT DISTINCT chunk_id FROM chunk_refs WHERE chunk_id IN ({','.join('?' * len(mine))})",
-                    mine)}
-                ids = sorted(c for c in mine if c not in still)
-                self._db.executemany("DELETE FROM chunks WHERE id = ?", [(i,) for i in ids])
-            if ids:
-                self._index.remove(ids)
-                self._save_index()
-            for cid in ids:
-                self._records.pop(cid, None)
-                for kind in CHUNK_KINDS:
-                    self._kv.path(cid, kind).unlink(missing_ok=True)
-        return ids
-

@@ -50,6 +50,20 @@ CREATE TABLE IF NOT EXISTS chunk_refs (
     PRIMARY KEY (chunk_id, doc)
 );
 CREATE INDEX IF NOT EXISTS chunk_refs_doc ON chunk_refs(doc);
+-- Documents with identity: an ingested file (id: its resolved path, or the one given), a document
+-- posted to the server, or (origin 'legacy') a name from before documents were recorded. Every
+-- doc in chunk_refs has a row; content_hash (of the file's bytes) lets an unchanged file be skipped.
+CREATE TABLE IF NOT EXISTS documents (
+    id TEXT PRIMARY KEY,
+    origin TEXT NOT NULL,
+    source TEXT,
+    content_hash TEXT,
+    mtime REAL,
+    size INTEGER,
+    title TEXT NOT NULL DEFAULT '',
+    ingested REAL
+);
+CREATE INDEX IF NOT EXISTS documents_source ON documents(source);
 -- Document jobs of a server (POST /v1/documents), kept with the store so a restart resumes them.
 CREATE TABLE IF NOT EXISTS jobs (
     id TEXT PRIMARY KEY,
@@ -136,6 +150,19 @@ def migrate_refs(db: sqlite3.Connection) -> None:
     with db:
         if db.execute("SELECT 1 FROM chunk_refs LIMIT 1").fetchone() is None:
             db.execute("INSERT OR IGNORE INTO chunk_refs(chunk_id, doc) SELECT id, doc FROM chunks")
+
+
+def migrate_documents(db: sqlite3.Connection) -> None:
+    """Stores made before documents were recorded: each document name in ``chunk_refs`` (a bare file
+    name, ``file#question``, ``api:job``) becomes a 'legacy' row, so it can be listed and deleted; an
+    ingest of the file it came from replaces it."""
+    if (db.execute("SELECT 1 FROM documents LIMIT 1").fetchone() is not None
+            or db.execute("SELECT 1 FROM chunk_refs LIMIT 1").fetchone() is None):
+        return  # migrated already, or nothing to migrate: no write
+    with db:
+        db.execute("INSERT OR IGNORE INTO documents(id, origin, source, title) "
+                   "SELECT DISTINCT doc, CASE WHEN doc LIKE 'api:%' THEN 'passages' ELSE 'legacy' END, NULL, doc "
+                   "FROM chunk_refs")
 
 
 def read_generation(db: sqlite3.Connection) -> int:

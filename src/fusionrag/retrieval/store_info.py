@@ -9,6 +9,7 @@ from typing import Any
 
 from fusionrag.errors import FusionRAGError
 from fusionrag.retrieval.store_files import connect
+from fusionrag.retrieval.stored_docs import DocumentRecord, query_documents
 
 DB_NAME = "store.sqlite"
 INDEX_NAME = "index.faiss"
@@ -30,6 +31,15 @@ def stored_model(path) -> str:
     db = _open_read_only(Path(path))
     try:
         return str(read_settings(db)["model"])
+    finally:
+        db.close()
+
+
+def list_documents(path) -> list[DocumentRecord]:
+    """A store's documents with their chunk counts, read without loading its model (``fusionrag documents``)."""
+    db = _open_read_only(Path(path))
+    try:
+        return query_documents(db)
     finally:
         db.close()
 

@@ -1,0 +1,167 @@
+"""The documents of a :class:`~fusionrag.retrieval.knowledge.KnowledgeStore`: identity, references, removal.
+
+A document is an ingested file (id: its resolved absolute path, or an id the user gave), a
+document posted to the server (id: the one posted, or ``api:JOB``), or a ``legacy`` name from a
+store made before documents were recorded (a bare file name). Its row in ``documents`` records
+the source path, a hash of the file's bytes (an unchanged file is skipped), mtime, size, title
+and when it was ingested; ``chunk_refs`` says which chunks it uses. A chunk lives while some
+document uses it: replacing or removing a document removes the chunks nothing else uses
+(metadata, index vectors, KV files) and returns their ids, so the caller can invalidate the
+online tiers and the next fuse re-fuses the neighbours whose neighbour lists changed.
+
+A mixin, like :mod:`~fusionrag.retrieval.stored_kv`: it expects ``self._db``, ``self._lock``,
+``self._index``, ``self._kv``, ``self._records`` and ``self._save_index``.
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+from fusionrag.kvcache.store import CHUNK_KINDS, KVStore
+from fusionrag.retrieval.index import VectorIndex
+
+_COLUMNS = "id, origin, source, content_hash, mtime, size, title, ingested"
+
+
+@dataclass(frozen=True)
+class DocumentRecord:
+    id: str
+    origin: str  # 'file' (ingest), 'passages' (posted or added through the API), 'legacy'
+    source: str | None = None
+    content_hash: str | None = None
+    mtime: float | None = None
+    size: int | None = None
+    title: str = ""
+    ingested: float | None = None  # unix time of the last (re-)ingest
+    chunks: int = 0  # chunks it uses (shared ones included)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["ingested"] = None if self.ingested is None else time.strftime("%Y-%m-%dT%H:%M:%S",
+                                                                          time.localtime(self.ingested))
+        return d
+
+
+def query_documents(db: sqlite3.Connection, doc_id: str | None = None) -> list[DocumentRecord]:
+    """Documents (all, or the one ``doc_id``) with their chunk counts; stores from before the ``documents``
+    table (opened read-only, so not migrated) list their ``chunk_refs`` names as legacy documents."""
+    tables = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    where, args = ("WHERE d.id = ?", (doc_id,)) if doc_id is not None else ("", ())
+    if "documents" in tables:
+        rows = db.execute(f"SELECT {', '.join('d.' + c.strip() for c in _COLUMNS.split(','))}, "
+                          "(SELECT COUNT(*) FROM chunk_refs r WHERE r.doc = d.id) "
+                          f"FROM documents d {where} ORDER BY d.id", args).fetchall()
+        return [DocumentRecord(*row) for row in rows]
+    refs = "chunk_refs" if "chunk_refs" in tables else "chunks"
+    col = "doc"
+    rows = db.execute(f"SELECT {col}, COUNT(*) FROM {refs} d {where.replace('d.id', col)} GROUP BY {col} "
+                      f"ORDER BY {col}", args).fetchall()
+    return [DocumentRecord(doc, "legacy", title=doc, chunks=n) for doc, n in rows]
+
+
+def lies_under(source: str | None, folder: str) -> bool:
+    """Whether the file ``source`` is ``folder`` or lies below it (both resolved absolute paths)."""
+    return source is not None and (source == folder or source.startswith(folder.rstrip(os.sep) + os.sep))
+
+
+class StoredDocuments:
+    """Documents, their chunk references and the removal of chunks no document uses (module docstring)."""
+
+    _db: sqlite3.Connection
+    _lock: threading.RLock
+    _index: VectorIndex
+    _kv: KVStore
+    _records: dict[int, Any]
+
+    def _save_index(self) -> None: ...  # provided by IndexedChunks
+
+    # -- reading ---------------------------------------------------------------------------
+
+    def documents(self) -> list[DocumentRecord]:
+        with self._lock:
+            return query_documents(self._db)
+
+    def document(self, doc_id: str) -> DocumentRecord | None:
+        with self._lock:
+            found = query_documents(self._db, str(doc_id))
+        return found[0] if found else None
+
+    def document_by_source(self, source: str) -> DocumentRecord | None:
+        """The ingested file's document (the first by id if several share the source)."""
+        with self._lock:
+            row = self._db.execute("SELECT id FROM documents WHERE source = ? AND origin = 'file' ORDER BY id "
+                                   "LIMIT 1", (str(source),)).fetchone()
+        return None if row is None else self.document(row[0])
+
+    def document_chunks(self, doc_id: str) -> list[int]:
+        with self._lock:
+            return [int(r[0]) for r in self._db.execute(
+                "SELECT chunk_id FROM chunk_refs WHERE doc = ? ORDER BY chunk_id", (str(doc_id),))]
+
+    # -- writing (under the store's writer) --------------------------------------------------
+
+    def _ensure_documents(self, docs: Iterable[str], origin: str = "passages") -> None:
+        """Give every referencing document a row (inside the caller's transaction)."""
+        now = time.time()
+        self._db.executemany("INSERT OR IGNORE INTO documents(id, origin, title, ingested) VALUES (?, ?, '', ?)",
+                             [(d, origin, now) for d in dict.fromkeys(docs)])
+
+    def set_document(self, record: DocumentRecord, chunk_ids: Sequence[int]) -> None:
+        """Make ``record`` the document's row and ``chunk_ids`` exactly the chunks it uses, in one transaction.
+        Chunks it no longer uses stay until :meth:`remove_unreferenced` (other documents may use them)."""
+        record = replace(record, ingested=record.ingested if record.ingested is not None else time.time())
+        ids = sorted({int(c) for c in chunk_ids})
+        with self._lock, self._db:
+            self._db.execute(f"INSERT OR REPLACE INTO documents({_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                             (record.id, record.origin, record.source, record.content_hash, record.mtime,
+                              record.size, record.title, record.ingested))
+            self._db.execute(f"DELETE FROM chunk_refs WHERE doc = ? AND chunk_id NOT IN ({','.join('?' * len(ids))})",
+                             (record.id, *ids))
+            self._db.executemany("INSERT OR IGNORE INTO chunk_refs(chunk_id, doc) VALUES (?, ?)",
+                                 [(c, record.id) for c in ids])
+
+    def drop_documents(self, doc_ids: Iterable[str]) -> list[int]:
+        """Remove these documents (rows and references) and every chunk no other document uses;
+        returns the removed chunk ids."""
+        docs = [str(d) for d in doc_ids]
+        if docs:
+            with self._lock, self._db:
+                self._db.executemany("DELETE FROM chunk_refs WHERE doc = ?", [(d,) for d in docs])
+                self._db.executemany("DELETE FROM documents WHERE id = ?", [(d,) for d in docs])
+        return self.remove_unreferenced()
+
+    def delete_doc(self, doc: str) -> list[int]:
+        """Remove document ``doc``: its references, and every chunk no other document still uses
+        (metadata, vectors and KV files). Returns the removed chunk ids.
+
+        Chunk ids are never reused. Fused KVs of other chunks that had a removed chunk
+        among their neighbours stay valid caches; the next fuse sees their neighbour
+        lists change and re-fuses them (incremental update). Online tiers holding the
+        removed entries must be told: :func:`fusionrag.offline.build.delete_document`
+        returns their keys.
+        """
+        return self.drop_documents([doc]) if self.document_chunks(doc) or self.document(doc) else []
+
+    def remove_unreferenced(self) -> list[int]:
+        """Remove every chunk no document uses (metadata, vectors, KV files); returns their ids. Also mends
+        a run stopped between changing references and removing chunks."""
+        with self._lock:
+            with self._db:
+                ids = [int(r[0]) for r in self._db.execute(
+                    "SELECT id FROM chunks c WHERE NOT EXISTS (SELECT 1 FROM chunk_refs r WHERE r.chunk_id = c.id) "
+                    "ORDER BY id")]
+                self._db.executemany("DELETE FROM chunks WHERE id = ?", [(i,) for i in ids])
+            if ids:
+                self._index.remove(ids)
+                self._save_index()
+            for cid in ids:
+                self._records.pop(cid, None)
+                for kind in CHUNK_KINDS:
+                    self._kv.path(cid, kind).unlink(missing_ok=True)
+        return ids
