@@ -14,8 +14,10 @@ builds one on the model thread, see :mod:`fusionrag.serve.batching`). Routes:
   (TTFT breakdown, recomputed tokens, queueing, the ``request_id``).
 - ``GET /v1/explain/{request_id}``: which tokens of a recent answer were recomputed (HTML);
   ``GET /ui``: a page to ask questions and see the answer, TTFT breakdown and selection.
-- ``POST /v1/documents`` (a list of ``{title, text}`` or ``{"documents": [...]}``): added to
-  the store in the background; ``GET/DELETE /v1/documents/{id}``.
+- ``POST /v1/documents`` (a list of ``{title, text, source?, id?}`` or ``{"documents": [...]}``):
+  added to the store in the background (an ``id`` names the document: the same id again replaces
+  it); ``GET /v1/documents`` lists the store's documents; ``GET/DELETE /v1/documents/{id}`` take a
+  job id or a document id.
 - ``GET /v1/models``, ``GET /health`` (liveness: ``degraded`` when the model thread is
   stuck), ``GET /ready`` (readiness: the model is loaded and the queue has room) and
   ``GET /metrics`` (Prometheus, vLLM's metric names; :mod:`fusionrag.serve.metrics`).
@@ -42,7 +44,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from fusionrag.online.explain import render_explain_html
 from fusionrag.online.methods import methods
 from fusionrag.serve.batching import BatchScheduler
-from fusionrag.serve.documents import DocumentJob, DocumentJobs, check_job_size
+from fusionrag.serve.documents import DocumentJob, DocumentJobs, check_job_size, document_json
 from fusionrag.serve.generation import RecentAnswers, Server, generate
 from fusionrag.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from fusionrag.serve.metrics import Metrics
@@ -205,25 +207,43 @@ def create_app(engine: Any, settings: ServerSettings | None = None,
             return as_api_error(exc).response()
         return JSONResponse(job.to_json(), status_code=202)
 
-    def get_job(job_id: str) -> DocumentJob:
-        job = jobs.get(job_id)
-        if job is None:
-            raise APIError(404, f"no document job '{job_id}'", code="not_found")
-        return job
+    async def stored_document(doc_id: str) -> Any:
+        """The store's document of that id (a file's path, a posted id, ``api:JOB``), or a 404."""
+        ensure_ready()
+        found = await asyncio.to_thread(sched.engine.store.document, doc_id)
+        if found is None:
+            raise APIError(404, f"no document job and no document '{doc_id}'", code="not_found")
+        return found
 
-    @app.get("/v1/documents/{job_id}")
-    async def document_status(job_id: str, request: Request) -> Response:
+    @app.get("/v1/documents")
+    async def list_documents(request: Request) -> Response:
         try:
             check_auth(request)
-            return JSONResponse(get_job(job_id).to_json())
+            ensure_ready()
+            docs = await asyncio.to_thread(sched.engine.store.documents)
+            return JSONResponse({"object": "list", "data": [document_json(d) for d in docs]})
         except Exception as exc:
             return as_api_error(exc).response()
 
-    @app.delete("/v1/documents/{job_id}")
-    async def delete_documents(job_id: str, request: Request) -> Response:
+    @app.get("/v1/documents/{job_id:path}")
+    async def document_status(job_id: str, request: Request) -> Response:
         try:
             check_auth(request)
-            job = get_job(job_id)
+            job = jobs.get(job_id)
+            return JSONResponse(job.to_json() if job is not None else document_json(await stored_document(job_id)))
+        except Exception as exc:
+            return as_api_error(exc).response()
+
+    @app.delete("/v1/documents/{job_id:path}")
+    async def delete_documents(job_id: str, request: Request) -> Response:
+        """A job id deletes that job's documents; any other id deletes the stored document of that id."""
+        try:
+            check_auth(request)
+            job = jobs.get(job_id)
+            if job is None:
+                await stored_document(job_id)
+                writable()
+                return JSONResponse(await asyncio.wrap_future(jobs.delete_document(sched, job_id)))
             if job.status in ("pending", "running"):
                 raise APIError(409, f"document job '{job_id}' is still {job.status}; delete it once it is ready",
                                code="conflict")

@@ -13,6 +13,10 @@ A job is answered at once (202); clients poll ``GET /v1/documents/{id}``. Three 
   one slice, however large the job (``tests/reliability/test_server_faults.py``).
 - **Bounded**: a job is refused with 413 before anything is queued if its passages would
   make more than ``max_job_chunks`` chunks or ``max_job_tokens`` tokens.
+- **Documents with identity**: passages posted with an ``id`` form the document of that id; if
+  the store has one already, the job replaces it (chunks only it used are removed and dropped
+  from the tiers). Passages without an ``id`` form the job's own document ``api:JOB``.
+  Deleting a job deletes its documents; ``DELETE /v1/documents/{id}`` also takes a document id.
 
 A fused store is re-fused incrementally with its recorded settings (new chunks get fused KV;
 chunks whose neighbour lists now include a new chunk are re-fused); a never-fused store with
@@ -22,6 +26,7 @@ the engine's KV tiers, so no request reuses old KV.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import sqlite3
@@ -34,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from fusionrag.errors import FusionRAGError, storage_error
+from fusionrag.files import content_hash
 from fusionrag.offline import build
 from fusionrag.online.engine import Engine
 from fusionrag.retrieval.store_files import sqlite_fault
@@ -90,14 +96,29 @@ def check_job_size(engine: Engine, documents: list[dict], settings: ServerSettin
                             "(send them in several requests)", code="job_too_large")
 
 
+def job_documents(job: DocumentJob) -> dict[str, list[dict]]:
+    """The job's passages by document: those with an ``id`` make that document, the rest ``api:JOB``."""
+    groups: dict[str, list[dict]] = {}
+    for d in job.documents:
+        groups.setdefault(str(d.get("id") or f"api:{job.id}"), []).append(d)
+    return groups
+
+
 def job_slices(engine: Engine, job: DocumentJob, settings: ServerSettings) -> Iterator[None]:
     """The job as a sequence of small steps (one per ``next``); records the outcome on ``job``."""
-    store, lm, doc = engine.store, engine.lm, f"api:{job.id}"
+    store, lm = engine.store, engine.lm
     try:
         ids: list[int] = []
-        for i in range(0, len(job.documents), PASSAGES_PER_SLICE):
-            ids += build.add_passages(store, lm, job.documents[i:i + PASSAGES_PER_SLICE], doc=doc, plain_kv=False)
-            yield
+        for doc, items in job_documents(job).items():
+            used: list[int] = []
+            for i in range(0, len(items), PASSAGES_PER_SLICE):
+                used += build.add_passages(store, lm, items[i:i + PASSAGES_PER_SLICE], doc=doc, plain_kv=False)
+                yield
+            # the document is now exactly these chunks: an earlier version's own chunks go, tiers included
+            engine.invalidate(build.set_document(store, doc, used, source=items[0].get("source"),
+                                                 title=str(items[0].get("title") or ""),
+                                                 digest=content_hash(json.dumps(items, sort_keys=True))))
+            ids += used
         job.chunk_ids = [int(c) for c in ids]
         unique = list(dict.fromkeys(job.chunk_ids))
         for i in range(0, len(unique), CHUNKS_PER_PLAIN_SLICE):
@@ -141,8 +162,23 @@ def fault_message(exc: BaseException, store_path: Path, doing: str) -> str:
 
 
 def delete_document_job(engine: Engine, job: DocumentJob) -> None:
-    """Remove a finished job's chunks from the store and their KV from the engine's tiers (model thread)."""
-    engine.invalidate(build.delete_document(engine.store, f"api:{job.id}"))
+    """Remove a finished job's documents from the store and their KV from the engine's tiers (model thread)."""
+    for doc in job_documents(job) or [f"api:{job.id}"]:
+        engine.invalidate(build.delete_document(engine.store, doc))
+
+
+def delete_stored_document(engine: Engine, doc_id: str) -> dict[str, Any]:
+    """Remove one document (any origin) and the chunks only it used; tiers invalidated (model thread)."""
+    keys = build.delete_document(engine.store, doc_id)
+    engine.invalidate(keys)
+    return {"id": doc_id, "object": "document", "deleted": True, "chunks_removed": len({c for c, _ in keys})}
+
+
+def document_json(record: Any) -> dict[str, Any]:
+    """A stored document as the API shows it."""
+    d = record.to_dict()
+    return {"id": d["id"], "object": "document", "origin": d["origin"], "source": d["source"], "title": d["title"],
+            "chunks": d["chunks"], "ingested": d["ingested"]}
 
 
 class DocumentJobs:
@@ -199,6 +235,10 @@ class DocumentJobs:
             job.error = fault_message(exc, engine.store.path, f"saving document job {job.id}")
             job.status, job.finished = "failed", time.time()
             return False
+
+    def delete_document(self, scheduler: Any, doc_id: str) -> Any:
+        """Remove a stored document (model thread); the scheduler's future holds the response body."""
+        return scheduler.run_task(delete_stored_document, scheduler.engine, doc_id)
 
     def delete(self, scheduler: Any, job: DocumentJob) -> Any:
         """Remove a ready job's documents (model thread); returns the scheduler's future."""

@@ -1,0 +1,84 @@
+"""POST /v1/documents with ids (the same id replaces), GET /v1/documents (list), DELETE by job or document id."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from fastapi.testclient import TestClient
+
+from fusionrag.prompt import passage_hash
+from fusionrag.serve.app import create_app
+from fusionrag.serve.settings import ServerSettings
+from serve_helpers import store_factory
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    app = create_app(store_factory(tmp_path_factory.mktemp("kb") / "kb"), ServerSettings(default_max_tokens=4))
+    app.state.scheduler.wait_ready(120)
+    with TestClient(app, raise_server_exceptions=False) as client:
+        yield app, client
+
+
+def _finished(client, body):
+    r = client.post("/v1/documents", json=body)
+    assert r.status_code == 202, r.text
+    job = r.json()
+    deadline = time.monotonic() + 60
+    while job["status"] in ("pending", "running") and time.monotonic() < deadline:
+        time.sleep(0.05)
+        job = client.get(f"/v1/documents/{job['id']}").json()
+    assert job["status"] == "ready", job
+    return job
+
+
+def _listed(client):
+    r = client.get("/v1/documents")
+    assert r.status_code == 200 and r.json()["object"] == "list"
+    return {d["id"]: d for d in r.json()["data"]}
+
+
+def test_the_same_id_replaces_the_document_and_a_document_id_can_be_deleted(served):
+    app, client = served
+    store = app.state.scheduler.engine.store
+    first = _finished(client, [{"id": "zebra-facts", "title": "Zebras", "text": "Zebras are striped horses."}])
+    doc = _listed(client)["zebra-facts"]
+    assert (doc["object"], doc["origin"], doc["chunks"], doc["title"]) == ("document", "passages", 1, "Zebras")
+    second = _finished(client, [{"id": "zebra-facts", "title": "Zebras", "text": "Zebras are striped equids."}])
+    assert store.find_by_hash(passage_hash("Zebras", "Zebras are striped horses.")) is None  # the old version
+    assert first["chunk_ids"][0] not in store.chunk_ids() and second["chunk_ids"][0] in store.chunk_ids()
+    assert client.get("/v1/documents/zebra-facts").json()["chunks"] == 1
+    r = client.delete("/v1/documents/zebra-facts")
+    assert r.status_code == 200 and r.json() == {"id": "zebra-facts", "object": "document", "deleted": True,
+                                                 "chunks_removed": 1}
+    assert "zebra-facts" not in _listed(client) and second["chunk_ids"][0] not in store.chunk_ids()
+    for method in (client.get, client.delete):
+        r = method("/v1/documents/zebra-facts")
+        assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+
+
+def test_without_ids_a_job_is_one_document_and_deleting_the_job_deletes_all_it_named(served):
+    app, client = served
+    store = app.state.scheduler.engine.store
+    job = _finished(client, [{"title": "Okapi", "text": "The okapi is a forest giraffe."},
+                             {"id": "lions", "title": "Lions", "text": "Lions live in prides."}])
+    listed = _listed(client)
+    assert listed[f"api:{job['id']}"]["chunks"] == 1 and listed["lions"]["chunks"] == 1
+    r = client.delete(f"/v1/documents/{job['id']}")
+    assert r.status_code == 200 and r.json()["status"] == "deleted"
+    assert not {f"api:{job['id']}", "lions"} & set(_listed(client))
+    assert not set(job["chunk_ids"]) & set(store.chunk_ids())
+
+
+def test_a_posted_source_is_split_like_ingest_split_that_file(served):
+    app, client = served
+    store = app.state.scheduler.engine.store
+    job = _finished(client, [{"id": "notes", "text": "# Tigers\nTigers are big cats.\n# Wolves\nWolves howl.",
+                              "source": "/docs/notes.md"}])
+    assert [store.chunk(c).title for c in job["chunk_ids"]] == ["Tigers", "Wolves"]
+    assert _listed(client)["notes"]["source"] == "/docs/notes.md"
+    store_path_id = "/srv/docs/a.txt"  # ids may be paths: the route takes slashes
+    _finished(client, [{"id": store_path_id, "text": "A path-like id."}])
+    assert client.get(f"/v1/documents/{store_path_id}").json()["id"] == store_path_id
+    assert client.delete(f"/v1/documents/{store_path_id}").status_code == 200
