@@ -93,3 +93,25 @@ def test_a_store_built_with_a_relative_model_folder_works_from_another_folder(tm
     assert main(["ingest", str(tmp_path / "work" / "doc.txt"), "--store", "kb2", "--embedder", "hashing-64",
                  *COMMON]) == 0
     assert stored_model(tmp_path / "elsewhere" / "kb2") == "tiny-llama"
+
+
+def test_a_store_that_recorded_a_relative_model_folder_records_the_absolute_one_when_opened_with_it(
+        tmp_path, capsys, fusionrag_home, monkeypatch):
+    import sqlite3
+
+    from fusionrag.models.tiny import byte_tokenizer, tiny_model
+    from fusionrag.retrieval.store_info import stored_model
+
+    ckpt = tmp_path / "ckpt"
+    tiny_model("llama", seed=4).save_pretrained(ckpt)
+    byte_tokenizer().save_pretrained(ckpt)
+    (tmp_path / "doc.txt").write_text("Argon is a noble gas.")
+    assert main(["ingest", str(tmp_path / "doc.txt"), "--store", str(tmp_path / "kb"), "--model", str(ckpt),
+                 "--embedder", "hashing-64", "--quiet"]) == 0
+    db = sqlite3.connect(tmp_path / "kb" / "store.sqlite")  # as recorded before paths were made absolute
+    with db:
+        db.execute("UPDATE settings SET value = '\"./ckpt\"' WHERE key = 'model'")
+    db.close()
+    monkeypatch.chdir(tmp_path / "kb")
+    assert main(["store", "verify", "--store", ".", "--model", "../ckpt", "--quiet"]) == 0
+    assert stored_model(tmp_path / "kb") == str(ckpt.resolve())
