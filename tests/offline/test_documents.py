@@ -63,6 +63,7 @@ def test_an_edited_file_replaces_its_old_version_and_an_unchanged_one_is_skipped
     assert old not in store.chunk_ids() and not store.kv_path(old, "plain").exists() and store.has_kv(new, "plain")
     assert old not in store.search(SECTIONS["Ash"], 5) and _id(store, "Lava", SECTIONS["Lava"]) == kept
     assert store.document_chunks(key) == sorted(_id(store, t, x) for t, x in edited.items())
+    assert store.documents_using([new, kept]) == [key] and store.chunk(new).doc == "earth.md"  # id vs group
 
     again = build.ingest(store, lm, [doc], progress=False)
     assert again.documents["unchanged"] == [key] and again.chunks == 0 and again.removed_ids == []

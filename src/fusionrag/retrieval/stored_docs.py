@@ -104,6 +104,17 @@ class StoredDocuments:
             return [int(r[0]) for r in self._db.execute(
                 "SELECT chunk_id FROM chunk_refs WHERE doc = ? ORDER BY chunk_id", (str(doc_id),))]
 
+    def documents_using(self, chunk_ids: Sequence[int]) -> list[str]:
+        """The ids of the documents that use any of these chunks (``chunk.doc`` is the reader's group
+        name, e.g. ``a.txt``; a file's document id is its resolved path)."""
+        ids = [int(c) for c in chunk_ids]
+        if not ids:
+            return []
+        with self._lock:
+            return [r[0] for r in self._db.execute(
+                f"SELECT DISTINCT doc FROM chunk_refs WHERE chunk_id IN ({','.join('?' * len(ids))}) ORDER BY doc",
+                ids)]
+
     # -- writing (under the store's writer) --------------------------------------------------
 
     def _ensure_documents(self, docs: Iterable[str], origin: str = "passages") -> None:
