@@ -261,3 +261,101 @@ def test_fidelity_plot_needs_a_method_at_its_ratio(tmp_path):
     assert not (tmp_path / "none.png").exists()
     assert_png(plot_fidelity_at_ratio(rows, 0.05, tmp_path / "five.png"))
     assert np.isfinite(_bars(_fidelity_axes(fidelity_figure(rows, 0.05), 2)[0][0])[0]).all()
+
+
+# --------------------------------------------------------------------------- readability
+
+
+def _series_per_axes(fig) -> dict[str, int]:
+    """Labelled lines (curves and reference lines) of each panel, by title."""
+    return {ax.get_title(): len(ax.get_legend_handles_labels()[1]) for ax in fig.axes if ax.get_title()}
+
+
+def _many_methods_rows(n_methods: int = 9) -> list[dict]:
+    rows = [dict(dataset=ds, method=m, kv="plain", ratio=r, agree_f1=v)
+            for ds in ("musique", "triviaqa") for m, r, v in (("full", 1.0, 1.0), ("reuse", 0.0, 0.5))]
+    for ds in ("musique", "triviaqa"):
+        for i in range(n_methods if ds == "triviaqa" else 3):
+            for kv in ("plain", "fused"):
+                rows += [dict(dataset=ds, method=f"m{i}", kv=kv, ratio=r, agree_f1=0.5 + r + i / 100)
+                         for r in (0.05, 0.15)]
+    return rows
+
+
+def _overlapping_texts(fig) -> list[tuple[str, str]]:
+    """Pairs of titles / axis labels whose drawn boxes overlap, and any that leave the figure."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    canvas = FigureCanvasAgg(fig)  # the canvas the PNGs are drawn on
+    canvas.draw()
+    renderer = canvas.get_renderer()
+    texts = [t for t in [fig._suptitle] if t is not None and t.get_text()]
+    for ax in fig.axes:
+        texts += [t for t in (ax.title, ax.xaxis.label, ax.yaxis.label) if t.get_text()]
+    boxes = [(t.get_text(), t.get_window_extent(renderer)) for t in texts]
+    page = fig.bbox
+    bad = [(name, "outside the figure") for name, b in boxes
+           if b.x0 < page.x0 - 1 or b.x1 > page.x1 + 1 or b.y0 < page.y0 - 1 or b.y1 > page.y1 + 1]
+    bad += [(a, b) for (a, ba), (b, bb) in itertools.combinations(boxes, 2) if ba.overlaps(bb)]
+    return bad
+
+
+def test_ratio_panels_hold_at_most_six_series_each_and_every_series_once():
+    rows = _many_methods_rows()
+    fig = metric_vs_ratio_figure(rows, "agree_f1", ylabel="agreement F1 with Full Attention, a long label",
+                                 title="agreement F1 with Full Attention (a model with a rather long name)")
+    counts = _series_per_axes(fig)
+    assert counts and max(counts.values()) <= 6, counts
+    trivia = [ax for ax in fig.axes if ax.get_title().startswith("triviaqa (")]
+    assert [ax.get_title() for ax in trivia] == [f"triviaqa ({i}/5)" for i in range(1, 6)]
+    labels = [lbl for ax in trivia for lbl in ax.get_legend_handles_labels()[1]]
+    others = [lbl for lbl in labels if lbl not in ("full", "reuse")]
+    assert sorted(others) == sorted(f"m{i}" + k for i in range(9) for k in ("", " (fused KV)"))  # each once
+    assert labels.count("full") == labels.count("reuse") == 5  # the anchors in every panel
+    assert all(ax.get_legend() is not None for ax in fig.axes)  # split panels: a legend under each
+    assert _overlapping_texts(fig) == []
+
+
+def test_titles_are_wrapped_to_fit_and_never_overlap_labels():
+    rows = [r for r in quality_rows() if r["dataset"] == "musique"]  # one narrow column, like top_n's study
+    title = "agreement F1 with Full Attention (qwen2.5-0.5b, a long model name to wrap)"
+    fig = metric_vs_ratio_figure(rows, "agree_f1", ylabel="agreement F1 with Full Attention", title=title)
+    assert "\n" in fig._suptitle.get_text() and fig._suptitle.get_text().replace("\n", " ") == title
+    assert _overlapping_texts(fig) == []
+    assert _overlapping_texts(fidelity_figure(quality_rows(), 0.15, title=title)) == []
+    assert _overlapping_texts(ttft_figure(ttft_rows(), title=title)) == []
+
+
+def test_a_baseline_without_a_tier_gets_no_panel_of_its_own():
+    rows = ttft_rows()
+    for r in rows:
+        if r["method"] == "full":
+            r["tier"] = "-"  # how bench ttft writes the plain-transformers baseline
+    titles = list(_axes_by_title(ttft_figure(rows)))
+    assert titles == ["KV tier: memory", "KV tier: disk"]
+    assert not [t for t in titles if t.endswith(": -")]
+    assert all("full" in _ttft_lines(ax) for ax in _axes_by_title(ttft_figure(rows)).values())
+
+
+def test_top_n_panels_pair_each_offline_setting_with_its_full_reuse_in_one_colour():
+    rows = [dict(dataset="d", method="full", kv="none", ratio=1.0, top_n=0, agree_f1=1.0),
+            dict(dataset="d", method="reuse", kv="plain", ratio=0.0, top_n=0, agree_f1=0.6)]
+    for n in (0, 10, 15, 2, 5):  # the order a study's rows come in (sorted as text)
+        rows += [dict(dataset="d", method="reuse", kv="fused", ratio=0.0, top_n=n, agree_f1=0.5 + n / 100),
+                 dict(dataset="d", method="fusionrag", kv="fused", ratio=0.15, top_n=n, agree_f1=0.7 + n / 100)]
+    fig = metric_vs_ratio_figure(rows, "agree_f1")
+    counts = _series_per_axes(fig)
+    assert counts and max(counts.values()) <= 6
+    seen, colours = [], set()
+    for ax in fig.axes:
+        curves = _error_series(ax)
+        refs = {ln.get_label(): ln for ln in ax.get_lines() if ln.get_linestyle() == "-."}  # fused Full Reuse
+        for label in curves:
+            n = label.rsplit("-", 1)[1]
+            seen.append(int(n))
+            curve = next(c for c in ax.containers if c.get_label() == label).lines[0]
+            assert refs[f"reuse (fused KV) top-{n}"].get_color() == curve.get_color()
+            colours.add(str(curve.get_color()))
+        assert set(_reference_lines(ax)) == {"full", "reuse"}  # the anchors, in every panel
+    assert seen == [0, 2, 5, 10, 15]  # every setting once, in numeric order
+    assert len(colours) == 5  # one colour per setting

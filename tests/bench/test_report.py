@@ -10,7 +10,7 @@ import pytest
 
 from bench_helpers import assert_png, bench_ttft_rows, quality_rows, ttft_rows
 from fusionrag.bench.provenance import build_meta, read_results, to_jsonable, write_json_atomic
-from fusionrag.bench.report import markdown_table, quality_markdown, write_quality_report, write_ttft_report
+from fusionrag.bench.report import markdown_table, quality_markdown, replot, write_quality_report, write_ttft_report
 
 
 def test_write_quality_report(tmp_path):
@@ -132,3 +132,17 @@ def test_ttft_full_baseline_shown_in_every_tier_and_grouped_by_target(tmp_path):
     assert "| target tokens | context tokens |" in md and "| retrieve |" in md
 
 
+
+
+def test_replot_redraws_the_plots_from_the_json_alone(tmp_path):
+    """A plotting change reaches committed results without a model: the JSON and Markdown stay as they were."""
+    quality = write_quality_report(quality_rows(), tmp_path / "q", command="c", model="m", plots=False)
+    ttft = write_ttft_report(ttft_rows(), tmp_path / "t", command="c", model="m", plots=False)
+    before = {p: p.read_bytes() for p in (*quality.values(), *ttft.values())}
+    drawn = replot(quality["json"])
+    assert sorted(drawn) == ["agree_f1", "fidelity", "norm_agree", "norm_f1"]  # the metrics the rows have
+    for path in drawn.values():
+        assert_png(path)
+    assert_png(replot(ttft["json"])["png"])
+    assert (tmp_path / "t" / "ttft.png").is_file()
+    assert {p: p.read_bytes() for p in before} == before

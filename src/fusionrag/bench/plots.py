@@ -9,7 +9,9 @@ imported only when a figure is drawn. The rows are described in :mod:`fusionrag.
 
 from __future__ import annotations
 
+import math
 import statistics
+import textwrap
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -54,8 +56,13 @@ def _save_png(fig: Figure, path: str | Path) -> Path:
 def _method_colours(methods: Iterable[str]) -> dict[str, Any]:
     from matplotlib import colormaps
 
-    cmap = colormaps["tab10"]
-    return {m: cmap(i % 10) for i, m in enumerate(dict.fromkeys(methods))}
+    names = [m for m in dict.fromkeys(methods) if m not in ANCHOR_COLOURS]
+    cmap = colormaps["tab10" if len(names) <= 10 else "tab20"]  # never two methods in one colour
+    return {**ANCHOR_COLOURS, **{m: cmap(i % cmap.N) for i, m in enumerate(names)}}
+
+
+#: Full Attention and Full Reuse, the references every plot shows, in neutral colours of their own.
+ANCHOR_COLOURS = {"full": "black", "reuse": "0.55"}
 
 
 def plot_metric_vs_ratio(
@@ -82,87 +89,149 @@ def metric_vs_ratio_figure(
     ci_key: str | None = None,
     hlines: Sequence[float] = (),
 ) -> Figure:
-    """``metric`` vs recompute ratio: one subplot per dataset, one line per method and KV kind.
+    """``metric`` vs recompute ratio: a column per dataset, one line per method and KV kind.
 
     Like the paper's Figure 13. Methods whose quality does not depend on the ratio
-    (:data:`REFERENCE_METHODS`) are horizontal dotted lines; fused-KV variants are
-    dashed in their method's colour; ``<metric>_ci`` (or ``ci_key``) gives error bars.
-    Rows with several ``top_n`` values (the offline-stage ablation) get one line per
-    ``top_n``, so variants are never averaged into one zigzag line. Missing
-    (undefined) values are left out rather than plotted as 0.
+    (:data:`REFERENCE_METHODS`) are horizontal lines (dotted; dash-dot on fused KV); fused-KV
+    variants are dashed in their method's colour; ``<metric>_ci`` (or ``ci_key``) gives error
+    bars. Rows with several ``top_n`` values (the offline-stage ablation) get one line per
+    ``top_n``, so variants are never averaged into one zigzag line. Missing (undefined)
+    values are left out rather than plotted as 0. A panel holds at most
+    :data:`MAX_SERIES_PER_PANEL` series: more go to further panels below, each repeating
+    Full Attention and plain Full Reuse as its anchors.
     """
     ci_key = ci_key or f"{metric}_ci"
     datasets = dataset_names(rows) or ["all"]
     colours = _method_colours(str(r.get("method")) for r in rows)
-    fig, axes = _figure(1, len(datasets), 4.2, 3.4)
+    layout = {ds: _ratio_panels([r for r in rows if str(r.get("dataset", "all")) == ds], metric) for ds in datasets}
+    nrows = max(len(panels) for panels in layout.values())
+    top_ns = list(dict.fromkeys(k[2] for panels in layout.values() for panel in panels for k, _ in panel))
+    # one marker per top-n; with several top-n, one colour per top-n too (a method's line and its
+    # Full Reuse reference at the same top-n match), the method told by the line style
+    style = {"markers": {n: "osD^vP*X"[i % 8] for i, n in enumerate(top_ns)},
+             "top_n_colours": _method_colours(str(n) for n in top_ns if n is not None)}
+    fig, axes = _figure(nrows, len(datasets), 4.2, 3.4 if nrows == 1 else 4.0)
     handles: dict[str, Any] = {}
-    for ax, ds in zip(axes[0], datasets, strict=True):
+    for col, ds in enumerate(datasets):
         ds_rows = [r for r in rows if str(r.get("dataset", "all")) == ds]
-        vary_top_n = len({r.get("top_n") for r in ds_rows if r.get("kv") == "fused"}) > 1
-        series: dict[tuple[str, str, Any], list[Mapping[str, Any]]] = {}
-        for r in ds_rows:
-            kv = str(r.get("kv", "plain"))
-            top_n = r.get("top_n") if vary_top_n and kv == "fused" else None
-            series.setdefault((str(r.get("method")), kv, top_n), []).append(r)
-        plotted = False
-        markers = {n: "osD^vP*X"[i % 8] for i, n in enumerate(dict.fromkeys(k[2] for k in series))}
-        for (method, kv, top_n), srows in series.items():
-            pts = [r for r in srows if is_number(r.get(metric))]
-            if not pts:
-                continue
-            label = series_label(method, kv) + (f" top-{top_n}" if top_n is not None else "")
-            style = "--" if kv == "fused" else "-"
-            colour = colours[method]
-            if method in REFERENCE_METHODS or all(r.get("ratio") is None for r in pts):
-                value = float(np.mean([float(r[metric]) for r in pts]))
-                handles[label] = ax.axhline(value, color=colour, linestyle=":", linewidth=1.5, label=label)
-                continue
-            plotted = True
-            pts = sorted((r for r in pts if is_number(r.get("ratio"))), key=lambda r: float(r["ratio"]))
-            x = np.array([float(r["ratio"]) * 100 for r in pts])
-            y = np.array([float(r[metric]) for r in pts])
-            err = None
-            cis = [r.get(ci_key) for r in pts]
-            if all(isinstance(c, Sequence) and len(c) == 2 and all(is_number(v) for v in c) for c in cis):
-                lo = np.array([float(c[0]) for c in cis])
-                hi = np.array([float(c[1]) for c in cis])
-                err = np.vstack([np.clip(y - lo, 0, None), np.clip(hi - y, 0, None)])
-            handles[label] = ax.errorbar(
-                x,
-                y,
-                yerr=err,
-                color=colour,
-                linestyle=style,
-                marker=markers[top_n],
-                markersize=4,
-                capsize=3,
-                label=label,
-            )
-        for h in hlines:
-            ax.axhline(h, color="0.6", linewidth=0.8, zorder=0)
-        ratios = sorted(
-            {
-                float(r["ratio"]) * 100
-                for r in ds_rows
-                if r.get("method") not in REFERENCE_METHODS and is_number(r.get("ratio"))
-            }
-        )
-        if ratios:
-            ax.set_xticks(ratios, [f"{x:g}" for x in ratios])
-        if not plotted:
-            # E.g. normalised F1 when Full Attention and Full Reuse score the same: say so, don't draw nothing.
-            ax.text(
-                0.5, 0.5, f"{metric}: no defined values", ha="center", va="center", transform=ax.transAxes, color="0.4"
-            )
-        ax.set_title(ds)
-        ax.set_xlabel("recompute ratio (%)")
-        ax.set_ylabel(ylabel or metric)
-        ax.grid(True, alpha=0.3)
-    if handles:
-        fig.legend(list(handles.values()), list(handles.keys()), loc="outside lower center", ncols=min(4, len(handles)))
-    if title:
-        fig.suptitle(title)
+        panels = layout[ds]
+        for row_i in range(len(panels), nrows):  # this dataset needs fewer panels than another
+            axes[row_i][col].remove()
+        ratios = sorted({float(r["ratio"]) * 100 for r in ds_rows
+                         if r.get("method") not in REFERENCE_METHODS and is_number(r.get("ratio"))})
+        for row_i, panel in enumerate(panels):
+            ax = axes[row_i][col]
+            panel_handles: dict[str, Any] = {}
+            plotted = _draw_ratio_series(ax, panel, metric, ci_key, colours, style, panel_handles)
+            handles.update(panel_handles)
+            if nrows > 1:  # split panels: each says what it shows, right under it
+                ax.legend(list(panel_handles.values()), list(panel_handles), loc="upper center", fontsize=7,
+                          bbox_to_anchor=(0.5, -0.2), ncols=2, frameon=False)
+            for h in hlines:
+                ax.axhline(h, color="0.6", linewidth=0.8, zorder=0)
+            if ratios:
+                ax.set_xticks(ratios, [f"{x:g}" for x in ratios])
+            if not plotted:
+                # E.g. normalised F1 when Full Attention and Full Reuse score the same: say so, don't draw nothing.
+                ax.text(0.5, 0.5, f"{metric}: no defined values", ha="center", va="center", transform=ax.transAxes,
+                        color="0.4")
+            ax.set_title(_wrap(ds if len(panels) == 1 else f"{ds} ({row_i + 1}/{len(panels)})", 3.6))
+            ax.set_xlabel("recompute ratio (%)")
+            ax.set_ylabel(_wrap(ylabel or metric, 2.6, 10))
+            ax.grid(True, alpha=0.3)
+    if nrows == 1:
+        _figure_legend(fig, handles)
+    _suptitle(fig, title)
     return fig
+
+
+#: Most series (lines) one panel of a ratio plot shows; more go to further panels.
+MAX_SERIES_PER_PANEL = 6
+
+#: One ratio-plot series: (method, KV kind, top-n or None) and its rows.
+_Series = tuple[tuple[str, str, Any], list[Mapping[str, Any]]]
+
+
+def _ratio_panels(ds_rows: Sequence[Mapping[str, Any]], metric: str) -> list[list[_Series]]:
+    """The series of one dataset, split into panels of at most :data:`MAX_SERIES_PER_PANEL`.
+
+    Full Attention and plain Full Reuse (the anchors) are in every panel; the others are
+    grouped by method (by top-n when top-n varies, so each panel compares one offline
+    setting), a group kept in one panel where it fits. Series without a defined value
+    are left out (they draw nothing)."""
+    vary_top_n = len({r.get("top_n") for r in ds_rows if r.get("kv") == "fused"}) > 1
+    series: dict[tuple[str, str, Any], list[Mapping[str, Any]]] = {}
+    for r in ds_rows:
+        kv = str(r.get("kv", "plain"))
+        top_n = r.get("top_n") if vary_top_n and kv == "fused" else None
+        series.setdefault((str(r.get("method")), kv, top_n), []).append(r)
+    drawn = [(k, v) for k, v in series.items() if any(is_number(r.get(metric)) for r in v)]
+    if len(drawn) <= MAX_SERIES_PER_PANEL:
+        return [drawn]
+    anchors = [s for s in drawn if s[0][0] == "full" or (s[0][0] == "reuse" and s[0][1] != "fused")]
+    others = [s for s in drawn if s not in anchors]
+    unit = (lambda s: (-1 if s[0][2] is None else s[0][2])) if vary_top_n else (lambda s: s[0][0])
+    groups: dict[Any, list[_Series]] = {}
+    for s in others:
+        groups.setdefault(unit(s), []).append(s)
+    room = max(1, MAX_SERIES_PER_PANEL - len(anchors))
+    target = math.ceil(len(others) / math.ceil(len(others) / room))  # balanced panels
+    panels: list[list[_Series]] = [[]]
+    for _, group in sorted(groups.items(), key=lambda g: g[0]) if vary_top_n else groups.items():
+        for i in range(0, len(group), room):
+            piece = group[i:i + room]
+            if panels[-1] and (len(panels[-1]) + len(piece) > room or len(panels[-1]) >= target):
+                panels.append([])
+            panels[-1].extend(piece)
+    return [anchors + p for p in panels]
+
+
+def _draw_ratio_series(ax: Any, panel: list[_Series], metric: str, ci_key: str, colours: Mapping[str, Any],
+                       style: Mapping[str, Any], handles: dict[str, Any]) -> bool:
+    """Draw one panel's series; True if a ratio curve (not only reference lines) was drawn."""
+    plotted = False
+    markers = style["markers"]
+    for (method, kv, top_n), srows in panel:
+        pts = [r for r in srows if is_number(r.get(metric))]
+        label = series_label(method, kv) + (f" top-{top_n}" if top_n is not None else "")
+        colour = colours[method] if top_n is None else style["top_n_colours"][str(top_n)]
+        if method in REFERENCE_METHODS or all(r.get("ratio") is None for r in pts):
+            value = float(np.mean([float(r[metric]) for r in pts]))
+            dash = "-." if kv == "fused" else ":"
+            handles[label] = ax.axhline(value, color=colour, linestyle=dash, linewidth=1.5, label=label)
+            continue
+        plotted = True
+        pts = sorted((r for r in pts if is_number(r.get("ratio"))), key=lambda r: float(r["ratio"]))
+        x = np.array([float(r["ratio"]) * 100 for r in pts])
+        y = np.array([float(r[metric]) for r in pts])
+        err = None
+        cis = [r.get(ci_key) for r in pts]
+        if all(isinstance(c, Sequence) and len(c) == 2 and all(is_number(v) for v in c) for c in cis):
+            lo = np.array([float(c[0]) for c in cis])
+            hi = np.array([float(c[1]) for c in cis])
+            err = np.vstack([np.clip(y - lo, 0, None), np.clip(hi - y, 0, None)])
+        handles[label] = ax.errorbar(x, y, yerr=err, color=colour, linestyle="--" if kv == "fused" else "-",
+                                     marker=markers[top_n], markersize=4, capsize=3, label=label)
+    return plotted
+
+
+def _wrap(text: str, inches: float, points: float = 12.0) -> str:
+    """A title or label broken into lines that fit ``inches`` at ``points`` (a character is ~0.6 em wide),
+    so it never runs over its neighbours."""
+    return textwrap.fill(text, width=max(10, int(inches * 72 / (0.6 * points))), break_long_words=False)
+
+
+def _suptitle(fig: Figure, title: str | None) -> None:
+    if title:
+        fig.suptitle(_wrap(title, fig.get_figwidth() - 0.4))
+
+
+def _figure_legend(fig: Figure, handles: Mapping[str, Any]) -> None:
+    """One legend under the panels, as many columns as the figure's width holds."""
+    if not handles:
+        return
+    ncols = max(1, min(len(handles), int(fig.get_figwidth() // 2.6), 4))
+    fig.legend(list(handles.values()), list(handles.keys()), loc="outside lower center", ncols=ncols)
 
 
 def _median_or_none(values: Iterable[Any]) -> float | None:
@@ -188,21 +257,17 @@ def ttft_figure(rows: Sequence[Mapping[str, Any]], *, title: str | None = None) 
     for r in rows:
         r["_ctx"] = next((int(r[k]) for k in ("target_tokens", "context_tokens") if is_number(r.get(k))), None)
     parts = [p for p in TTFT_PARTS if any(is_number(r.get(p[0])) for r in rows)]
-    tiers = list(dict.fromkeys(str(r["tier"]) for r in rows if r.get("tier"))) or ["all"]
+    for r in rows:  # "-" (a baseline that reads no stored KV) is no tier: shown in every tier's column
+        r["_tier"] = None if r.get("tier") in (None, "", "-") else str(r["tier"])
+    tiers = list(dict.fromkeys(r["_tier"] for r in rows if r["_tier"])) or ["all"]
     contexts = sorted({r["_ctx"] for r in rows if r["_ctx"] is not None})
     colours = _method_colours(str(r.get("method")) for r in rows)
     fig, axes = _figure(2, len(tiers), 5.5, 3.6)
     line_handles: dict[str, Any] = {}
     for col, tier in enumerate(tiers):
-        own_full = any(r.get("method") == "full" and str(r.get("tier")) == tier for r in rows)
-        tier_rows = [
-            r
-            for r in rows
-            if tier == "all"
-            or not r.get("tier")
-            or str(r["tier"]) == tier
-            or (r.get("method") == "full" and not own_full)
-        ]
+        own_full = any(r.get("method") == "full" and r["_tier"] == tier for r in rows)
+        tier_rows = [r for r in rows if tier == "all" or r["_tier"] in (None, tier)
+                     or (r.get("method") == "full" and not own_full)]
         keys = list(dict.fromkeys((str(r.get("method")), r.get("kv"), r.get("ratio")) for r in tier_rows))
         table: dict[tuple[Any, ...], dict[str, float | None]] = {}
         for key in keys:
@@ -233,10 +298,11 @@ def ttft_figure(rows: Sequence[Mapping[str, Any]], *, title: str | None = None) 
             ax_line.set_xticks(contexts, [str(c) for c in contexts])
         ax_line.set_xlabel("context tokens")
         ax_line.set_ylabel("TTFT (ms)")
-        ax_line.set_title(f"KV tier: {tier}")
+        ax_line.set_title(f"KV tier: {tier}")  # "all": the rows name no tier
         ax_line.grid(True, which="both", alpha=0.3)
 
         width = 0.8 / max(1, len(keys))
+        tallest = 0.0
         for i, key in enumerate(keys):
             for j, ctx in enumerate(contexts):
                 cell = table.get((*key, ctx))
@@ -249,6 +315,7 @@ def ttft_figure(rows: Sequence[Mapping[str, Any]], *, title: str | None = None) 
                     ax_bar.bar(x, h, width * 0.9, bottom=bottom, color=colour, edgecolor="white", linewidth=0.3)
                     bottom += h
                 top = cell["ttft_ms"] if cell["ttft_ms"] is not None else bottom
+                tallest = max(tallest, top)
                 speedup = cell.get("speedup_vs_full")
                 note = f"{speedup:.1f}x" if speedup is not None and key[0] != "full" else ""
                 ax_bar.text(
@@ -257,7 +324,8 @@ def ttft_figure(rows: Sequence[Mapping[str, Any]], *, title: str | None = None) 
         ax_bar.set_xticks(range(len(contexts)), [str(c) for c in contexts])
         ax_bar.set_xlabel("context tokens")
         ax_bar.set_ylabel("TTFT breakdown (ms)")
-        ax_bar.margins(y=0.35)
+        if tallest > 0:  # room above the tallest bar for its rotated label, inside the frame
+            ax_bar.set_ylim(0, tallest * 1.6)
         ax_bar.grid(True, axis="y", alpha=0.3)
 
     from matplotlib.patches import Patch
@@ -265,9 +333,8 @@ def ttft_figure(rows: Sequence[Mapping[str, Any]], *, title: str | None = None) 
     part_handles = [Patch(color=c, label=lbl) for _, lbl, c in parts]
     handles = list(line_handles.values()) + part_handles
     labels = list(line_handles.keys()) + [p.get_label() for p in part_handles]
-    fig.legend(handles, labels, loc="outside lower center", ncols=min(4, len(handles)))
-    if title:
-        fig.suptitle(title)
+    _figure_legend(fig, dict(zip(labels, handles, strict=True)))
+    _suptitle(fig, title)
     return fig
 
 
@@ -340,7 +407,6 @@ def fidelity_figure(rows: Sequence[Mapping[str, Any]], ratio: float, *, title: s
             ax.grid(True, axis="x", alpha=0.3)
             ax.set_xlabel(label, fontsize=7)
             if row_i == 0:
-                ax.set_title(f"{ds} (n={n}, {ratio * 100:g}%)", fontsize=9)
-    if title:
-        fig.suptitle(title)
+                ax.set_title(_wrap(f"{ds} (n={n}, {ratio * 100:g}%)", 3.2, 9), fontsize=9)
+    _suptitle(fig, title)
     return fig

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from fusionrag.bench.plots import plot_fidelity_at_ratio, plot_metric_vs_ratio, plot_ttft
-from fusionrag.bench.provenance import build_meta, write_json_atomic, write_text_atomic
+from fusionrag.bench.provenance import build_meta, read_results, write_json_atomic, write_text_atomic
 from fusionrag.bench.rows import dataset_names, is_number, series_label, with_first_token
 
 #: Markdown columns of the quality table: (row key, header, format).
@@ -253,17 +253,39 @@ def write_quality_report(
                                 quality_markdown(rows, full_meta) + comparisons_markdown(comparisons)),
     }
     if plots:
-        for name, metric, ylabel, hlines in QUALITY_PLOTS:
-            if not any(metric in r for r in rows):  # e.g. an older study without teacher-forced metrics
-                continue
-            written[metric] = plot_metric_vs_ratio(
-                rows, metric, out / name, ylabel=ylabel, hlines=hlines, title=f"{ylabel} ({model})" if model else None
-            )
-        fidelity = plot_fidelity_at_ratio(rows, FIDELITY_RATIO, out / FIDELITY_PLOT,
-                                          title=f"fidelity to Full Attention ({model})" if model else None)
-        if fidelity is not None:
-            written["fidelity"] = fidelity
+        written.update(write_quality_plots(rows, out, model))
     return written
+
+
+def write_quality_plots(rows: Sequence[Mapping[str, Any]], out_dir: str | Path,
+                        model: str | None = None) -> dict[str, Path]:
+    """The plots of a quality report (the ratio curves and the fidelity bars) into ``out_dir``, by name."""
+    out = Path(out_dir)
+    written: dict[str, Path] = {}
+    for name, metric, ylabel, hlines in QUALITY_PLOTS:
+        if not any(metric in r for r in rows):  # e.g. an older study without teacher-forced metrics
+            continue
+        written[metric] = plot_metric_vs_ratio(
+            rows, metric, out / name, ylabel=ylabel, hlines=hlines, title=f"{ylabel} ({model})" if model else None
+        )
+    fidelity = plot_fidelity_at_ratio(rows, FIDELITY_RATIO, out / FIDELITY_PLOT,
+                                      title=f"fidelity to Full Attention ({model})" if model else None)
+    if fidelity is not None:
+        written["fidelity"] = fidelity
+    return written
+
+
+def replot(results: str | Path) -> dict[str, Path]:
+    """Redraw the plots of a written report from its JSON (``results.json`` or ``<stem>.json`` of bench ttft),
+    beside it, without touching the JSON or the Markdown: a plotting change reaches committed results
+    without rerunning a model."""
+    path = Path(results)
+    meta, rows = read_results(path)
+    model = meta.get("model")
+    if path.name == "results.json":
+        return write_quality_plots(rows, path.parent, model)
+    return {"png": plot_ttft([with_first_token(r) for r in rows], path.with_suffix(".png"),
+                             title=f"TTFT ({model})" if model else None)}
 
 
 def write_ttft_report(
