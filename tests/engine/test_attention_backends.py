@@ -20,10 +20,12 @@ if not torch.cuda.is_available():
 
 from fusionrag.execution.attention_backends import SparseQuery, get_backend, triton_available
 
+BACKENDS = ["reference", "blocked"] + (["triton", "triton-packed"] if triton_available() else [])
 
-def _case(data, max_past=40):
+
+def _case(data, max_past=40, groups=(1, 2, 3)):
     hkv = data.draw(st.integers(1, 2), label="kv_heads")
-    groups = data.draw(st.sampled_from([1, 2, 3]), label="groups")
+    groups = data.draw(st.sampled_from(list(groups)), label="groups")
     dim = data.draw(st.sampled_from([16, 32]), label="head_dim")
     past_len = data.draw(st.integers(0, max_past), label="past_len")
     base = data.draw(st.integers(0, 5), label="past_base")
@@ -67,10 +69,55 @@ def test_triton_kernel_equals_reference(data):
     assert (out - ref).abs().max().item() < 1e-5
 
 
+@pytest.mark.skipif(not triton_available(), reason="Triton is not installed (pip install triton): kernel untested here")
+@settings(max_examples=12, deadline=None)
+@given(st.data())
+def test_packed_triton_kernel_equals_reference(data):
+    """GQA groups 1 / 2 / 7 (7: Qwen2.5-7B's, not a power of two), stale slots, gaps, ragged ends: the
+    fixed tile packs 16 // G queries per program (2 at G = 7, 2 padding rows), the autotuned path its own."""
+    tensors, spec, scale = _case(data, groups=(1, 2, 7))
+    ref = get_backend("reference")(*tensors, spec(), scale)
+    tile = data.draw(st.sampled_from([None, {"block_r": 16, "block_n": 16, "num_warps": 1, "num_stages": 1}]),
+                     label="tile")
+    out = get_backend("triton-packed")(*tensors, spec(), scale, config=tile)
+    assert (out - ref).abs().max().item() < 1e-5
+
+
+@pytest.mark.skipif(not triton_available(), reason="Triton is not installed here")
+def test_the_packed_kernel_equals_the_per_head_kernel_at_qwen_7b_groups():
+    """28 query / 4 KV heads (G = 7) at a small length: the two kernels agree (fp32)."""
+    g = torch.Generator().manual_seed(5)
+    past_len, dim = 48, 32
+    idx = torch.tensor([0, 5, 6, 7, 30, 47])
+    positions = torch.cat([idx + 3, torch.arange(past_len + 3, past_len + 7)])  # the past starts at 3
+    stale = torch.zeros(past_len, dtype=torch.bool)
+    stale[idx] = True
+    n = positions.numel()
+    q = torch.randn(28, n, dim, generator=g)
+    kp, vp = (torch.randn(4, past_len, dim, generator=g) for _ in range(2))
+    kn, vn = (torch.randn(4, n, dim, generator=g) for _ in range(2))
+    spec = lambda: SparseQuery(positions, 3, past_len, stale)  # noqa: E731
+    per_head = get_backend("triton")(q, kp, vp, kn, vn, spec(), dim ** -0.5, config={"block_m": 16, "block_n": 16})
+    packed = get_backend("triton-packed")(q, kp, vp, kn, vn, spec(), dim ** -0.5)
+    assert (packed - per_head).abs().max().item() < 1e-5
+
+
 @pytest.mark.skipif(not triton_available(), reason="Triton is not installed here")
 def test_a_misspelt_kernel_config_key_is_refused():
     with pytest.raises(ValueError, match="unknown kernel config keys"):
         get_backend("triton")(*[torch.zeros(1, 1, 16)] * 5, None, 1.0, config={"blockm": 16})
+    with pytest.raises(ValueError, match="unknown"):
+        get_backend("triton-packed")(*[torch.zeros(1, 1, 16)] * 5, None, 1.0, config={"block_m": 16})
+    tile = {"block_r": 4, "block_n": 16, "num_warps": 1, "num_stages": 1}
+    with pytest.raises(ValueError, match="no room"):  # 4 rows cannot hold a query's 7 heads
+        get_backend("triton-packed")(torch.zeros(7, 1, 16), *[torch.zeros(1, 1, 16)] * 4, None, 1.0, config=tile)
+
+
+def test_the_cli_offers_every_backend():
+    from fusionrag.execution.attention_backends import NAMES
+    from fusionrag.models.devices import ATTENTION_CHOICES
+
+    assert ("auto", *NAMES) == ATTENTION_CHOICES
 
 
 def test_positions_must_ascend():
@@ -87,8 +134,7 @@ def test_every_backend_hides_stale_slots():
     kn, vn = torch.randn(1, 3, dim, generator=g), torch.randn(1, 3, dim, generator=g)
     stale = torch.zeros(past_len, dtype=torch.bool)
     stale[4] = True
-    names = ["reference", "blocked"] + (["triton"] if triton_available() else [])
-    for name in names:
+    for name in BACKENDS:
         spec = lambda: SparseQuery(torch.tensor([4, 8, 9]), 0, past_len, stale)  # noqa: E731
         clean = get_backend(name)(q, kp, vp, kn, vn, spec(), 0.25)
         vp2 = vp.clone()
@@ -113,7 +159,7 @@ def test_low_precision_backends_stay_within_rounding_of_reference(dtype):
     kp, vp = (torch.randn(2, past_len, dim, generator=g).to(dtype) for _ in range(2))
     kn, vn = (torch.randn(2, n, dim, generator=g).to(dtype) for _ in range(2))
     ref = get_backend("reference")(q, kp, vp, kn, vn, SparseQuery(positions, 0, past_len, stale), 0.25).float()
-    for name in ["blocked"] + (["triton"] if triton_available() else []):
+    for name in BACKENDS[1:]:
         out = get_backend(name)(q, kp, vp, kn, vn, SparseQuery(positions, 0, past_len, stale), 0.25)
         assert out.dtype == dtype
         assert (out.float() - ref).abs().max().item() < 3e-2, name

@@ -23,7 +23,7 @@ from fusionrag.execution.recompute import sparse_recompute
 from fusionrag.execution.segments import chunk_kv_plain
 from fusionrag.online.prefill import all_chunk_indices, assemble_context, prefill_full, prefill_reused
 
-BACKENDS = ["reference", "blocked"] + (["triton"] if triton_available() else [])
+BACKENDS = ["reference", "blocked"] + (["triton", "triton-packed"] if triton_available() else [])
 GEN = torch.Generator().manual_seed(7)
 
 
@@ -89,10 +89,10 @@ def test_sparse_recompute_matches_reference_and_leaves_context_untouched(tiny_lm
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here: the GPU invariants run on a GPU host")
-@pytest.mark.parametrize("backend", ["reference", "blocked", "triton"])
+@pytest.mark.parametrize("backend", ["reference", "blocked", "triton", "triton-packed"])
 def test_invariants_on_cuda(tiny_llama, backend):
     """Same invariants on CUDA: ratio 1 equals Full Attention, KV stays on the device, stored KV on the CPU moves."""
-    if backend == "triton" and not triton_available():
+    if backend.startswith("triton") and not triton_available():
         pytest.skip("Triton is not installed on this GPU host")
     lm = _with(tiny_llama, backend, device="cuda")
     try:

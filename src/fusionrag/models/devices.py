@@ -15,6 +15,9 @@ import torch
 
 from fusionrag.errors import FusionRAGError
 
+#: ``auto`` and the sparse-pass backends of ``execution.attention_backends.NAMES`` (a lower layer cannot
+#: import it; a test keeps the two equal).
+ATTENTION_CHOICES = ("auto", "reference", "blocked", "triton", "triton-packed")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -46,9 +49,10 @@ def add_device_args(p: argparse.ArgumentParser) -> None:
     """``--device``, ``--dtype`` and ``--attention`` (the sparse-pass backend) on a sub-command."""
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available, else cpu)")
     p.add_argument("--dtype", choices=list(DTYPES), default=None, help="compute dtype (default float32)")
-    p.add_argument("--attention", choices=["auto", "reference", "blocked", "triton"], default=None,
+    p.add_argument("--attention", choices=list(ATTENTION_CHOICES), default=None,
                    help="attention of sparse passes: auto (triton on CUDA, blocked on CPU), reference "
-                        "(dense masked SDPA), blocked (mask-free torch), triton (Q-Sparse-Attn kernel)")
+                        "(dense masked SDPA), blocked (mask-free torch), triton (Q-Sparse-Attn kernel, a "
+                        "program per query head), triton-packed (the same, a program per KV head)")
 
 
 def device_options(args: argparse.Namespace) -> dict[str, Any]:

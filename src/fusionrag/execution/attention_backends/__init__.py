@@ -16,7 +16,11 @@ KV lives in the request's own cache.
 - ``reference``: today's path, a dense additive mask and SDPA over repeated KV heads.
 - ``blocked``: torch, mask-free: query blocks skip the keys they cannot see, grouped-query
   heads by reshaping (no copies of KV heads), stale slots hidden by column.
-- ``triton``: the Q-Sparse-Attn kernel (GPU; on CPU under ``TRITON_INTERPRET=1``).
+- ``triton``: the Q-Sparse-Attn kernel, one program per query head (GPU; on CPU under
+  ``TRITON_INTERPRET=1``); the measured CUDA default.
+- ``triton-packed``: the same rule, one program per KV head with its grouped query heads packed
+  into the tile's rows (K/V read once per KV head, not once per query head), autotuned tiles;
+  selectable until a GPU run decides the default (``benchmarks/gpu/gpu_check.sh``).
 """
 
 from __future__ import annotations
@@ -28,12 +32,12 @@ import torch
 from fusionrag.execution.attention_backends.spec import SparseQuery
 
 Attend = Callable[..., torch.Tensor]
-NAMES = ("reference", "blocked", "triton")
+NAMES = ("reference", "blocked", "triton", "triton-packed")
 __all__ = ["NAMES", "Attend", "SparseQuery", "default_backend", "get_backend", "triton_available"]
 
 
 def triton_available() -> bool:
-    """Whether the Triton kernel can run here: a CUDA device, or the interpreter on CPU."""
+    """Whether the Triton kernels can run here: a CUDA device, or the interpreter on CPU."""
     import os
 
     try:
@@ -51,6 +55,8 @@ def get_backend(name: str) -> Attend:
         from fusionrag.execution.attention_backends.blocked import attend
     elif name == "triton":
         from fusionrag.execution.attention_backends.qsparse_triton import attend
+    elif name == "triton-packed":
+        from fusionrag.execution.attention_backends.qsparse_packed import attend
     else:
         raise ValueError(f"unknown attention backend {name!r} (known: {', '.join(NAMES)})")
     return attend
