@@ -9,7 +9,7 @@ command -v "$PY" >/dev/null 2>&1 || PY=python3
 .venv/bin/python -m pip install --quiet --upgrade pip
 .venv/bin/python -m pip install --quiet "torch==2.13.0"
 .venv/bin/python -m pip install --quiet -e ".[models,dev,ray,redis]"
-# Libraries used in place of hand-written code (docs/decisions/041-libraries.md), at the versions tested.
+# Libraries used in place of hand-written code (docs/decisions/042-libraries.md), at the versions tested.
 .venv/bin/python -m pip install --quiet "filelock==4.3.2" "scipy==1.17.1" "sentence-transformers==6.3.0"
 # The Redis tier's tests start a real redis-server (Debian package) on loopback.
 if ! command -v redis-server >/dev/null 2>&1; then

@@ -6,7 +6,7 @@ to report) is per request, so the scheduler applies a :class:`TokenSampler` per 
 first token comes from the prefill's last logits through the same sampler, so a seeded
 request is reproducible from its first token on. Temperature, top-k and top-p are
 transformers' logits warpers, one list per request: a warper holds one value for the whole
-batch it is given, so per-request values mean one list per row (docs/decisions/041).
+batch it is given, so per-request values mean one list per row (docs/decisions/042).
 
 Stop strings are matched on the *text*, not on token ids: a stop string may end inside a
 token or span several tokens. :class:`StopMatcher` holds back the tail of the text that
