@@ -22,6 +22,27 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def rotation(delta: int | torch.Tensor, inv_freq: torch.Tensor,
+             device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cos, sin)`` ``[len(delta), head_dim/2]`` fp32 of the angles ``delta * inv_freq``, formed in float64."""
+    delta64 = torch.as_tensor(delta, dtype=torch.float64, device=device)
+    angles = delta64.reshape(-1, 1) * inv_freq.to(delta64.device).reshape(1, -1)
+    return angles.cos().to(torch.float32), angles.sin().to(torch.float32)
+
+
+def rotate_into(out: torch.Tensor, keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Write ``keys`` (``[..., seq, head_dim]``) rotated by ``(cos, sin)`` (``[seq or 1, head_dim/2]`` fp32
+    from :func:`rotation`) into ``out`` (same shape, any float dtype): fp32 math (fp16/bf16 keys promote
+    exactly against the fp32 cos/sin; no widened copy is made), one cast on the write. The halves are
+    rotate-half's pairs: ``(x1 c - x2 s, x2 c + x1 s)``, bit for bit ``k c + rotate_half(k) s``."""
+    if keys.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        keys = keys.to(torch.float32)
+    half = keys.shape[-1] // 2
+    x1, x2 = keys[..., :half], keys[..., half:]
+    torch.sub(x1 * cos, x2 * sin, out=out[..., :half])
+    torch.add(x2 * cos, x1 * sin, out=out[..., half:])
+
+
 def rotate_keys(keys: torch.Tensor, delta: int | torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
     """Return ``keys`` moved by ``delta`` positions (a new tensor; ``keys`` is not modified).
 
@@ -30,11 +51,7 @@ def rotate_keys(keys: torch.Tensor, delta: int | torch.Tensor, inv_freq: torch.T
     """
     if isinstance(delta, int) and delta == 0:
         return keys.clone()
-    delta64 = torch.as_tensor(delta, dtype=torch.float64, device=keys.device)
-    angles = delta64.reshape(-1, 1) * inv_freq.to(keys.device).reshape(1, -1)  # [seq or 1, head_dim/2]
-    angles = torch.cat((angles, angles), dim=-1)
-    cos = angles.cos().to(torch.float32)
-    sin = angles.sin().to(torch.float32)
-    k32 = keys.to(torch.float32)
-    rotated = k32 * cos + rotate_half(k32) * sin
-    return rotated.to(keys.dtype)
+    cos, sin = rotation(delta, inv_freq, keys.device)
+    out = torch.empty_like(keys)
+    rotate_into(out, keys, cos, sin)
+    return out
