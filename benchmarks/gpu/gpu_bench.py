@@ -10,14 +10,18 @@ Measured, methods interleaved (each round runs every cell once; medians over rou
 - ``full``: our Full Attention path (the same causal kernel, no mask);
 - ``full_reuse``: assemble the chunks' KV (already on the GPU) + prefill the question;
 - ``fusionrag_15_<backend>``: query-guided selection + sparse recompute of 15%, the sparse
-  passes on ``reference`` (masked SDPA) or ``triton`` (Q-Sparse-Attn) attention;
-- ``cacheblend_15``: CacheBlend's selection (two fresh layers) + the same recompute (triton).
-Then the kernel alone against masked SDPA at 15% of the largest context (one layer's
-shapes), and an exactness check: ratio 1 against Full Attention on every backend.
+  passes on ``reference`` (masked SDPA), ``triton`` (Q-Sparse-Attn, a program per query head)
+  or ``triton-packed`` (a program per KV head, its query heads packed into the tile's rows);
+- ``cacheblend_15``: CacheBlend's selection (two fresh layers) + the same recompute (the last backend).
+First the kernels alone against masked SDPA at 15% of each ``--kernel-contexts`` size (one layer's
+shapes; the packed kernel's autotuned tiles recorded), then the TTFT table, and an exactness check:
+ratio 1 against Full Attention on every backend. Triton backends that cannot run here (no CUDA and
+no ``TRITON_INTERPRET=1``) are left out, with a note in the JSON; under the interpreter their
+timings exercise the code and measure nothing.
 
-Usage (H200, < 8 min): ``python benchmarks/gpu/gpu_bench.py --out benchmarks/gpu/results``
-CPU smoke test (seconds): ``python benchmarks/gpu/gpu_bench.py --config tiny --device cpu --contexts 96,160
---chunk-tokens 32 --repeats 1 --kernel-context 128 --out /tmp/gb``
+Usage (H200, ~2 min): ``python benchmarks/gpu/gpu_bench.py --out benchmarks/gpu/results``
+CPU smoke test (seconds): ``TRITON_INTERPRET=1 python benchmarks/gpu/gpu_bench.py --config tiny --device cpu
+--contexts 96,160 --chunk-tokens 32 --repeats 1 --kernel-contexts 128 --out /tmp/gb``
 """
 
 from __future__ import annotations
@@ -166,7 +170,8 @@ def kernel_inputs(lm, context: int) -> tuple[tuple[torch.Tensor, ...], Callable[
 
 
 def kernel_alone(lm, context: int, backends: list[str], repeats: int) -> list[dict]:
-    """One layer's sparse recompute attention at 15% of ``context``: every backend vs masked SDPA."""
+    """One layer's sparse recompute attention at 15% of ``context``: every backend vs masked SDPA (and the
+    Triton kernels against each other)."""
     from fusionrag.execution.attention_backends import get_backend
 
     tensors, spec, scale = kernel_inputs(lm, context)
@@ -182,9 +187,33 @@ def kernel_alone(lm, context: int, backends: list[str], repeats: int) -> list[di
              "context": context, "layers": lm.config.num_hidden_layers,
              "max_abs_diff_vs_reference": float((outs[b] - outs["reference"]).abs().max())} for b in names]
     ref = next(r["ms"] for r in rows if r["backend"] == "reference")
+    per_head = next((r["ms"] for r in rows if r["backend"] == "triton"), None)
     for r in rows:
         r["speedup_vs_masked_sdpa"] = ref / r["ms"]
+        r["speedup_vs_per_head_kernel"] = per_head / r["ms"] if per_head else None
     return rows
+
+
+def usable_backends(names: list[str], device: str) -> tuple[list[str], list[str]]:
+    """``(backends that run here, notes on those left out)``: the Triton kernels need CUDA or the interpreter."""
+    from fusionrag.execution.attention_backends import triton_available
+
+    if triton_available():
+        notes = [] if device.startswith("cuda") else [
+            "Triton kernels ran under TRITON_INTERPRET=1 on the CPU: their timings exercise the code, not the kernel"]
+        return names, notes
+    kept = [b for b in names if not b.startswith("triton")]
+    return kept, [f"left out {b}: Triton cannot run here (no CUDA device, TRITON_INTERPRET unset or Triton "
+                  "not installed)" for b in names if b not in kept]
+
+
+def packed_autotune(backends: list[str]) -> dict:
+    """The packed kernel's autotuned tile per (head size, group size, query-count bucket, dtypes) so far."""
+    if "triton-packed" not in backends:
+        return {}
+    from fusionrag.execution.attention_backends import qsparse_packed
+
+    return qsparse_packed.best_configs()
 
 
 def run(args: argparse.Namespace, save: Callable[[dict], None] = lambda doc: None) -> dict:
@@ -197,14 +226,20 @@ def run(args: argparse.Namespace, save: Callable[[dict], None] = lambda doc: Non
     device = args.device or default_device()
     t0 = time.perf_counter()
     lm = random_model(args.config, device, dtype)
-    backends = args.backends.split(",")
+    backends, notes = usable_backends(args.backends.split(","), device)
     contexts = sorted(int(c) for c in args.contexts.split(","))
     build_ms = (time.perf_counter() - t0) * 1000.0
     rows: list[dict] = []
     exactness: list[dict] = []
-    kernel = kernel_alone(lm, args.kernel_context, backends, max(3, args.repeats))
-    doc = {"meta": _meta(args, lm, device, build_ms), "rows": rows, "kernel": kernel, "exactness": exactness}
-    save(doc)
+    kernel: list[dict] = []
+    doc = {"meta": _meta(args, lm, device, build_ms), "notes": notes, "rows": rows, "kernel": kernel,
+           "exactness": exactness, "packed_autotune": {}}
+    for context in sorted(int(c) for c in args.kernel_contexts.split(",") if c):
+        kernel.extend(kernel_alone(lm, context, backends, max(3, args.repeats)))
+        doc["packed_autotune"] = packed_autotune(backends)
+        print(f"[gpu_bench] kernel {context}: " + ", ".join(
+            f"{k['backend']} {k['ms']:.2f} ms" for k in kernel if k["context"] == context), file=sys.stderr, flush=True)
+        save(doc)
     if args.kernel_only:
         contexts = []
     longest = None if not contexts else make_prompt(lm.config.vocab_size, contexts[-1], args.chunk_tokens,
@@ -233,6 +268,7 @@ def run(args: argparse.Namespace, save: Callable[[dict], None] = lambda doc: Non
               file=sys.stderr, flush=True)
         if total == contexts[0]:
             exactness.extend(_exactness(lm, prompt, kvs, s_kv, backends))
+        doc["packed_autotune"] = packed_autotune(backends)
         save(doc)
     return doc
 
@@ -281,11 +317,17 @@ def markdown(doc: dict) -> str:
         lines.append(f"| {r['context_tokens']:,} | {r['method']} | {r['ttft_ms']:.1f} | "
                      f"{r['speedup_vs_full_attention']:.2f}x |")
     lines += ["", "## Sparse attention alone (one layer, 15% of the context + question)", "",
-              "| backend | context | queries | ms | vs masked SDPA | max abs diff vs reference |",
-              "|---|---|---|---|---|---|"]
+              "| backend | context | queries | ms | vs masked SDPA | vs per-head kernel | max abs diff vs reference |",
+              "|---|---|---|---|---|---|---|"]
     for k in doc["kernel"]:
+        vs_head = f"{k['speedup_vs_per_head_kernel']:.2f}x" if k.get("speedup_vs_per_head_kernel") else "-"
         lines.append(f"| {k['backend']} | {k['context']:,} | {k['queries']:,} | {k['ms']:.2f} | "
-                     f"{k['speedup_vs_masked_sdpa']:.2f}x | {k['max_abs_diff_vs_reference']:.2e} |")
+                     f"{k['speedup_vs_masked_sdpa']:.2f}x | {vs_head} | {k['max_abs_diff_vs_reference']:.2e} |")
+    if doc.get("packed_autotune"):
+        lines += ["", "Packed kernel's autotuned tiles (key: head size, group size, query-count bucket, dtypes): "
+                  + "; ".join(f"`{k}` -> {v}" for k, v in doc["packed_autotune"].items())]
+    if doc.get("notes"):
+        lines += ["", *(f"Note: {n}" for n in doc["notes"])]
     lines += ["", "## Ratio 1 vs Full Attention (smallest context)", "",
               "| backend | max abs first-token logit diff | largest logit |", "|---|---|---|"]
     for e in doc["exactness"]:
@@ -310,9 +352,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--contexts", default="8192,16384,32768", help="context sizes in tokens (S + chunks + Q)")
     p.add_argument("--chunk-tokens", type=int, default=512)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--backends", default="reference,triton", help="sparse-pass backends; the last one also "
-                   "runs Full Reuse and CacheBlend")
-    p.add_argument("--kernel-context", type=int, default=32768)
+    p.add_argument("--backends", default="reference,triton-packed,triton", help="sparse-pass backends; the last "
+                   "one (the default CUDA backend, as in the first run) also runs Full Reuse and CacheBlend")
+    p.add_argument("--kernel-contexts", default="8192,16384,32768", help="context sizes of the kernels-alone "
+                   "comparison (15%% of each + the question)")
     p.add_argument("--kernel-only", action="store_true", help="only the attention-alone comparison")
     args = p.parse_args(argv)
     torch.set_grad_enabled(False)

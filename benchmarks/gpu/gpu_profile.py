@@ -5,11 +5,12 @@ Companion of ``benchmarks/gpu/gpu_bench.py`` (same random model, same prompt): w
   recompute pass and the question-only pass, per attention backend (median of ``--repeats``), and a
   plain contiguous prefill of as many tokens as the sparse pass recomputes;
 - ``profile_recompute_<context>.txt``: torch.profiler's kernel table of one sparse pass (triton);
-- ``kernel_tiles_<context>.json``: the kernel alone against masked SDPA for each ``--tiles`` entry.
+- ``kernel_tiles_<context>.json``: the kernels alone against masked SDPA for each tile: the per-head
+  kernel's ``--tiles`` and the packed kernel's ``--packed-tiles`` (what its autotuner chooses among).
 
 Usage (H200, ~1 min): ``python benchmarks/gpu/gpu_profile.py --out benchmarks/gpu/results``
 CPU smoke test: ``TRITON_INTERPRET=1 python benchmarks/gpu/gpu_profile.py --config tiny --device cpu
---context 256 --chunk-tokens 32 --backends reference,blocked --tiles 16x16x4x2 --out /tmp/gp``
+--context 256 --chunk-tokens 32 --backends reference,triton --tiles 16x16x4x2 --packed-tiles 16x16x1x1 --out /tmp/gp``
 """
 
 from __future__ import annotations
@@ -74,10 +75,11 @@ def phases(bench, lm, context: int, chunk_tokens: int, backends: list[str], repe
     return out, prof.key_averages().table(sort_by=sort, row_limit=30)
 
 
-def kernel_tiles(bench, lm, context: int, tiles: list[dict[str, int]], repeats: int) -> dict:
-    """The triton kernel alone at 15% of ``context`` (one layer's shapes) for each tile, vs masked SDPA;
+def kernel_tiles(bench, lm, context: int, tiles: list[dict[str, int]], repeats: int,
+                 packed_tiles: list[dict[str, int]] = ()) -> dict:
+    """The triton kernels alone at 15% of ``context`` (one layer's shapes) for each tile, vs masked SDPA;
     each backend keeps one spec across its calls, so the reference builds its mask once (as in a pass)."""
-    from fusionrag.execution.attention_backends import get_backend, qsparse_triton
+    from fusionrag.execution.attention_backends import get_backend, qsparse_packed, qsparse_triton
 
     tensors, spec, scale = bench.kernel_inputs(lm, context)
     ref, ref_spec = get_backend("reference"), spec()
@@ -85,20 +87,23 @@ def kernel_tiles(bench, lm, context: int, tiles: list[dict[str, int]], repeats: 
     dev = str(lm.device)
     res: dict = {"context": context, "queries": tensors[0].shape[1], "dtype": str(lm.dtype),
                  "reference_ms": bench.median_ms(dev, lambda: ref(*tensors, ref_spec, scale), repeats), "tiles": []}
-    for tile in tiles:
+    runs = [("triton", qsparse_triton.attend, t) for t in tiles]
+    runs += [("triton-packed", qsparse_packed.attend, t) for t in packed_tiles]
+    for kernel, attend, tile in runs:
         sq = spec()
-        got = qsparse_triton.attend(*tensors, sq, scale, config=tile).float()
-        ms = bench.median_ms(dev, lambda tile=tile, sq=sq: qsparse_triton.attend(*tensors, sq, scale, config=tile),
+        got = attend(*tensors, sq, scale, config=tile).float()
+        ms = bench.median_ms(dev, lambda attend=attend, tile=tile, sq=sq: attend(*tensors, sq, scale, config=tile),
                              repeats)
-        res["tiles"].append({**tile, "ms": ms, "speedup_vs_masked_sdpa": res["reference_ms"] / ms,
+        res["tiles"].append({"kernel": kernel, **tile, "ms": ms, "speedup_vs_masked_sdpa": res["reference_ms"] / ms,
                              "max_abs_diff_vs_reference": float((got - expected).abs().max())})
-        print(f"[gpu_profile] tile {tile}: {ms:.2f} ms", file=sys.stderr, flush=True)
+        print(f"[gpu_profile] {kernel} tile {tile}: {ms:.2f} ms", file=sys.stderr, flush=True)
     return res
 
 
-def parse_tiles(text: str) -> list[dict[str, int]]:
-    """``64x64x4x2,128x64x8x3`` -> block_m x block_n x num_warps x num_stages each."""
-    keys = ("block_m", "block_n", "num_warps", "num_stages")
+def parse_tiles(text: str, rows: str = "block_m") -> list[dict[str, int]]:
+    """``64x64x4x2,128x64x8x3`` -> rows (``block_m``, the packed kernel's ``block_r``) x block_n x num_warps x
+    num_stages each."""
+    keys = (rows, "block_n", "num_warps", "num_stages")
     return [dict(zip(keys, map(int, one.split("x")), strict=True)) for one in text.split(",") if one]
 
 
@@ -111,9 +116,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--context", type=int, default=32768)
     p.add_argument("--chunk-tokens", type=int, default=512)
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--backends", default="reference,blocked,triton", help="the last one is profiled")
-    p.add_argument("--tiles", default="64x64x4x2,64x64x4x3,128x64x8x3,128x64x4x3,128x128x8x2,64x128x4x3,"
-                   "128x32x4x3,128x64x8x2,256x64x8x2")
+    p.add_argument("--backends", default="reference,blocked,triton,triton-packed", help="the last one is profiled")
+    p.add_argument("--tiles", default="64x64x4x2,64x64x4x3,128x64x8x3", help="the per-head kernel's tiles (the "
+                   "first run swept nine: benchmarks/gpu/results/kernel_tiles_32768.json)")
+    p.add_argument("--packed-tiles", default=None, help="the packed kernel's tiles (rows x keys x warps x stages); "
+                   "default: the ones its autotuner chooses among")
     args = p.parse_args(argv)
     sys.path.insert(0, str(HERE))
     import gpu_bench as bench
@@ -134,7 +141,12 @@ def main(argv: list[str] | None = None) -> int:
     atomic_write(out / f"phases_{args.context}.json", json.dumps({"meta": meta, **doc}, indent=2))
     atomic_write(out / f"profile_recompute_{args.context}.txt", table + "\n")
     if args.tiles and "triton" in args.backends.split(","):
-        tiles = kernel_tiles(bench, lm, args.context, parse_tiles(args.tiles), args.repeats)
+        from fusionrag.execution.attention_backends.qsparse_packed import GPU_TILES
+
+        packed = args.packed_tiles if args.packed_tiles is not None else ",".join("x".join(map(str, t))
+                                                                                 for t in GPU_TILES)
+        tiles = kernel_tiles(bench, lm, args.context, parse_tiles(args.tiles), args.repeats,
+                             parse_tiles(packed, rows="block_r"))
         atomic_write(out / f"kernel_tiles_{args.context}.json", json.dumps({"meta": meta, **tiles}, indent=2))
     return 0
 
