@@ -69,8 +69,8 @@ def inputs(config_name: str, chunks: int, chunk_tokens: int, stored: torch.dtype
     dim = cfg.hidden_size // cfg.num_attention_heads
     theta = cfg.rope_parameters["rope_theta"]
     inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
-    g = torch.Generator().manual_seed(0)
-    rand = lambda t, dt: torch.randn(layers, hkv, t, dim, generator=g).to(device=device, dtype=dt)  # noqa: E731
+    torch.manual_seed(0)  # made on the device: 2 GB of random KV at the 7B shape would take seconds on a CPU
+    rand = lambda t, dt: torch.randn(layers, hkv, t, dim, device=device).to(dt)  # noqa: E731
     prefix = KV(rand(SYSTEM_TOKENS, torch.float32), rand(SYSTEM_TOKENS, torch.float32), 0)
     kvs = [KV(rand(chunk_tokens, stored), rand(chunk_tokens, stored), SYSTEM_TOKENS) for _ in range(chunks)]
     return prefix, kvs, inv_freq
