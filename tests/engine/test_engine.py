@@ -129,12 +129,26 @@ def test_ask_cli_json_and_explain(store_dir, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr("fusionrag.retrieval.embedder.get_embedder", lambda name=None: HashingEmbedder())
     page = tmp_path / "why.html"
     rc = main(["ask", QUESTION, "--store", str(store_dir), "--json", "--max-new-tokens", "3", "--top-k", "2",
-               "--explain", str(page)])
+               "--explain", str(page), "--method", "fusionrag"])
     assert rc == 0
-    out = json.loads(capsys.readouterr().out)
+    captured = capsys.readouterr()
+    out = json.loads(captured.out)
     assert out["method"] == "fusionrag" and out["recomputed_tokens"] > 0 and "total" in out["ttft_ms"]
+    assert [s["chunk_id"] for s in out["sources"]] == out["chunk_ids"] and len(out["sources"]) == 2
+    assert all(s["title"] and s["source"] and isinstance(s["score"], float) for s in out["sources"])
+    assert "loading tiny-llama over the store" in captured.err and "answering with method fusionrag" in captured.err
     html = page.read_text()
     assert "<mark>" in html and "of the selection" in html
+
+
+def test_ask_by_default_says_what_it_chose_and_cites_its_sources(store_dir, capsys, monkeypatch):
+    monkeypatch.setattr("fusionrag.retrieval.embedder.get_embedder", lambda name=None: HashingEmbedder())
+    assert main(["ask", QUESTION, "--store", str(store_dir), "--max-tokens", "2", "--top-k", "2"]) == 0
+    err = capsys.readouterr().err
+    assert "auto: " in err and "[1] " in err and "[2] " in err and "score " in err  # a short context: full, said
+    assert main(["ask", QUESTION, "--store", str(store_dir), "--max-tokens", "2", "--no-retrieval", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["chunk_ids"] == [] and out["method"] == "full" and "no passages" in out["note"]
 
 
 @pytest.mark.parametrize("argv, message", [

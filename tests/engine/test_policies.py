@@ -5,7 +5,7 @@ import torch
 
 from fusionrag.errors import FusionRAGError
 from fusionrag.execution.forward import prefill
-from fusionrag.online.methods import all_methods, make_policy, methods, register_policy
+from fusionrag.online.methods import all_methods, make_policy, method_info, methods, register_policy
 from fusionrag.online.policies import (
     EPIC_MAX_PER_CHUNK,
     QueryGuided,
@@ -18,7 +18,7 @@ from fusionrag.online.policies import (
 from fusionrag.online.prefill import prefill_full, prefill_reused
 from policy_helpers import selection_setup as _setup
 
-POLICIES = [m for m in methods() if m not in ("full", "reuse")]
+POLICIES = [m for m in methods() if method_info(m).factory is not None]  # selection policies
 
 @pytest.mark.parametrize("method", POLICIES)
 def test_ratio_one_is_full_attention_and_zero_is_full_reuse(tiny_lm, method):
@@ -88,7 +88,7 @@ def test_cacheblend_score_equals_explicit_layer1_deviation(tiny_lm):
 def test_unknown_method_is_clear():
     with pytest.raises(FusionRAGError, match="unknown method"):
         make_policy("magic")
-    assert methods() == ["full", "reuse", "fusionrag", "cacheblend", "cachecraft", "epic"]
+    assert methods() == ["full", "reuse", "fusionrag", "auto", "cacheblend", "cachecraft", "epic"]
 
 
 def test_a_registered_policy_is_a_method_every_door_accepts_but_the_product_does_not_list():

@@ -33,7 +33,7 @@ from serve_helpers import (
 
 
 def test_chat_completion_matches_engine(app, client):
-    body = {"model": "x", "messages": USER, "max_tokens": 10, "method": "fusionrag", "ratio": 0.15, "top_k": 2}
+    body = {"model": "tiny-llama", "messages": USER, "max_tokens": 10, "method": "fusionrag", "ratio": 0.15, "top_k": 2}
     r = client.post("/v1/chat/completions", json=body)
     assert r.status_code == 200, r.text
     out = r.json()
@@ -54,7 +54,8 @@ def test_chat_completion_matches_engine(app, client):
 
 
 def test_streaming_sends_openai_chunks_then_done(app, client):
-    body = {"messages": USER, "max_tokens": 10, "top_k": 2, "stream": True, "stream_options": {"include_usage": True}}
+    body = {"messages": USER, "max_tokens": 10, "top_k": 2, "method": "fusionrag", "stream": True,
+            "stream_options": {"include_usage": True}}
     with client.stream("POST", "/v1/chat/completions", json=body) as r:
         assert r.status_code == 200
         assert r.headers["content-type"].startswith("text/event-stream")
@@ -230,7 +231,10 @@ def test_api_key(app, client, monkeypatch):
     error_of(client.post("/v1/chat/completions", json={"messages": USER}), 401, "invalid_api_key")
     error_of(client.post("/v1/chat/completions", json={"messages": USER},
                          headers={"Authorization": "Bearer wrong"}), 401, "invalid_api_key")
+    assert client.get("/metrics").status_code == 200  # open, as vLLM's: a Prometheus scrape sends no token
+    monkeypatch.setattr(app.state.settings, "metrics_need_key", True)
     error_of(client.get("/metrics"), 401)
+    assert client.get("/metrics", headers={"Authorization": "Bearer s3cret"}).status_code == 200
     error_of(client.post("/v1/documents", json=[{"text": "t"}]), 401)
     ok = client.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 2},
                      headers={"Authorization": "Bearer s3cret"})

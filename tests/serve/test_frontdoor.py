@@ -164,14 +164,14 @@ def test_document_blocks_in_the_message_are_the_passages(live, client):
     app, _ = live
     docs = [*stored_passages(app, [0, 2]), {"title": "New", "text": "A passage the store has never seen."}]
     blocks = "".join(f'<document title="{p["title"]}">{p["text"]}</document>\n' for p in docs)
-    out = chat(client, messages=[{"role": "user", "content": blocks + Q}], extra_body={})
+    out = chat(client, messages=[{"role": "user", "content": blocks + Q}], extra_body={"method": "fusionrag"})
     ref = serial(app, Q, 8, chunks=docs)
     assert out.choices[0].message.content == ref.text
     reuse = out.usage.model_extra["fusionrag"]
     # the two stored chunks are found by content hash (their fused KV); the new one goes to the prefix cache
     assert reuse["reused_chunks"] == 2 and reuse["adhoc_chunks"] == 1
     assert out.model_extra["fusionrag"]["chunk_ids"] == [0, 2, None]
-    via_field = chat(client, extra_body={"documents": docs})
+    via_field = chat(client, extra_body={"documents": docs, "method": "fusionrag"})
     assert via_field.choices[0].message.content == ref.text
 
 
@@ -213,7 +213,8 @@ def test_unsupported_fields_are_400_naming_the_field(http, field):
 
 
 def test_n_above_one_is_400(http):
-    err = error_of(http.post("/v1/chat/completions", json={"messages": USER, "n": 2}), 400, "invalid_value")
+    err = error_of(http.post("/v1/chat/completions", json={"messages": USER, "n": 2}), 400,
+                   "unsupported_parameter")
     assert err["param"] == "n"
 
 

@@ -97,8 +97,7 @@ def _percentile(values: Sequence[float], q: float) -> float | None:
 
 async def _one(client: Any, url: str, headers: dict, item: dict, spec: MethodSpec, max_tokens: int,
                top_k: int | None, t_offset: float) -> dict[str, Any]:
-    body: dict[str, Any] = {
-        "model": "fusionrag",
+    body: dict[str, Any] = {  # no "model": the server's served model (vLLM's habit, as fusionrag's)
         "messages": [{"role": "user", "content": item["question"]}],
         "max_tokens": max_tokens,
         "stream": True,

@@ -92,20 +92,32 @@ def loader_comparison(store, lm, question: str, requests: list[list[int]], metho
 
 
 def _contexts(store, lengths: Sequence[int]) -> dict[int, list[int]]:
-    """For each target length, the first chunks of the store whose tokens add up to about it."""
+    """For each target length, the first chunks of the store whose tokens add up to about it
+    (a chunk that would overshoot the target by more than 10% is passed over, so that short
+    targets, e.g. the break-even study's 64-512 tokens, are met with short chunks)."""
     ids = store.chunk_ids()
     out = {}
     for target in lengths:
-        chosen, total = [], 0
-        for cid in ids:
-            if total >= target:
-                break
-            chosen.append(cid)
-            total += store.chunk(cid).n_tokens
+        chosen, total = _first_chunks(store, ids, target, skip_over=True)
+        if total < target * 0.9:  # too few short chunks: the first ones, whatever their size
+            chosen, total = _first_chunks(store, ids, target, skip_over=False)
         if total < target * 0.9:
             raise FusionRAGError(f"not enough passages for a {target}-token context (have {total} tokens)")
         out[target] = chosen
     return out
+
+
+def _first_chunks(store, ids: Sequence[int], target: int, skip_over: bool) -> tuple[list[int], int]:
+    chosen, total = [], 0
+    for cid in ids:
+        if total >= target:
+            break
+        n = store.chunk(cid).n_tokens
+        if skip_over and total + n > target * 1.1:
+            continue
+        chosen.append(cid)
+        total += n
+    return chosen, total
 
 
 def plain_transformers_ms(lm, ids: Sequence[int]) -> float:

@@ -1,16 +1,18 @@
-"""LlamaIndex: an ``OpenAILike`` LLM for ``fusionrag serve`` and a query engine that sends its nodes as passages.
+"""LlamaIndex: a retriever over fusionrag's store, an ``OpenAILike`` LLM, a query engine sending nodes as passages.
 
 ::
 
-    from fusionrag.integrations.llamaindex import FusionRAGQueryEngine, llm
+    from fusionrag.integrations.llamaindex import FusionRAGQueryEngine, FusionRAGRetriever, llm
 
-    engine = FusionRAGQueryEngine(retriever=index.as_retriever(similarity_top_k=3),
-                                  llm=llm("http://127.0.0.1:8000/v1"), method="fusionrag")
+    url = "http://127.0.0.1:8000/v1"
+    engine = FusionRAGQueryEngine(retriever=FusionRAGRetriever(url, top_k=5), llm=llm(url, model="qwen2.5-0.5b"))
     response = engine.query("Who discovered polonium?")
-    response.metadata["fusionrag"]["reused_chunks"]
+    response.metadata["fusionrag"]["reused_chunks"]   # 5
 
-LlamaIndex's own query engines format the nodes into the prompt text; this one sends them
-as ``documents`` so their KV is reused, and keeps the nodes as ``source_nodes``.
+Any LlamaIndex retriever works too (``index.as_retriever()`` over the same files: the
+server maps its nodes onto the stored chunks). LlamaIndex's own query engines format the
+nodes into the prompt text; this one sends them as ``documents`` so their KV is reused, and
+keeps the nodes as ``source_nodes``.
 """
 
 from __future__ import annotations
@@ -21,21 +23,44 @@ from llama_index.core.base.response.schema import Response
 from llama_index.core.llms import ChatMessage
 from llama_index.core.query_engine import CustomQueryEngine
 from llama_index.core.retrievers import BaseRetriever
-from llama_index.core.schema import NodeWithScore
+from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
 from llama_index.llms.openai_like import OpenAILike
 
-from fusionrag.integrations import documents_body, fusionrag_fields, passage
+from fusionrag.integrations import chunk_metadata, documents_body, fusionrag_fields, passage, retrieve
 
 
-def llm(api_base: str, model: str = "fusionrag", api_key: str = "none", **kwargs: Any) -> OpenAILike:
-    """``OpenAILike`` for a fusionrag server, as a chat model (greedy unless ``temperature`` is given)."""
+class FusionRAGRetriever(BaseRetriever):
+    """The store's chunks for a query (``POST /v1/retrieve``) as scored nodes whose KV the server has precomputed.
+
+    Node ids are ``fusionrag-chunk-ID``; ``metadata``: ``chunk_id``, ``title``, ``source``, ``score``."""
+
+    def __init__(self, base_url: str, top_k: int | None = None, api_key: str | None = None,
+                 timeout: float = 60.0, **kwargs: Any) -> None:
+        self.base_url, self.top_k, self.api_key, self.timeout = base_url, top_k, api_key, timeout
+        super().__init__(**kwargs)
+
+    def _retrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
+        hits = retrieve(self.base_url, query_bundle.query_str, self.top_k, self.api_key, self.timeout)
+        return [NodeWithScore(node=TextNode(id_=f"fusionrag-chunk-{h['chunk_id']}", text=h["text"],
+                                            metadata=chunk_metadata(h)), score=h["score"]) for h in hits]
+
+
+def llm(api_base: str, model: str, api_key: str = "none", retrieval: bool | None = None,
+        **kwargs: Any) -> OpenAILike:
+    """``OpenAILike`` for a fusionrag server, as a chat model (greedy unless ``temperature`` is given).
+
+    ``model``: a name the server serves (``GET /v1/models``); ``retrieval=False`` for LlamaIndex's own
+    engines that paste their context into the prompt, so the server adds none of its own."""
     kwargs.setdefault("temperature", 0.0)
     kwargs.setdefault("context_window", 8192)
+    if retrieval is not None:
+        kwargs["additional_kwargs"] = {**kwargs.get("additional_kwargs", {}),
+                                       "extra_body": {"retrieval": bool(retrieval)}}
     return OpenAILike(api_base=api_base, api_key=api_key, model=model, is_chat_model=True, **kwargs)
 
 
 def to_passages(nodes: list[NodeWithScore]) -> list[dict[str, str]]:
-    """Retrieved nodes as fusionrag passages (title from the node's ``metadata["title"]``)."""
+    """Retrieved nodes as fusionrag passages (text without metadata; title and source from the metadata)."""
     return [passage(n.node.get_content(), n.node.metadata) for n in nodes]
 
 

@@ -48,6 +48,24 @@ class KVSource(Protocol):
         ...
 
 
+class NoStoredKV:
+    """The source of an engine without a store: nothing is stored, every passage's KV is computed."""
+
+    def get_many(self, keys: Sequence[Key]) -> list[KVEntry]:
+        if keys:
+            raise KeyError(f"no store: no stored KV for {list(keys)[:3]}")
+        return []
+
+    def prefetch(self, keys: Iterable[Key]) -> None:
+        return None
+
+    def invalidate(self, keys: Iterable[Key] | None) -> None:
+        return None
+
+    def stats(self) -> dict[str, Any]:
+        return {}
+
+
 class DiskSource:
     """The store's ``kv/`` folder itself: every read verified against the chunk's token ids."""
 

@@ -1,22 +1,53 @@
-"""``fusionrag ask``: one question against a knowledge store."""
+"""``fusionrag ask``: one question against a knowledge store (or the model alone).
+
+What it is doing goes to stderr while it loads (the model, the store, the method it ran and
+why); the answer alone goes to stdout, so ``ask ... > answer.txt`` keeps just the answer.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+import time
 
 from fusionrag.models.devices import add_device_args, device_options
 from fusionrag.online.methods import KV_KINDS, method_info, methods
-from fusionrag.online.request import ReuseRequest
+from fusionrag.online.request import DEFAULT_MAX_NEW_TOKENS, ReuseRequest
+
+
+def _say(args: argparse.Namespace, message: str) -> None:
+    if not args.quiet:
+        print(f"fusionrag: {message}", file=sys.stderr, flush=True)
+
+
+def _model_of(args: argparse.Namespace) -> str:
+    if args.model:
+        return args.model
+    if args.store:
+        from fusionrag.retrieval.store_info import stored_model
+
+        try:
+            return stored_model(args.store)
+        except Exception:
+            return "the store's model"
+    from fusionrag.models import DEFAULT_MODEL
+
+    return DEFAULT_MODEL
 
 
 def _cmd_ask(args: argparse.Namespace) -> int:
     from fusionrag.online.engine import Engine
 
     # Validated before the model loads: a wrong ratio costs no model conversion.
-    req = ReuseRequest(args.question, args.method, args.ratio, args.kv, args.top_k).validated()
+    retrieval = False if args.no_retrieval else None
+    req = ReuseRequest(args.question, args.method, args.ratio, args.kv, args.top_k, retrieval=retrieval).validated()
+    start = time.perf_counter()
+    where = f"over the store {args.store}" if args.store else "without a store (no retrieval)"
+    _say(args, f"loading {_model_of(args)} {where} ...")
     engine = Engine.open(args.store, model=args.model, **device_options(args))
+    _say(args, f"loaded {engine.lm.name} on {engine.lm.device} in {time.perf_counter() - start:.1f} s; "
+               f"answering with method {args.method} ...")
     if args.stream and not (args.json or args.explain):
         for delta in engine.stream(args.question, max_new_tokens=args.max_new_tokens, **req.as_kwargs()):
             sys.stdout.write(delta)
@@ -29,6 +60,8 @@ def _cmd_ask(args: argparse.Namespace) -> int:
 
         write_explain(args.explain, render_explain_html(result, args.question, engine.lm.tokenizer,
                                                         result.chunk_token_ids))
+    if result.note:
+        _say(args, result.note)
     if args.json:
         print(json.dumps({"question": args.question, **result.to_json()}))
     else:
@@ -41,23 +74,35 @@ def _cmd_ask(args: argparse.Namespace) -> int:
             f"{t['recompute']:.0f} + first token {t['first_token']:.0f}]",
             file=sys.stderr,
         )
+        for i, s in enumerate(result.sources, 1):
+            score = "" if s["score"] is None else f", score {s['score']:.3f}"
+            origin = f" ({s['source']})" if s["source"] else ""
+            stored = f"chunk {s['chunk_id']}" if s["chunk_id"] is not None else "your passage"
+            print(f"  [{i}] {s['title'] or '(untitled)'}{origin}: {stored}{score}", file=sys.stderr)
     return 0
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("ask", help="answer a question over a knowledge store")
     p.add_argument("question")
-    p.add_argument("--store", required=True, help="knowledge store folder (from 'fusionrag ingest')")
-    p.add_argument("--model", default=None, help="model (default: the one the store was built with)")
-    p.add_argument("--method", default="fusionrag", choices=methods(),
+    p.add_argument("--store", default=None, help="knowledge store folder (from 'fusionrag ingest'); without one, "
+                                                 "the model answers alone")
+    p.add_argument("--model", default=None, help="model (default: the one the store was built with; a different "
+                                                 "model is refused before it loads)")
+    p.add_argument("--method", default="auto", choices=methods(),
                    help="; ".join(f"{m}: {method_info(m).description}" for m in methods()))
     p.add_argument("--ratio", type=float, default=0.15, help="fraction of context tokens to recompute")
-    p.add_argument("--top-k", type=int, default=None, help="chunks to retrieve (default 5)")
+    p.add_argument("--top-k", type=int, default=None, help="chunks to retrieve (default 5; 0: none)")
+    p.add_argument("--no-retrieval", action="store_true", help="answer from the question alone")
     p.add_argument("--kv", choices=KV_KINDS, default=None,
                    help="which stored KV to reuse (default: plain-first for fusionrag, plain otherwise; "
                         "plain-first: fused, but the prompt's first chunk plain where the store holds it)")
-    p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--max-new-tokens", "--max-tokens", dest="max_new_tokens", type=int,
+                   default=DEFAULT_MAX_NEW_TOKENS,
+                   help=f"longest answer in tokens (default {DEFAULT_MAX_NEW_TOKENS}; it ends at the model's end "
+                        "of turn first)")
+    p.add_argument("--json", action="store_true", help="print one JSON object (answer, method, TTFT, sources)")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
     p.add_argument("--stream", action="store_true", help="print tokens as they are generated")
     p.add_argument("--explain", metavar="FILE.html", help="write a page showing which tokens were recomputed")
     add_device_args(p)

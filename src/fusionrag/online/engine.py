@@ -31,37 +31,51 @@ from fusionrag.execution.segments import chunk_kv_plain
 from fusionrag.execution.segments import system_kv as compute_system_kv
 from fusionrag.kvcache.kv import KV
 from fusionrag.kvcache.prefix_cache import AlternativePathCache
-from fusionrag.kvcache.sources import Key, KVSource, MemoryTier
+from fusionrag.kvcache.sources import Key, KVSource, MemoryTier, NoStoredKV
 from fusionrag.kvcache.store import KVEntry
 from fusionrag.models.clock import StageClock
 from fusionrag.models.registry import LoadedModel
 from fusionrag.online.methods import make_policy
 from fusionrag.online.policies import SelectionInput, select
 from fusionrag.online.prefill import assemble_context, prefill_full, prefill_reused
-from fusionrag.online.request import DEFAULT_TOP_K, ReuseRequest, resolved_kv
+from fusionrag.online.request import DEFAULT_MAX_NEW_TOKENS, DEFAULT_TOP_K, ReuseRequest, resolved_kv
 from fusionrag.online.state import Request
-from fusionrag.prompt import passage_hash
+from fusionrag.prompt import PromptBuilder, passage_hash
 from fusionrag.retrieval.knowledge import KnowledgeStore
+from fusionrag.retrieval.matching import Piece, match_passages
 
 log = logging.getLogger(__name__)
+
+#: Context tokens from which ``method="auto"`` reuses KV when the store records no measured value.
+#: Below it a full prefill is faster on a CPU (the question pre-pass and the KV loads cost more
+#: than recomputing 85% fewer tokens saves): measured in benchmarks/ttft/results/break_even.
+BREAK_EVEN_TOKENS = 512
+
+
+def break_even_tokens(lm: LoadedModel) -> int:
+    """The context length from which reuse is faster than a full prefill for ``lm`` (see BREAK_EVEN_TOKENS)."""
+    return BREAK_EVEN_TOKENS
 
 
 
 class Engine:
     """Answers questions over a knowledge store with a chosen KV-reuse method."""
 
-    def __init__(self, store: KnowledgeStore, lm: LoadedModel, *, kv_source: KVSource | None = None,
+    def __init__(self, store: KnowledgeStore | None, lm: LoadedModel, *, kv_source: KVSource | None = None,
                  memory_budget_bytes: int | None = None, loader_threads: int = 2,
-                 adhoc_cache_bytes: int | None = 2 << 30) -> None:
+                 adhoc_cache_bytes: int | None = 2 << 30, min_reuse_tokens: int | None = None) -> None:
         """``kv_source`` replaces the store's own disk reads (benchmarks' hot/cold tiers; a shared tier);
         ``memory_budget_bytes`` puts a heat-managed memory tier with an asynchronous loader of
-        ``loader_threads`` threads over it."""
-        if lm.fingerprint != store.fingerprint:
+        ``loader_threads`` threads over it. ``store`` None: no retrieval, no stored KV; passages a
+        request brings are computed once and kept in the prefix cache. ``min_reuse_tokens``: the
+        context length from which ``method="auto"`` reuses KV (default: :func:`break_even_tokens`)."""
+        if store is not None and lm.fingerprint != store.fingerprint:
             raise FusionRAGError(f"model {lm.name} is not the model the store at {store.path} was built with")
         self.store = store
         self.lm = lm
-        self.prompt = store.prompt
-        source = kv_source if kv_source is not None else store.kv_source()
+        self.prompt = store.prompt if store is not None else PromptBuilder(lm.tokenizer)
+        self.min_reuse_tokens = break_even_tokens(lm) if min_reuse_tokens is None else int(min_reuse_tokens)
+        source = kv_source if kv_source is not None else store.kv_source() if store is not None else NoStoredKV()
         self.kv_source: KVSource = MemoryTier(source, memory_budget_bytes, loader_threads=loader_threads) \
             if memory_budget_bytes else source
         self._system_kv: KV | None = None
@@ -76,21 +90,28 @@ class Engine:
         self.clock: Callable[[], StageClock] = lambda: StageClock(lm.device)
 
     @classmethod
-    def open(cls, store_dir: str | Path, model: str | None = None, device: str | None = None,
+    def open(cls, store_dir: str | Path | None, model: str | None = None, device: str | None = None,
              dtype: str | None = None, attention: str | None = None, **engine_options: Any) -> Engine:
-        """The store at ``store_dir`` with its model (``model`` overrides where the weights come from).
+        """The store at ``store_dir`` with its model (``model`` overrides where the weights come from);
+        ``store_dir`` None: ``model`` without a store (plain generation, or over passages a request brings).
 
         ``device`` / ``dtype`` / ``attention``: where and how the model computes (defaults: CUDA
         when available, float32, the device's sparse-attention backend); stored KV is read as stored.
+        A model that cannot be the store's is refused before it is loaded (or converted).
         """
-        from fusionrag.models import load_model
-        from fusionrag.retrieval.store_info import stored_model
+        from fusionrag.models import DEFAULT_MODEL, load_model
+        from fusionrag.retrieval.store_info import check_model_matches, stored_model
 
+        if store_dir is None:
+            lm = load_model(model or DEFAULT_MODEL, dtype=dtype, device=device, attention=attention)
+            return cls(None, lm, **engine_options)
         path = Path(store_dir)
         if not path.exists():
             raise FusionRAGError(
                 f"no knowledge store at '{path}'; create one with 'fusionrag ingest FILES --store {path}'"
             )
+        if model is not None:
+            check_model_matches(path, model)
         lm = load_model(model or stored_model(path), dtype=dtype, device=device, attention=attention)
         return cls(KnowledgeStore.open(path, lm=lm), lm, **engine_options)
 
@@ -98,7 +119,7 @@ class Engine:
     def system_kv(self) -> KV:
         """``S``'s KV in fp32: from the store, or computed here (not stored: building is offline's job)."""
         if self._system_kv is None:
-            kv = self.store.load_system_kv()
+            kv = self.store.load_system_kv() if self.store is not None else None
             if kv is None:
                 kv = compute_system_kv(self.lm, self.prompt.system_token_ids)
             self._system_kv = kv.to(torch.float32)
@@ -112,15 +133,16 @@ class Engine:
     # -- answering --------------------------------------------------------------------
 
     def answer(self, question: str, method: str = "fusionrag", ratio: float = 0.15, top_k: int | None = None,
-               chunks: Sequence[dict] | None = None, max_new_tokens: int = 32, kv: str | None = None,
-               preamble: str = "") -> Request:
-        """Answer ``question``; ``chunks`` (``{title, text}`` dicts, in order) bypasses retrieval."""
+               chunks: Sequence[dict] | None = None, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+               kv: str | None = None, preamble: str = "", retrieval: bool | None = None) -> Request:
+        """Answer ``question`` (greedy, up to ``max_new_tokens`` or the end of the answer); ``chunks``
+        (``{title, text}`` dicts, in order; ``[]`` for none) replaces retrieval, as does ``retrieval=False``."""
         with self._lock:
-            prep = self.prepare(question, method, ratio, top_k, chunks, kv, preamble)
+            prep = self.prepare(ReuseRequest(question, method, ratio, kv, top_k, chunks, preamble, retrieval))
             ids = list(greedy_tokens(self.lm, prep.take_kv(), prep.pre.last_logits, max_new_tokens))
         return self.finish(prep, ids)
 
-    def stream(self, question: str, max_new_tokens: int = 32, **kwargs: Any) -> Iterator[str]:
+    def stream(self, question: str, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, **kwargs: Any) -> Iterator[str]:
         """Yield the answer as text deltas (the first one as soon as the first token exists)."""
         with self._lock:
             prep = self.prepare(question, **kwargs)
@@ -135,24 +157,29 @@ class Engine:
 
     def prepare(self, question: str | ReuseRequest, method: str = "fusionrag", ratio: float = 0.15,
                 top_k: int | None = None, chunks: Sequence[dict] | None = None, kv: str | None = None,
-                preamble: str = "") -> Request:
+                preamble: str = "", retrieval: bool | None = None) -> Request:
         """Everything up to the first answer token, with the TTFT breakdown.
 
         Takes a :class:`~fusionrag.online.request.ReuseRequest` or its fields. ``preamble`` (a system
         message, earlier turns: :func:`fusionrag.prompt.conversation_preamble`) goes into the question
         segment, after the reused passages; retrieval uses ``question`` alone."""
         req = question if isinstance(question, ReuseRequest) else \
-            ReuseRequest(question, method, ratio, kv, top_k, chunks, preamble)
+            ReuseRequest(question, method, ratio, kv, top_k, chunks, preamble, retrieval)
         req = req.validated()
-        question, method, ratio, kv_kind = req.question, req.method, req.ratio, str(req.kv)
-        top_k, chunks, preamble = req.top_k, req.chunks, req.preamble
+        question, ratio, kv_kind, preamble = req.question, req.ratio, str(req.kv), req.preamble
         clock = self.clock()
-        if self.store.refresh():  # another process wrote to the store: its index and KV may have changed
+        if self.store is not None and self.store.refresh():  # another process wrote to the store
             self.kv_source.invalidate(None)
-        chunk_ids, passages = self._retrieve(question, top_k, chunks)
+        pieces, hit_scores, note = self._passages(req)
+        chunk_ids = [p.chunk_id for p in pieces]
+        passages = [p.as_passage() for p in pieces]
         clock.lap("retrieve")
         token_ids = [self._token_ids(cid, p) for cid, p in zip(chunk_ids, passages, strict=True)]
         question_token_ids = self.prompt.question_token_ids(question, preamble)
+        method, why = self.resolve_method(req.method, sum(map(len, token_ids)))
+        note = note or why
+        if method == "full":
+            kv_kind, ratio = "none", 1.0
 
         fallbacks = 0
         if method == "full":
@@ -178,7 +205,26 @@ class Engine:
         clock.lap("first_token")
         timings = {**clock.stages, "total": clock.total()}
         pre.timings_ms["recompute"] = timings["recompute"]
-        return Request(pre, method, kv_kind, float(ratio), chunk_ids, passages, token_ids, timings, fallbacks)
+        sources = [{"chunk_id": p.chunk_id, "title": p.title, "source": p.source, "score": score,
+                    "stored": p.chunk_id is not None} for p, score in zip(pieces, hit_scores, strict=True)]
+        return Request(pre, method, kv_kind, float(ratio), chunk_ids, passages, token_ids, timings, fallbacks,
+                       sources=sources, note=note)
+
+    def resolve_method(self, method: str, context_tokens: int) -> tuple[str, str]:
+        """The method a request runs and, when that is not the one it named, why.
+
+        Without passages there is nothing to reuse: Full Attention of ``S`` + the question, whatever
+        the method. ``auto`` reuses KV (``fusionrag``) from :attr:`min_reuse_tokens` tokens of
+        context, and below that runs ``full``, which is faster there (the selection pass and the
+        KV loads cost more than they save: ``docs/decisions/``)."""
+        if context_tokens == 0:
+            return "full", "" if method == "full" else "no passages: nothing to reuse (full prefill of the question)"
+        if method != "auto":
+            return method, ""
+        if context_tokens < self.min_reuse_tokens:
+            return "full", (f"auto: {context_tokens} context tokens < {self.min_reuse_tokens}, where a full prefill "
+                            "is faster than reuse")
+        return "fusionrag", f"auto: {context_tokens} context tokens >= {self.min_reuse_tokens}: fusionrag"
 
     def finish(self, prep: Request, token_ids: list[int]) -> Request:
         """Complete a prepared request with its generated token ids (the same object, now ``finished``)."""
@@ -188,24 +234,28 @@ class Engine:
         return prep
 
     def prompt_tokens(self, question: str, chunks: Sequence[dict], preamble: str = "") -> int:
-        """Tokens of ``S`` + these passages + the question: a length check before spending a prefill."""
+        """Tokens of ``S`` + these passages + the question: a length check before spending a prefill
+        (an estimate within a few tokens: the passages may be split into several chunks)."""
         n = len(self.prompt.system_token_ids) + len(self.prompt.question_token_ids(question, preamble))
         return n + sum(len(self.prompt.chunk_token_ids(c.get("title", ""), c.get("text", ""))) for c in chunks)
 
     # -- the KV source ----------------------------------------------------------------
 
     def prefetch(self, question: str, method: str = "fusionrag", top_k: int | None = None,
-                 chunks: Sequence[dict] | None = None, kv: str | None = None, **_ignored: Any) -> None:
+                 chunks: Sequence[dict] | None = None, kv: str | None = None, retrieval: bool | None = None,
+                 **_ignored: Any) -> None:
         """Asynchronous loader for a queued request: find its chunks now, start loading their KV.
 
         Runs retrieval (embedding + index search) in the caller's thread, outside the model
         lock, so the KV reads overlap with whatever the model is computing. Best effort:
         a request that cannot be resolved here is simply not prefetched.
         """
-        if method == "full" or not (question or "").strip():
+        if method == "full" or not (question or "").strip() or self.store is None:
             return
         try:
-            chunk_ids, _ = self._retrieve(question.strip(), top_k, chunks)
+            pieces, _, _ = self._passages(ReuseRequest(question.strip(), top_k=top_k, chunks=chunks,
+                                                       retrieval=retrieval))
+            chunk_ids = [p.chunk_id for p in pieces]
         except FusionRAGError:
             return
         try:
@@ -234,24 +284,29 @@ class Engine:
 
     # -- internals --------------------------------------------------------------------
 
-    def _retrieve(self, question: str, top_k: int | None,
-                  chunks: Sequence[dict] | None) -> tuple[list[int | None], list[dict]]:
-        if chunks is not None:
-            if not chunks:
-                raise FusionRAGError("chunks= was given but is empty")
-            passages = [{"title": c.get("title", ""), "text": c["text"]} for c in chunks]
-            return [self.store.find_by_hash(passage_hash(p["title"], p["text"])) for p in passages], passages
-        if not self.store.chunk_ids():
-            raise FusionRAGError("the knowledge store is empty; add documents with 'fusionrag ingest'")
-        ids: list[int | None] = list(self.store.search(question, top_k or DEFAULT_TOP_K))
-        passages = []
-        for cid in ids:
+    def _passages(self, req: ReuseRequest) -> tuple[list[Piece], list[float | None], str]:
+        """The request's chunks, their retrieval scores, and a note when it gets none it might expect.
+
+        Passages the request brings are mapped onto stored chunks (:mod:`fusionrag.retrieval.matching`);
+        otherwise the store is searched, unless retrieval is off or there is no store."""
+        if req.chunks is not None:
+            pieces = match_passages(self.store, self.prompt, req.chunks)
+            return pieces, [None] * len(pieces), ""
+        if not req.retrieves:
+            return [], [], ""
+        if self.store is None:
+            return [], [], "no store: answered without passages"
+        scored = self.store.search_scored(req.question, req.top_k or DEFAULT_TOP_K)
+        if not scored:
+            return [], [], "the store is empty: answered without passages"
+        pieces = []
+        for cid, _ in scored:
             rec = self.store.chunk(cid)
-            passages.append({"title": rec.title, "text": rec.text})
-        return ids, passages
+            pieces.append(Piece(cid, rec.title, rec.text, self.store.source_of(cid)))
+        return pieces, [round(s, 4) for _, s in scored], ""
 
     def _token_ids(self, chunk_id: int | None, passage: dict) -> list[int]:
-        if chunk_id is not None:
+        if chunk_id is not None and self.store is not None:
             return list(self.store.chunk(chunk_id).token_ids)
         return self.prompt.chunk_token_ids(passage["title"], passage["text"])
 
@@ -262,11 +317,11 @@ class Engine:
         if kind != "plain-first":
             return [kind] * len(chunk_ids)
         first = chunk_ids[0] if chunk_ids else None
-        plain = first is None or self.store.has_kv(first, "plain")
+        plain = first is None or self.store is None or self.store.has_kv(first, "plain")
         return [("plain" if plain else "fused") if i == 0 else "fused" for i in range(len(chunk_ids))]
 
     def _stored_key(self, chunk_id: int | None, kind: str) -> Key | None:
-        if chunk_id is None:
+        if chunk_id is None or self.store is None:
             return None
         if self.store.has_kv(chunk_id, kind):
             return (chunk_id, kind)
@@ -313,7 +368,8 @@ class Engine:
         method runs on fused KV, otherwise read through the same source (so a memory tier serves them)."""
         if kind == "fused":
             return [e.scores for e in entries]
-        keys = [(c, "fused") for c in chunk_ids if c is not None and self.store.has_kv(c, "fused")]
+        keys = [(c, "fused") for c in chunk_ids
+                if c is not None and self.store is not None and self.store.has_kv(c, "fused")]
         fused = self._read_stored(keys)
         return [fused[(c, "fused")].scores if (c, "fused") in fused else None for c in chunk_ids]
 

@@ -53,7 +53,7 @@ def register_policy(name: str, factory: Callable[[], Policy], *, kv: str = "plai
     KV kind it reuses by default. Registering a name again replaces it (a study re-run in one process)."""
     if kv not in KV_KINDS:
         raise FusionRAGError(f"kv must be one of {', '.join(KV_KINDS)}, got {kv!r}")
-    if name in ("full", "reuse"):
+    if name in ("full", "reuse", "auto"):
         raise FusionRAGError(f"'{name}' is not a selection policy and cannot be replaced")
     info = MethodInfo(name, factory, kv, kind, reads_stored_scores, description)
     _REGISTRY[name] = info
@@ -64,6 +64,10 @@ _REGISTRY["full"] = MethodInfo("full", None, "none", "product", description="Ful
 _REGISTRY["reuse"] = MethodInfo("reuse", None, "plain", "product", description="Full Reuse (recompute nothing)")
 register_policy("fusionrag", QueryGuided, kv="plain-first", kind="product",
                 description="FusionRAG: query-guided selection on fused KV")
+#: Chosen per request by the engine (``Engine.resolve_method``): ``fusionrag`` from the context length
+#: where reuse pays, ``full`` below it. Not a policy: it never reaches ``make_policy``.
+_REGISTRY["auto"] = MethodInfo("auto", None, "plain-first", "product",
+                               description="fusionrag where reuse pays (long contexts), full below that")
 register_policy("cacheblend", CacheBlend, kind="baseline", description="baseline: CacheBlend (layer-1 KV deviation)")
 register_policy("cachecraft", CacheCraft, kind="baseline", reads_stored_scores=True,
                 description="baseline: Cache-Craft (stored inter-chunk attention)")

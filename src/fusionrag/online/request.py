@@ -21,6 +21,9 @@ from fusionrag.prompt import is_valid_text
 DEFAULT_METHOD = "fusionrag"
 DEFAULT_RATIO = 0.15
 DEFAULT_TOP_K = 5
+#: Answer length when the caller names none: long enough for summaries and explanations (an answer
+#: ends at the model's end-of-turn token first; a server bounds it by its ``max_new_tokens``).
+DEFAULT_MAX_NEW_TOKENS = 512
 
 
 class InvalidRequest(FusionRAGError):
@@ -37,8 +40,12 @@ class ReuseRequest:
     """A question and how to reuse KV for it.
 
     ``kv=None`` means the method's default (:func:`~fusionrag.online.methods.default_kv`);
-    ``chunks`` (``{title, text}`` dicts, in order) replaces retrieval; ``preamble`` (system
+    ``chunks`` (``{title, text}`` dicts, in order; ``[]``: none) replaces retrieval; ``preamble`` (system
     messages, earlier turns) goes into the question segment, after the passages.
+
+    Retrieval from the store runs only when the request brings no passages of its own: ``chunks``
+    given (even empty), ``retrieval=False`` or ``top_k=0`` turn it off, so a framework that
+    retrieved (or pasted) its own context never gets the store's chunks on top of it.
     """
 
     question: str
@@ -48,6 +55,12 @@ class ReuseRequest:
     top_k: int | None = None
     chunks: Sequence[dict] | None = None
     preamble: str = ""
+    retrieval: bool | None = None
+
+    @property
+    def retrieves(self) -> bool:
+        """Whether the store is searched for this request's passages."""
+        return self.chunks is None and self.retrieval is not False and self.top_k != 0
 
     def validated(self, max_top_k: int | None = None) -> ReuseRequest:
         """This request with defaults resolved (kv; ratio 1 for ``full``, 0 for ``reuse``), or InvalidRequest."""
@@ -79,17 +92,17 @@ class ReuseRequest:
             kv = "none"
         if self.top_k is not None:
             hi = max_top_k if max_top_k is not None else 1_000
-            if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or not 1 <= self.top_k <= hi:
-                raise InvalidRequest(f"'top_k' (retrieval depth) must be between 1 and {hi}, got {self.top_k}",
-                                     "top_k")
-        if self.chunks is not None and not self.chunks:
-            raise InvalidRequest("chunks= was given but is empty", "documents")
+            if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or not 0 <= self.top_k <= hi:
+                raise InvalidRequest(f"'top_k' (retrieval depth) must be between 0 (no retrieval) and {hi}, "
+                                     f"got {self.top_k}", "top_k")
+        if self.retrieval is not None and not isinstance(self.retrieval, bool):
+            raise InvalidRequest(f"'retrieval' must be true or false, got {self.retrieval!r}", "retrieval")
         return replace(self, ratio=ratio, kv=kv)
 
     def as_kwargs(self) -> dict[str, Any]:
         """The request as keyword arguments of ``Engine.prepare`` (the fields a client set)."""
         out: dict[str, Any] = {"method": self.method, "ratio": self.ratio}
-        for name in ("kv", "top_k", "chunks"):
+        for name in ("kv", "top_k", "chunks", "retrieval"):
             if getattr(self, name) is not None:
                 out[name] = getattr(self, name)
         if self.preamble:

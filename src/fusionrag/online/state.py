@@ -30,6 +30,12 @@ class Request:
     chunk_token_ids: list[list[int]]
     ttft_ms: dict[str, float]  # retrieve / load / select / recompute / first_token / total
     fused_fallbacks: int = 0
+    #: Where each chunk came from, for citing: ``{chunk_id, title, source, score, stored}`` (score: the
+    #: retrieval similarity; None for passages the client sent).
+    sources: list[dict] = field(default_factory=list)
+    #: Why the request ran as it did when that differs from what it asked (``method=auto``'s choice,
+    #: no passages to reuse, an empty store); empty otherwise.
+    note: str = ""
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     status: Literal["prepared", "finished"] = "prepared"
@@ -90,6 +96,8 @@ class Request:
             "generated_tokens": len(self.token_ids),
             "ttft_ms": {k: round(v, 2) for k, v in self.ttft_ms.items()},
             "fused_fallbacks": self.fused_fallbacks,
+            "sources": self.sources,
+            "note": self.note,
         }
 
 

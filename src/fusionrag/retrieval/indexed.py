@@ -95,7 +95,11 @@ class IndexedChunks:
 
     def search(self, query: str, k: int) -> list[int]:
         """Chunk ids ranked by similarity to ``query`` (at most ``k``)."""
+        return [cid for cid, _ in self.search_scored(query, k)]
+
+    def search_scored(self, query: str, k: int) -> list[tuple[int, float]]:
+        """``(chunk id, cosine similarity)`` ranked by similarity to ``query`` (at most ``k``)."""
         if k <= 0 or len(self._index) == 0:
             return []
-        _, ids = self._index.search(self.embedder.embed([query]), min(k, len(self._index)))
-        return [int(i) for i in ids[0] if i >= 0]
+        scores, ids = self._index.search(self.embedder.embed([query]), min(k, len(self._index)))
+        return [(int(i), float(s)) for i, s in zip(ids[0], scores[0], strict=True) if i >= 0]

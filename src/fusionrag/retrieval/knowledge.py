@@ -322,6 +322,31 @@ class KnowledgeStore(IndexedChunks, StoredKV, StoredDocuments):
             groups.setdefault(doc, []).append(cid)
         return groups
 
+    def chunk_ids_of_docs(self, docs: Sequence[str]) -> list[int]:
+        """The chunks these documents use (any of them), in id order (= their order in the document)."""
+        docs = [str(d) for d in docs]
+        if not docs:
+            return []
+        rows = self._query(f"SELECT DISTINCT chunk_id FROM chunk_refs WHERE doc IN ({','.join('?' * len(docs))}) "
+                           "ORDER BY chunk_id", tuple(docs))
+        return [int(r[0]) for r in rows]
+
+    def source_of(self, chunk_id: int) -> str:
+        """Where a chunk came from, for citing: its document's id (an ingested file's resolved path, a
+        posted id), else the name its reader gave it."""
+        docs = self.documents_using([chunk_id])
+        return docs[0] if docs else self.chunk(chunk_id).doc
+
+    def retrieve(self, query: str, k: int) -> list[dict[str, Any]]:
+        """The ``k`` chunks most similar to ``query`` as passages (``chunk_id, title, text, source, score``):
+        what ``POST /v1/retrieve`` returns, and what a request sending them back reuses exactly."""
+        out = []
+        for cid, score in self.search_scored(query, k):
+            rec = self.chunk(cid)
+            out.append({"chunk_id": cid, "title": rec.title, "text": rec.text, "source": self.source_of(cid),
+                        "score": round(float(score), 4)})
+        return out
+
     def neighbours_of(self, chunk_id: int) -> list[int] | None:
         """The neighbour list the chunk's fused KV was computed with (None if never fused)."""
         rows = self._query("SELECT neighbours FROM chunks WHERE id = ?", (int(chunk_id),))

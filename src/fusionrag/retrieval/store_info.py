@@ -7,7 +7,7 @@ import sqlite3
 from pathlib import Path
 from typing import Any
 
-from fusionrag.errors import FusionRAGError
+from fusionrag.errors import FusionRAGError, StoreMismatchError
 from fusionrag.retrieval.store_files import connect
 from fusionrag.retrieval.stored_docs import DocumentRecord, query_documents
 
@@ -82,3 +82,36 @@ def store_info(path) -> dict[str, Any]:
             "fuse", "chunk_tokens", "kv_dtype", "plain_kv", "converted_from", "embedder", "embedding_dim",
             "system_tokens", "created")},
     }
+
+
+def check_model_matches(path, model: str) -> None:
+    """Refuse, before any model is loaded or converted, a ``--model`` that cannot be the store's.
+
+    Two different short names, or a local checkpoint of another architecture than the one the
+    store's fingerprint records, cannot have made its caches. Anything else (the same weights may
+    sit in another folder) is checked on the loaded model's fingerprint, as always."""
+    from fusionrag.models.registry import KNOWN_NAMES
+
+    db = _open_read_only(Path(path))
+    try:
+        settings = read_settings(db)
+    finally:
+        db.close()
+    recorded = str(settings.get("model"))
+    if model == recorded:
+        return
+    why = None
+    if model in KNOWN_NAMES and recorded in KNOWN_NAMES:
+        why = f"it was built with {recorded}"
+    else:
+        folder = Path(model).expanduser()
+        arch = str(settings.get("fingerprint", "")).partition(":")[0]
+        try:
+            theirs = json.loads((folder / "config.json").read_text(encoding="utf-8")).get("model_type")
+        except (OSError, ValueError, AttributeError):
+            theirs = None
+        if theirs and arch and theirs != arch:
+            why = f"it was built with {recorded} (a {arch} model), and {model} is a {theirs} model"
+    if why:
+        raise StoreMismatchError(f"--model {model} cannot use the knowledge base at {path}: {why}. Leave --model "
+                                 "out to use the store's model, or build a new store for this one.")

@@ -56,12 +56,14 @@ from fusionrag.serve.protocol import (
     parse_chat,
     parse_completion,
     parse_documents,
+    parse_retrieve,
     read_json,
 )
 from fusionrag.serve.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     DocumentsRequest,
+    RetrieveRequest,
     body_schema,
     component_schemas,
 )
@@ -90,10 +92,21 @@ def create_app(engine: Any, settings: ServerSettings | None = None,
 
     app = FastAPI(title="FusionRAG", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None)
 
+    def served_names() -> list[str]:
+        """The names clients may ask for (the first is reported): ``--served-model-name``, else the model's."""
+        if s.served_model_name:
+            return list(s.served_model_name)
+        return [sched.engine.lm.name if sched.engine is not None else "fusionrag"]
+
     def model_name() -> str:
-        if s.model_name:
-            return s.model_name
-        return sched.engine.lm.name if sched.engine is not None else "fusionrag"
+        return served_names()[0]
+
+    def check_model(name: str | None) -> None:
+        """vLLM's habit: a ``model`` the server does not serve is a 404 (absent means the served one)."""
+        if name is not None and name not in served_names():
+            raise APIError(404, f"the model '{name}' does not exist on this server (it serves "
+                                f"{', '.join(map(repr, served_names()))}; see GET /v1/models)",
+                           "invalid_request_error", "model_not_found", "model")
 
     metrics = Metrics(model_name, sched, jobs.counts)
     app.state.scheduler = sched
@@ -135,8 +148,14 @@ def create_app(engine: Any, settings: ServerSettings | None = None,
             raise APIError(401, "missing or invalid API key (send 'Authorization: Bearer KEY')",
                            "authentication_error", "invalid_api_key")
 
+    def has_store() -> None:
+        if sched.engine is not None and sched.engine.store is None:
+            raise APIError(409, "this server has no knowledge store (started without --store): send passages "
+                                "with each request, or start it with --store DIR", code="no_store")
+
     def writable() -> None:
         """Document jobs change the store: a store opened read-only refuses them (chats still work)."""
+        has_store()
         if sched.engine is not None and getattr(sched.engine.store, "read_only", False):
             raise APIError(409, "the store is read-only (read-only media or no write permission): documents cannot "
                                 "be added or deleted; questions are answered as usual", code="read_only_store")
@@ -147,7 +166,8 @@ def create_app(engine: Any, settings: ServerSettings | None = None,
         if not sched.ready:
             raise APIError(503, "the model is still loading; retry shortly", "server_error", "loading")
 
-    server = Server(sched, s, metrics, model_name, check_auth, ensure_ready, RecentAnswers(s.explain_keep))
+    server = Server(sched, s, metrics, model_name, check_auth, ensure_ready, RecentAnswers(s.explain_keep),
+                    check_model)
 
     # -- completions ------------------------------------------------------------------------
 
@@ -182,6 +202,22 @@ def create_app(engine: Any, settings: ServerSettings | None = None,
     async def ui() -> Response:
         return HTMLResponse(ui_page(methods(), s.default_method, s.default_ratio, bool(s.api_key)))
 
+    # -- retrieval --------------------------------------------------------------------------
+
+    @app.post("/v1/retrieve", openapi_extra=body_schema(RetrieveRequest))
+    async def retrieve(request: Request) -> Response:
+        """The store's chunks for a query, as passages a request can send back (``documents``) unchanged."""
+        try:
+            check_auth(request)
+            body = await read_json(request, s.max_body_bytes)
+            req = parse_retrieve(body, s)
+            ensure_ready()
+            has_store()
+            hits = await asyncio.to_thread(sched.engine.store.retrieve, req.query, req.top_k)
+        except Exception as exc:
+            return as_api_error(exc).response()
+        return JSONResponse({"object": "list", "data": hits})
+
     # -- documents --------------------------------------------------------------------------
 
     @app.post("/v1/documents", openapi_extra=body_schema(DocumentsRequest))
@@ -210,6 +246,7 @@ def create_app(engine: Any, settings: ServerSettings | None = None,
     async def stored_document(doc_id: str) -> Any:
         """The store's document of that id (a file's path, a posted id, ``api:JOB``), or a 404."""
         ensure_ready()
+        has_store()
         found = await asyncio.to_thread(sched.engine.store.document, doc_id)
         if found is None:
             raise APIError(404, f"no document job and no document '{doc_id}'", code="not_found")
@@ -220,6 +257,8 @@ def create_app(engine: Any, settings: ServerSettings | None = None,
         try:
             check_auth(request)
             ensure_ready()
+            if sched.engine.store is None:
+                return JSONResponse({"object": "list", "data": []})
             docs = await asyncio.to_thread(sched.engine.store.documents)
             return JSONResponse({"object": "list", "data": [document_json(d) for d in docs]})
         except Exception as exc:
@@ -266,7 +305,8 @@ def create_app(engine: Any, settings: ServerSettings | None = None,
         except Exception as exc:
             return as_api_error(exc).response()
         return JSONResponse({"object": "list", "data": [
-            {"id": model_name(), "object": "model", "created": 0, "owned_by": "fusionrag"}]})
+            {"id": name, "object": "model", "created": 0, "owned_by": "fusionrag", "root": name, "parent": None}
+            for name in served_names()]})
 
     @app.get("/health")
     async def health() -> Response:
@@ -302,8 +342,10 @@ def create_app(engine: Any, settings: ServerSettings | None = None,
 
     @app.get("/metrics")
     async def prometheus(request: Request) -> Response:
+        """Open by default (vLLM's habit: a Prometheus scrape sends no token); ``metrics_need_key`` keys it."""
         try:
-            check_auth(request)
+            if s.metrics_need_key:
+                check_auth(request)
         except Exception as exc:
             return as_api_error(exc).response()
         return Response(metrics.render(), media_type=METRICS_CONTENT_TYPE)
@@ -315,7 +357,7 @@ def create_app(engine: Any, settings: ServerSettings | None = None,
         if app.openapi_schema is None:
             spec = default_openapi()
             spec.setdefault("components", {}).setdefault("schemas", {}).update(
-                component_schemas(ChatCompletionRequest, CompletionRequest, DocumentsRequest))
+                component_schemas(ChatCompletionRequest, CompletionRequest, DocumentsRequest, RetrieveRequest))
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]

@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-from fusionrag.errors import FusionRAGError
 from fusionrag.serve.launch import add_server_args, build_app
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -18,13 +17,12 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 def _cmd_serve(args: argparse.Namespace) -> int:
     from fusionrag.serve.http import Server, make_config
 
-    if not args.store:
-        raise FusionRAGError("serve needs --store DIR (a knowledge store from 'fusionrag ingest')")
     app, settings = build_app(args)
     if settings.host not in LOOPBACK:
         print(f"fusionrag: warning: listening on {settings.host}, reachable from other machines"
               f"{'' if settings.api_key else ' WITHOUT an API key'}", file=sys.stderr)
-    print(f"fusionrag: serving {args.store} on http://{settings.host}:{settings.port} "
+    print(f"fusionrag: serving {args.store or args.model or 'the default model'} on "
+          f"http://{settings.host}:{settings.port} "
           f"(OpenAI base_url http://{settings.host}:{settings.port}/v1)", file=sys.stderr)
     Server(make_config(app, settings.host, settings.port, args.log_level, settings.header_timeout_s,
                        settings.shutdown_timeout_s), on_deadline=app.state.scheduler.close).run()
@@ -32,7 +30,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server answering with RAG over a knowledge store")
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server answering with RAG over a knowledge store "
+                                     "(or over the passages clients send)")
     add_server_args(p)
     p.add_argument("--host", default=None, help="bind address (default 127.0.0.1: loopback only; or FUSIONRAG_HOST)")
     p.add_argument("--port", type=int, default=None, help="TCP port (default 8000; or FUSIONRAG_PORT)")

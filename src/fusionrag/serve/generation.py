@@ -58,6 +58,7 @@ class Server:
     check_auth: Callable[[Request], None]
     ensure_ready: Callable[[], None]
     recent: RecentAnswers = field(default_factory=lambda: RecentAnswers(0))
+    check_model: Callable[[str | None], None] = lambda name: None
 
     def on_done(self, req: DecodeRequest) -> None:
         self.metrics.observe_answer(req)
@@ -73,6 +74,7 @@ async def generate(server: Server, request: Request, chat: bool,
         body = await read_json(request, s.max_body_bytes)
         server.ensure_ready()
         gen = parse(body, s)
+        server.check_model(gen.model)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[Event] = asyncio.Queue()
 

@@ -38,6 +38,7 @@ _FLAGS = (
      "KV kept of request-supplied passages the store does not hold (alternative-path prefix cache)"),
     ("--shutdown-timeout", "shutdown_timeout_s", float, "seconds open requests may finish after SIGTERM"),
     ("--max-new-tokens", "max_new_tokens", int, "upper bound on a request's max_tokens"),
+    ("--default-max-tokens", "default_max_tokens", int, "max_tokens of requests that name none"),
 )
 
 
@@ -48,9 +49,16 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     apply underneath it (:func:`fusionrag.serve.settings.load_settings`); ``--help`` lists them all.
     """
     p.add_argument("--store", default=os.environ.get("FUSIONRAG_STORE"),
-                   help="knowledge store folder (from 'fusionrag ingest'; or FUSIONRAG_STORE)")
+                   help="knowledge store folder (from 'fusionrag ingest'; or FUSIONRAG_STORE). Without one the "
+                        "server answers over the passages requests bring (or none), with --model")
     p.add_argument("--model", default=os.environ.get("FUSIONRAG_MODEL"),
-                   help="model (default: the one the store was built with; or FUSIONRAG_MODEL)")
+                   help="model (default: the one the store was built with, else the default model; or "
+                        "FUSIONRAG_MODEL)")
+    p.add_argument("--served-model-name", dest="served_model_name", nargs="+", default=None, metavar="NAME",
+                   help="the model name(s) clients use, listed by /v1/models; other names are a 404 (default: the "
+                        "model's name; or FUSIONRAG_SERVED_MODEL_NAME=a,b)")
+    p.add_argument("--metrics-need-key", dest="metrics_need_key", action="store_true", default=None,
+                   help="GET /metrics needs the API key too (default: open, as in vLLM)")
     p.add_argument("--config", default=os.environ.get("FUSIONRAG_CONFIG"), metavar="FILE.yaml",
                    help="server settings in YAML (keys: the setting names below; or FUSIONRAG_CONFIG)")
     p.add_argument("--kv-tier", default=None, metavar="redis://HOST:PORT",
@@ -70,7 +78,9 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
     """:class:`ServerSettings` from :func:`add_server_args` options plus ``host``/``port`` (flags win)."""
     flags = {name: getattr(args, name, None) for _, name, _, _ in _FLAGS}
     return load_settings(getattr(args, "config", None), host=getattr(args, "host", None),
-                         port=getattr(args, "port", None), kv_tier=getattr(args, "kv_tier", None), **flags)
+                         port=getattr(args, "port", None), kv_tier=getattr(args, "kv_tier", None),
+                         served_model_name=getattr(args, "served_model_name", None),
+                         metrics_need_key=getattr(args, "metrics_need_key", None), **flags)
 
 
 def kv_tier_source(url: str, store: Any) -> Any:
@@ -84,13 +94,21 @@ def kv_tier_source(url: str, store: Any) -> Any:
     return store.kv_files_for(lambda files, token_ids_of: RedisSource(url, files, token_ids_of, prefix=prefix))
 
 
-def engine_factory(store: str, model: str | None, memory_budget_mb: int = 0,
+def engine_factory(store: str | None, model: str | None, memory_budget_mb: int = 0,
                    kv_tier: str | None = None, devices: dict | None = None,
                    adhoc_cache_mb: int = 2048) -> Callable[[], Any]:
-    """Builds the engine on the model thread (the store's SQLite connection belongs to its creating thread)."""
-    if not Path(store).exists():
+    """Builds the engine on the model thread (the store's SQLite connection belongs to its creating thread).
+
+    ``store`` None: the model alone (plain generation, or over the passages requests bring)."""
+    if store is not None and not Path(store).exists():
         raise FusionRAGError(f"no knowledge store at '{store}'; create one with "
                              f"'fusionrag ingest FILES --store {store}'")
+    if store is None and kv_tier:
+        raise FusionRAGError("--kv-tier shares a store's KV between servers: it needs --store")
+    if store is not None and model is not None:
+        from fusionrag.retrieval.store_info import check_model_matches
+
+        check_model_matches(store, model)  # before the model thread spends minutes loading it
 
     def factory():
         from fusionrag.online.engine import Engine
@@ -114,6 +132,7 @@ def build_app(args: argparse.Namespace) -> tuple[FastAPI, ServerSettings]:
     settings = settings_from_args(args)
     app = create_app(engine_factory(args.store, args.model, settings.memory_budget_mb,
                                     settings.kv_tier, device_options(args), settings.adhoc_cache_mb), settings)
-    print(f"fusionrag: loading the model for {args.store} ...", file=sys.stderr)
+    what = f"for {args.store}" if args.store else "(no store: answering over the passages requests bring)"
+    print(f"fusionrag: loading {args.model or 'the model'} {what} ...", file=sys.stderr)
     app.state.scheduler.wait_ready()  # a bad store or model fails here, as one line, before binding
     return app, settings

@@ -25,8 +25,8 @@ def check_prompt_length(engine: Any, question: str, prepare_kwargs: dict[str, An
     """
     preamble = {"preamble": prepare_kwargs["preamble"]} if prepare_kwargs.get("preamble") else {}
     chunks = prepare_kwargs.get("chunks")
-    if chunks:
-        n = engine.prompt_tokens(question, chunks, **preamble)
+    if chunks is not None or prepare_kwargs.get("retrieval") is False or prepare_kwargs.get("top_k") == 0:
+        n = engine.prompt_tokens(question, chunks or [], **preamble)
     else:
         n = _retrieval_prompt_tokens(engine, question, int(prepare_kwargs.get("top_k") or DEFAULT_TOP_K), limit,
                                      preamble)

@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 from fusionrag.errors import CacheIntegrityError, FusionRAGError
-from fusionrag.online.request import InvalidRequest, ReuseRequest
+from fusionrag.online.request import DEFAULT_TOP_K, InvalidRequest, ReuseRequest
 from fusionrag.prompt import conversation_preamble, is_valid_text
 from fusionrag.retrieval.store_files import StoreBusyError, StoreCorruptedError
 from fusionrag.serve.requests import (
@@ -31,7 +31,13 @@ from fusionrag.serve.requests import (
     SchedulerClosedError,
 )
 from fusionrag.serve.sampling import SamplingParams
-from fusionrag.serve.schemas import ChatCompletionRequest, CompletionRequest, TextPart, validation_error
+from fusionrag.serve.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    RetrieveRequest,
+    TextPart,
+    validation_error,
+)
 from fusionrag.serve.settings import ServerSettings
 
 log = logging.getLogger(__name__)
@@ -147,11 +153,13 @@ def check_text(body: Any) -> None:
 DOCUMENT_KEYS = frozenset({"title", "text", "source", "id"})
 
 
-def parse_documents(items: Any, s: ServerSettings, param: str) -> list[dict]:
-    """Validate ``[{title, text}]`` passages against the document limits.
+def parse_documents(items: Any, s: ServerSettings, param: str, allow_empty: bool = False) -> list[dict]:
+    """Validate ``[{title, text}]`` passages against the document limits (``allow_empty``: ``[]`` is no passages).
 
     As strict as a request's top level: an unknown key is a 400, not silently dropped. The same
     passage twice in one list is kept once (its KV would be computed and reused identically)."""
+    if allow_empty and items == []:
+        return []
     if not isinstance(items, list) or not items:
         raise APIError(400, f"'{param}' must be a non-empty list of {{title, text}} objects", code="invalid_value",
                        param=param)
@@ -210,6 +218,24 @@ def split_documents(text: str, where: str) -> tuple[str, list[dict]]:
     return rest.strip(), docs
 
 
+def parse_retrieve(body: Any, s: ServerSettings) -> RetrieveRequest:
+    """A ``POST /v1/retrieve`` body ``{query, top_k?}``; top_k defaults to the engine's, bounded by the server's."""
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object {query, top_k?}")
+    check_text(body)
+    try:
+        req = RetrieveRequest.model_validate(body)
+    except ValidationError as exc:
+        message, code, param = validation_error(exc)
+        raise APIError(400, message, code=code, param=param) from None
+    if not req.query.strip():
+        raise APIError(400, "'query' is empty", code="empty_question", param="query")
+    top_k = DEFAULT_TOP_K if req.top_k is None else req.top_k
+    if top_k > s.max_top_k:
+        raise APIError(400, f"'top_k' must be at most {s.max_top_k}, got {top_k}", code="invalid_value", param="top_k")
+    return req.model_copy(update={"query": req.query.strip(), "top_k": top_k})
+
+
 @dataclass
 class GenerateRequest:
     """A validated chat or text completion: the question and its reuse settings, and how to generate."""
@@ -249,13 +275,29 @@ def _validated(model: type[ChatCompletionRequest | CompletionRequest], body: Any
         raise APIError(400, message, code=code, param=param) from None
 
 
+#: Fields accepted only at the value that asks for nothing: (field, is it neutral, why anything else is refused).
+NEUTRAL_ONLY: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
+    ("n", lambda v: v == 1, "only n=1 is supported (send n requests with different seeds instead)"),
+    ("presence_penalty", lambda v: v == 0, "presence_penalty is not supported (only 0)"),
+    ("frequency_penalty", lambda v: v == 0, "frequency_penalty is not supported (only 0)"),
+    ("logit_bias", lambda v: not v, "logit_bias is not supported (only {})"),
+    ("store", lambda v: v is False, "storing completions is not supported (only store: false)"),
+)
+
+
+def check_neutral(req: ChatCompletionRequest | CompletionRequest) -> None:
+    """A 400 naming the first field set to anything but its neutral value (None, i.e. absent, is fine)."""
+    for name, neutral, why in NEUTRAL_ONLY:
+        value = getattr(req, name)
+        if value is not None and not neutral(value):
+            raise APIError(400, f"'{name}': {why}", code="unsupported_parameter", param=name)
+
+
 def _common(req: ChatCompletionRequest | CompletionRequest, s: ServerSettings, question: str,
             documents: list[dict] | None, max_tokens: int | None, logprobs: bool, top_logprobs: int,
             preamble: str = "") -> GenerateRequest:
     """The checks chat and text completions share (limits from the server's settings)."""
-    if req.n not in (None, 1):
-        raise APIError(400, "only n=1 is supported (send n requests with different seeds instead)",
-                       code="invalid_value", param="n")
+    check_neutral(req)
     if max_tokens is not None and max_tokens > s.max_new_tokens:
         raise APIError(400, f"'max_tokens' must be at most {s.max_new_tokens}, got {max_tokens}",
                        code="invalid_value", param="max_tokens")
@@ -269,7 +311,8 @@ def _common(req: ChatCompletionRequest | CompletionRequest, s: ServerSettings, q
         if documents:
             raise APIError(400, "passages were sent both in 'documents' and as <document> blocks in the message; "
                                 "send them one way", code="ambiguous_documents", param="documents")
-        documents = parse_documents([d.model_dump() for d in req.documents], s, "documents")
+        documents = parse_documents([d.model_dump(exclude_none=True) for d in req.documents], s, "documents",
+                                    allow_empty=True)
     else:
         documents = parse_documents(documents, s, "messages") if documents else None
     if not question.strip():
@@ -284,9 +327,10 @@ def _common(req: ChatCompletionRequest | CompletionRequest, s: ServerSettings, q
         top_p=1.0 if req.top_p is None else float(req.top_p), top_k=req.sample_top_k or 0, seed=req.seed,
         stop=tuple(stops), logprobs=logprobs, top_logprobs=top_logprobs)
     # The client's fields as sent (validated above); the engine resolves the defaults.
-    reuse = ReuseRequest(question.strip(), method, float(ratio), req.kv, req.top_k, documents, preamble)
+    reuse = ReuseRequest(question.strip(), method, float(ratio), req.kv, req.top_k, documents, preamble,
+                         req.retrieval)
     return GenerateRequest(
-        reuse=reuse, max_tokens=max_tokens or s.default_max_tokens, stream=bool(req.stream),
+        reuse=reuse, max_tokens=max_tokens or min(s.default_max_tokens, s.max_new_tokens), stream=bool(req.stream),
         include_usage=bool(req.stream_options and req.stream_options.include_usage), sampling=sampling,
         model=req.model)
 

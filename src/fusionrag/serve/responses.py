@@ -23,6 +23,8 @@ def reuse_json(req: DecodeRequest) -> dict[str, Any]:
     ``reused_chunks``: passages whose precomputed KV was reused, i.e. found in the store by
     content hash (its fused KV for ``fusionrag``); ``adhoc_chunks``: passages the store does not
     hold, whose plain KV came from (or was just put in) the alternative-path prefix cache.
+    ``method`` is the method that ran (``auto`` resolved; ``note`` says why when it differs from
+    the request's); ``sources``: each chunk's ``chunk_id, title, source, score, stored``, for citing.
     """
     ans = req.answer
     stored = sum(c is not None for c in ans.chunk_ids)
@@ -30,7 +32,8 @@ def reuse_json(req: DecodeRequest) -> dict[str, Any]:
             "reused_chunks": 0 if ans.method == "full" else stored, "adhoc_chunks": len(ans.chunk_ids) - stored,
             "context_tokens": ans.context_tokens,
             "recomputed_tokens": ans.recomputed_tokens,
-            "reused_tokens": 0 if ans.method == "full" else ans.context_tokens - ans.recomputed_tokens}
+            "reused_tokens": 0 if ans.method == "full" else ans.context_tokens - ans.recomputed_tokens,
+            "sources": ans.sources, "note": ans.note}
 
 
 def usage_json(req: DecodeRequest) -> dict[str, Any]:

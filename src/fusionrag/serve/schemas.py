@@ -1,7 +1,10 @@
 """Request bodies as pydantic models: what a client may send, in one place, with an OpenAPI schema.
 
 Every model forbids unknown fields: a field fusionrag does not implement (``tools``,
-``response_format``, ``logit_bias``...) is a 400 naming it, never silently ignored. The
+``response_format``...) is a 400 naming it, never silently ignored. Fields OpenAI clients send
+with their neutral value (``presence_penalty: 0``, ``frequency_penalty: 0``, ``n: 1``,
+``store: false``, ``logit_bias: {}``) are accepted, as vLLM accepts them; any other value is a
+400 naming the field (:func:`fusionrag.serve.protocol.check_neutral`). The
 routes read the body themselves (bounded, see :func:`fusionrag.serve.protocol.read_json`)
 and validate it with these models; :func:`validation_error` turns pydantic's report into
 one OpenAI-shaped error.
@@ -25,15 +28,12 @@ UNSUPPORTED = {
     "function_call": "function calling is not supported",
     "parallel_tool_calls": "tool calling is not supported",
     "response_format": "structured output (response_format) is not supported",
-    "logit_bias": "logit_bias is not supported",
     "audio": "audio output is not supported",
     "modalities": "only text output is supported",
     "prediction": "predicted outputs are not supported",
     "suffix": "suffix (insertion) is not supported",
     "best_of": "best_of is not supported",
     "echo": "echo is not supported",
-    "frequency_penalty": "frequency_penalty is not supported",
-    "presence_penalty": "presence_penalty is not supported",
     "reasoning_effort": "reasoning_effort is not supported",
     "web_search_options": "web search is not supported",
 }
@@ -64,6 +64,13 @@ class Passage(_Body):
                                                  "split it the way the store's reader split that file")
     id: str | None = Field(None, description="the document's id in the store (POST /v1/documents: the same id "
                                              "again replaces the document)")
+
+
+class RetrieveRequest(_Body):
+    """``POST /v1/retrieve``: the store's chunks for a query, to send back as a request's ``documents``."""
+
+    query: str = Field(min_length=1, description="the text to retrieve for (usually the question)")
+    top_k: int | None = Field(None, ge=1, description="how many chunks (default: the engine's retrieval depth)")
 
 
 class DocumentsWrapper(_Body):
@@ -100,12 +107,20 @@ class _Generation(_Body):
     n: int | None = Field(None, ge=1)
     user: str | None = None
     metadata: dict[str, str] | None = None
+    # accepted at their neutral value only (what OpenAI clients send by default)
+    presence_penalty: float | None = Field(None, description="0 only (not supported otherwise)")
+    frequency_penalty: float | None = Field(None, description="0 only (not supported otherwise)")
+    logit_bias: dict[str, float] | None = Field(None, description="{} only (not supported otherwise)")
+    store: bool | None = Field(None, description="false only: fusionrag keeps no completions")
     # fusionrag
     method: str | None = None
     ratio: float | None = None
-    top_k: int | None = Field(None, description="retrieval depth: how many chunks to retrieve")
+    top_k: int | None = Field(None, ge=0, description="retrieval depth: how many chunks to retrieve (0: none)")
+    retrieval: bool | None = Field(None, description="false: no retrieval from the server's store (the request's "
+                                                     "own passages, or none)")
     kv: KVKind | None = None
-    documents: list[Passage] | None = Field(None, description="[{title, text}] passages used instead of retrieval")
+    documents: list[Passage] | None = Field(None, description="[{title, text, source?}] passages used instead of "
+                                                              "retrieval ([]: none)")
 
 
 class ChatCompletionRequest(_Generation):

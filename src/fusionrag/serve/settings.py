@@ -2,9 +2,10 @@
 
 Where they come from (highest first): command-line flags, ``FUSIONRAG_*`` environment
 variables (``FUSIONRAG_MAX_BATCH=16``), a YAML file (``--config server.yaml``, keys as the
-field names), then the defaults below. :func:`load_settings` applies that order;
-constructing :class:`ServerSettings` directly (tests, the load generator) reads nothing
-from the environment, so a stray variable never changes a test's server.
+setting names or the flags' names: ``max_batch`` or ``max-batch``), then the defaults below.
+:func:`load_settings` applies that order; constructing :class:`ServerSettings` directly
+(tests, the load generator) reads nothing from the environment, so a stray variable never
+changes a test's server.
 """
 
 from __future__ import annotations
@@ -30,11 +31,14 @@ class ServerSettings(BaseModel):
     port: int = Field(8000, ge=0, le=65535, description="TCP port (0: any free port)")
     api_key: str | None = Field(None, description="if set, every route but /health, /ready and /ui needs "
                                                   "'Authorization: Bearer KEY'")
-    model_name: str | None = Field(None, description="the 'model' reported in responses (default: the engine's)")
+    served_model_name: list[str] | None = Field(
+        None, description="the model names clients may ask for, as listed by /v1/models; the first is reported in "
+                          "responses; any other name is a 404, as in vLLM (default: the model's name)")
     max_body_bytes: int = Field(1 << 20, ge=1, description="request body limit in bytes")
     max_prompt_tokens: int = Field(8192, ge=1, description="prompt token limit (S + passages + question)")
-    max_new_tokens: int = Field(512, ge=1, description="upper bound on a request's max_tokens")
-    default_max_tokens: int = Field(64, ge=1, description="max_tokens of requests that name none")
+    max_new_tokens: int = Field(2048, ge=1, description="upper bound on a request's max_tokens")
+    default_max_tokens: int = Field(512, ge=1, description="max_tokens of requests that name none (an answer "
+                                                           "ends at the model's end of turn first)")
     max_documents: int = Field(64, ge=1, description="passages per request and per POST /v1/documents")
     max_document_chars: int = Field(32_000, ge=1, description="characters per passage")
     max_top_k: int = Field(32, ge=1, description="upper bound on a request's retrieval top_k")
@@ -44,7 +48,8 @@ class ServerSettings(BaseModel):
     max_document_jobs: int = Field(16, ge=1, description="document jobs pending at once before 429")
     max_job_chunks: int = Field(512, ge=1, description="chunks one document job may add (413 beyond)")
     max_job_tokens: int = Field(131_072, ge=1, description="tokens one document job may add (413 beyond)")
-    default_method: str = Field("fusionrag", description="method of requests that name none")
+    default_method: str = Field("auto", description="method of requests that name none (auto: fusionrag where "
+                                                    "reuse pays, full below the break-even context length)")
     default_ratio: float = Field(0.15, ge=0.0, le=1.0, description="recompute ratio of requests that name none")
     default_temperature: float = Field(0.0, ge=0.0, le=2.0,
                                        description="temperature of requests that name none (0: greedy)")
@@ -63,6 +68,18 @@ class ServerSettings(BaseModel):
                                                              "they are cut off (a second SIGTERM exits at once)")
     header_timeout_s: float = Field(30.0, gt=0, description="seconds a request may take to arrive completely "
                                                            "(half-sent requests are closed)")
+    metrics_need_key: bool = Field(False, description="GET /metrics needs the API key too (default: open, as in "
+                                                      "vLLM, so a Prometheus scrape needs no token)")
+
+    @field_validator("served_model_name", mode="before")
+    @classmethod
+    def _names(cls, value: Any) -> Any:
+        """One name or several (a list, or comma-separated in an environment variable or YAML string)."""
+        if isinstance(value, str):
+            value = [v.strip() for v in value.split(",")]
+        if value is not None and (not value or any(not isinstance(v, str) or not v.strip() for v in value)):
+            raise ValueError("served model names must be non-empty strings")
+        return value
 
     @field_validator("default_method")
     @classmethod
@@ -112,6 +129,17 @@ class _DictSource(PydanticBaseSettingsSource):
         return dict(self.values)
 
 
+#: Flags whose name is not their setting's (``--method`` sets ``default_method``); YAML takes either.
+FLAG_SETTINGS = {"method": "default_method", "ratio": "default_ratio", "shutdown_timeout": "shutdown_timeout_s",
+                 "header_timeout": "header_timeout_s", "request_timeout": "request_timeout_s"}
+
+
+def setting_name(key: str) -> str:
+    """The setting a YAML key names: the setting itself, or its flag (``max-batch``, ``--method``)."""
+    key = key.lstrip("-").replace("-", "_")
+    return FLAG_SETTINGS.get(key, key)
+
+
 def load_settings(config_file: str | Path | None = None, **flags: Any) -> ServerSettings:
     """Flags (``None`` = not given) over ``FUSIONRAG_*`` variables over the YAML file over the defaults."""
     values: dict[str, Any] = {}
@@ -123,6 +151,7 @@ def load_settings(config_file: str | Path | None = None, **flags: Any) -> Server
             raise FusionRAGError(f"cannot read the server config {path}: {exc}") from None
         if not isinstance(loaded, dict):
             raise FusionRAGError(f"{path}: the server config must be a mapping of setting names to values")
+        loaded = {setting_name(str(k)): v for k, v in loaded.items()}
         unknown = sorted(set(loaded) - set(ServerSettings.model_fields))
         if unknown:
             raise FusionRAGError(f"{path}: unknown settings {', '.join(unknown)} "

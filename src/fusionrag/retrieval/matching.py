@@ -1,0 +1,172 @@
+"""Client passages mapped onto stored chunks, whatever the client's framework did to the text.
+
+A RAG framework sends the passages *it* retrieved: a LangChain document holding a whole file,
+a LlamaIndex node of 1,024 tokens that starts mid-paragraph, a chunk fusionrag's own retriever
+returned. Their KV is reusable only where a piece of the text is a chunk the store holds, so
+each passage is mapped onto stored chunks in three steps, cheapest first:
+
+1. **The passage is a stored chunk** (same title and text, by content hash): what fusionrag's
+   retriever (``POST /v1/retrieve``) returns and a framework sends back unchanged.
+2. **The store's chunker splits it into stored chunks**: the passage is split exactly as
+   ingest splits a passage (same chunk size, same boundaries) and each piece is looked up by
+   content hash; a document whose title and text equal an ingested passage reuses all of it.
+3. **Stored chunks occur in its text**: candidate chunks (the documents of the chunks the
+   passage's text retrieves, and the document named by its ``source``) whose text occurs in
+   the passage, whitespace aside, are reused where they occur; the text between them becomes
+   new pieces, computed once and kept in the prefix cache. A whole file
+   read by a framework's loader reuses every chunk ingest made of it (its markdown headings,
+   which ingest turned into titles, are not new text).
+
+A passage in which no stored chunk is found stays whole: one new chunk, as the client sent it.
+The prompt a request gets is the passages' text in the client's order; only which pieces
+have precomputed KV depends on the store.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from fusionrag.prompt import PromptBuilder, passage_hash
+from fusionrag.retrieval.chunking import DEFAULT_CHUNK_TOKENS, Passage, make_chunks
+
+_SPACE = re.compile(r"\s+")
+#: Stored chunks shorter than this (normalised characters) are not matched inside other text:
+#: a two-word chunk occurs by chance.
+MIN_MATCH_CHARS = 24
+#: How many chunks the passage's text retrieves to find the documents it may come from.
+CANDIDATE_SEARCH = 8
+#: Candidate chunks checked per passage at most (the documents of the retrieved chunks).
+MAX_CANDIDATES = 2048
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One chunk of a request's prompt: a stored chunk (``chunk_id``) or new text (``chunk_id`` None)."""
+
+    chunk_id: int | None
+    title: str
+    text: str
+    source: str = ""
+
+    def as_passage(self) -> dict[str, str]:
+        return {"title": self.title, "text": self.text}
+
+
+def normalise(text: str) -> str:
+    """Whitespace runs as one space, ends stripped: frameworks re-flow whitespace, not words."""
+    return _SPACE.sub(" ", text).strip()
+
+
+def match_passages(store, prompt: PromptBuilder, passages: Sequence[dict]) -> list[Piece]:
+    """The pieces of ``passages`` (``{title, text, source?}``, in order), stored chunks where the store has them.
+
+    ``store`` may be None (a server without a store): every passage is split into new pieces."""
+    chunk_tokens = int(store.settings["chunk_tokens"]) if store is not None else DEFAULT_CHUNK_TOKENS
+    out: list[Piece] = []
+    for p in passages:
+        title, text, source = str(p.get("title") or ""), str(p["text"]), str(p.get("source") or "")
+        out.extend(_match_one(store, prompt, chunk_tokens, title, text, source))
+    return out
+
+
+def reused_fraction(pieces: Sequence[Piece]) -> float:
+    """Share of the pieces whose KV was precomputed (1.0 for no pieces)."""
+    return sum(p.chunk_id is not None for p in pieces) / len(pieces) if pieces else 1.0
+
+
+def _match_one(store, prompt: PromptBuilder, chunk_tokens: int, title: str, text: str,
+               source: str) -> list[Piece]:
+    whole = [Piece(None, title, text, source)]
+    if store is None:
+        return whole
+    cid = store.find_by_hash(passage_hash(title, text))
+    if cid is not None:  # 1. a stored chunk, sent back as it was retrieved
+        return [_stored(store, cid, source)]
+    split = _split(store, prompt, chunk_tokens, title, text, source)
+    if all(p.chunk_id is not None for p in split):
+        return split  # 2. the chunker's pieces, all stored
+    found = _contained(store, title, text, source)  # 3.
+    best = found if found is not None and _stored_chars(found) > _stored_chars(split) else split
+    # Nothing stored in it: the passage stays whole, one new chunk (no boundaries its attention would not have)
+    return best if _stored_chars(best) else whole
+
+
+def _stored(store, chunk_id: int, source: str = "") -> Piece:
+    rec = store.chunk(chunk_id)
+    return Piece(chunk_id, rec.title, rec.text, source or store.source_of(chunk_id))
+
+
+def _stored_chars(pieces: Sequence[Piece]) -> int:
+    return sum(len(p.text) for p in pieces if p.chunk_id is not None)
+
+
+def _split(store, prompt: PromptBuilder, chunk_tokens: int, title: str, text: str, source: str) -> list[Piece]:
+    """The passage cut by the store's chunker; each piece looked up by content hash."""
+    return [Piece(store.find_by_hash(c.content_hash), c.title, c.text, source)
+            for c in make_chunks(prompt, [Passage(title, text)], chunk_tokens)]
+
+
+def _candidates(store, text: str, source: str) -> list[int]:
+    """Chunks the passage may contain: the documents of what its text retrieves, and its ``source``'s."""
+    hits = store.search(text, CANDIDATE_SEARCH)
+    docs = set(store.documents_using(hits))
+    if source:
+        docs.add(source)
+        path = Path(source)
+        docs.add(path.name)
+        with contextlib.suppress(OSError, RuntimeError, ValueError):
+            docs.add(str(path.expanduser().resolve()))
+    ids = list(dict.fromkeys([*hits, *store.chunk_ids_of_docs(sorted(docs))]))
+    return ids[:MAX_CANDIDATES]
+
+
+def _contained(store, title: str, text: str, source: str) -> list[Piece] | None:
+    """Stored chunks found in the passage's text, in text order, with the text between them as new pieces."""
+    norm = normalise(text)
+    matches: list[tuple[int, int, int]] = []  # (start, end, chunk id) in the normalised text
+    for cid in _candidates(store, text, source):
+        body = normalise(store.chunk(cid).text)
+        if len(body) < MIN_MATCH_CHARS:
+            continue
+        at = norm.find(body)
+        if at >= 0:
+            matches.append((at, at + len(body), cid))
+    if not matches:
+        return None
+    chosen: list[tuple[int, int, int]] = []
+    for m in sorted(matches, key=lambda m: (m[0], -(m[1] - m[0]))):  # leftmost, longest first; no overlaps
+        if not chosen or m[0] >= chosen[-1][1]:
+            chosen.append(m)
+    titles = {normalise(store.chunk(cid).title).lower() for _, _, cid in chosen}
+    out: list[Piece] = []
+    pos = 0
+    for start, end, cid in [*chosen, (len(norm), len(norm), -1)]:
+        gap = _new_text(text_between(norm, pos, start), titles)
+        if gap:
+            out.append(Piece(None, title, gap, source))
+        if cid >= 0:
+            out.append(_stored(store, cid, source))
+        pos = end
+    return out
+
+
+def text_between(norm: str, start: int, end: int) -> str:
+    return norm[start:end].strip() if end > start else ""
+
+
+def _new_text(gap: str, titles: set[str]) -> str:
+    """``gap`` without what the stored chunks already say: markdown headings ingest made titles of,
+    separators and stray punctuation. Empty when nothing with letters or digits is left."""
+    if not gap:
+        return ""
+    words = gap
+    for t in sorted(titles, key=len, reverse=True):
+        if t:
+            words = re.sub(r"#{1,6}\s*" + re.escape(t), " ", words, flags=re.IGNORECASE)
+    words = re.sub(r"(^|\s)#{1,6}(?=\s|$)", " ", words)
+    words = normalise(words)
+    return words if sum(ch.isalnum() for ch in words) >= 3 else ""

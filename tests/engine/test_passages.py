@@ -1,0 +1,137 @@
+"""Where a request's passages come from: the client, the store's retrieval, or nowhere.
+
+Issue 29: a framework that retrieved its own passages must not get the store's on top; a
+framework's split of an ingested file must still reuse the stored KV; a server without a store
+is plain generation; ``method=auto`` runs ``full`` where reuse does not pay, and says so.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fusionrag.errors import StoreMismatchError
+from fusionrag.models import load_model
+from fusionrag.offline import build
+from fusionrag.online.engine import Engine
+from fusionrag.retrieval.embedder import HashingEmbedder
+from fusionrag.retrieval.knowledge import KnowledgeStore
+from fusionrag.retrieval.matching import match_passages, reused_fraction
+
+QUESTION = "Which river runs through the old town?"
+PARAGRAPHS = [
+    "The old town of Velmora sits on both banks of the river Ostra, which floods every spring.",
+    "Its cathedral was finished in 1412 after ninety years of building and two fires.",
+    "The market square holds a clock tower whose bells were cast from melted cannons.",
+    "Velmora's university, founded in 1520, is known for its early school of cartography.",
+    "A narrow-gauge railway links the town with the salt mines in the hills to the north.",
+    "Every August the town hosts a festival of lanterns floated down the Ostra at night.",
+]
+TEXT = "\n\n".join(PARAGRAPHS) + "\n"
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return load_model("tiny-llama")
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory, lm):
+    root = tmp_path_factory.mktemp("passages")
+    doc = root / "velmora.txt"
+    doc.write_text(TEXT, encoding="utf-8")
+    store = build.create_store(root / "store", lm, chunk_tokens=64, kv_dtype="float32", embedder=HashingEmbedder(),
+                               model_source="tiny-llama")
+    build.ingest(store, lm, [doc], progress=False)
+    return root / "store", doc
+
+
+@pytest.fixture(scope="module")
+def engine(built, lm):
+    return Engine(KnowledgeStore.open(built[0], lm, embedder=HashingEmbedder()), lm)
+
+
+def _plain_logits(lm, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return lm.model(torch.tensor([ids]), use_cache=False).logits[0, -1].float()
+
+
+@pytest.mark.parametrize("off", [{"retrieval": False}, {"top_k": 0}, {"chunks": []}])
+def test_retrieval_off_is_a_full_prefill_of_the_question(engine, lm, off):
+    """``retrieval: false``, ``top_k: 0`` and ``documents: []`` mean no passages: S + question only."""
+    prep = engine.prepare(QUESTION, method="fusionrag", **off)
+    assert prep.chunk_ids == [] and prep.sources == []
+    assert prep.method == "full" and "no passages" in prep.note
+    ids = engine.prompt.system_token_ids + engine.prompt.question_token_ids(QUESTION)
+    assert torch.allclose(prep.pre.last_logits.float().flatten(), _plain_logits(lm, ids), atol=1e-4)
+
+
+def test_retrieval_on_returns_scored_sources(engine, built):
+    prep = engine.prepare(QUESTION, method="fusionrag", top_k=2)
+    assert len(prep.chunk_ids) == 2 and all(c is not None for c in prep.chunk_ids)
+    assert [s["chunk_id"] for s in prep.sources] == prep.chunk_ids
+    assert all(isinstance(s["score"], float) and s["stored"] for s in prep.sources)
+    assert all(s["source"] for s in prep.sources)
+
+
+def test_an_engine_without_a_store_generates_and_computes_passages(lm):
+    engine = Engine(None, lm)
+    prep = engine.prepare(QUESTION, method="auto")
+    assert prep.chunk_ids == [] and "no store" in prep.note
+    prep = engine.prepare(QUESTION, method="fusionrag", chunks=[{"title": "T", "text": PARAGRAPHS[0]}])
+    assert prep.chunk_ids == [None] and prep.sources[0]["stored"] is False
+    done = engine.answer(QUESTION, method="full", max_new_tokens=3)
+    assert 1 <= len(done.token_ids) <= 3
+
+
+def test_a_whole_file_as_one_passage_reuses_every_chunk(engine, built):
+    """A framework's loader gives the file as one document, titled differently, whitespace re-flowed."""
+    store, path = engine.store, built[1]
+    stored = store.chunk_ids_of_docs([str(path.resolve())])
+    assert len(stored) >= 3
+    for text in (TEXT, " ".join(TEXT.split()), TEXT.replace("\n\n", "\n \n")):
+        pieces = match_passages(store, engine.prompt, [{"title": "", "text": text, "source": str(path)}])
+        assert [p.chunk_id for p in pieces] == stored, text[:40]
+        assert reused_fraction(pieces) == 1.0
+    prep = engine.prepare(QUESTION, method="fusionrag", chunks=[{"title": "x", "text": TEXT}])
+    assert prep.chunk_ids == stored
+
+
+def test_a_node_starting_mid_chunk_reuses_the_chunks_it_holds(engine, built):
+    store = engine.store
+    stored = store.chunk_ids_of_docs([str(built[1].resolve())])
+    first = store.chunk(stored[0]).text
+    text = first[len(first) // 2:] + "\n\n" + "\n\n".join(store.chunk(c).text for c in stored[1:])
+    pieces = match_passages(store, engine.prompt, [{"title": "", "text": text}])
+    assert pieces[0].chunk_id is None and first[len(first) // 2:].split()[-1] in pieces[0].text
+    assert [p.chunk_id for p in pieces[1:]] == stored[1:]
+
+
+def test_a_passage_of_new_text_is_new_pieces(engine):
+    pieces = match_passages(engine.store, engine.prompt, [{"title": "N", "text": "Nothing stored says this at all."}])
+    assert [p.chunk_id for p in pieces] == [None] and reused_fraction(pieces) == 0.0
+
+
+@pytest.mark.parametrize(("threshold", "expected"), [(10**6, "full"), (1, "fusionrag")])
+def test_auto_reuses_only_from_the_break_even_length(built, lm, threshold, expected):
+    engine = Engine(KnowledgeStore.open(built[0], lm, embedder=HashingEmbedder()), lm, min_reuse_tokens=threshold)
+    prep = engine.prepare(QUESTION, method="auto", top_k=2)
+    assert prep.method == expected
+    assert prep.note.startswith("auto:") and str(threshold) in prep.note
+    assert (prep.kv_kind == "none") == (expected == "full")
+
+
+def test_another_models_name_is_refused_before_loading(built, monkeypatch):
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded before the mismatch was found")
+
+    monkeypatch.setattr("fusionrag.models.load_model", no_load)
+    with pytest.raises(StoreMismatchError, match="built with tiny-llama"):
+        Engine.open(built[0], model="tiny-qwen2")
+
+
+def test_a_checkpoint_of_another_family_is_refused_before_loading(built, tmp_path, monkeypatch):
+    (tmp_path / "config.json").write_text('{"model_type": "qwen2"}', encoding="utf-8")
+    monkeypatch.setattr("fusionrag.models.load_model", lambda *a, **k: pytest.fail("loaded"))
+    with pytest.raises(StoreMismatchError, match="qwen2 model"):
+        Engine.open(built[0], model=str(tmp_path))
