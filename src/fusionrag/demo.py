@@ -15,6 +15,7 @@ from rich.table import Table
 
 from fusionrag.models import load_model
 from fusionrag.paths import fusionrag_home
+from fusionrag.prompt import SHORT_ANSWER_PROMPT
 from fusionrag.sample import load_sample
 
 METHODS = (("full", 1.0, "Full Attention"), ("reuse", 0.0, "Full Reuse"), ("fusionrag", 0.15, "FusionRAG 15%"))
@@ -36,7 +37,8 @@ def run_demo(model: str, max_new_tokens: int = 24, limit: int | None = None, top
     if (path / "store.sqlite").exists():
         store = KnowledgeStore.open(path, lm=lm)
     else:
-        store = build.create_store(path, lm, model_source=model)
+        # short factual answers, so the methods' answers fit the table side by side
+        store = build.create_store(path, lm, model_source=model, system_prompt=SHORT_ANSWER_PROMPT)
     passages = {(p["title"], p["text"]): p for ex in examples for p in ex["passages"]}
     build.add_passages(store, lm, list(passages.values()), doc="sample")
     build.fuse(store, lm, top_n=top_n, progress=True)
