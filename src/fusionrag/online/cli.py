@@ -45,7 +45,7 @@ def _cmd_ask(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     where = f"over the store {args.store}" if args.store else "without a store (no retrieval)"
     _say(args, f"loading {_model_of(args)} {where} ...")
-    engine = Engine.open(args.store, model=args.model, **device_options(args))
+    engine = Engine.open(args.store, model=args.model, min_reuse_tokens=args.min_reuse_tokens, **device_options(args))
     _say(args, f"loaded {engine.lm.name} on {engine.lm.device} in {time.perf_counter() - start:.1f} s; "
                f"answering with method {args.method} ...")
     if args.stream and not (args.json or args.explain):
@@ -94,6 +94,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ratio", type=float, default=0.15, help="fraction of context tokens to recompute")
     p.add_argument("--top-k", type=int, default=None, help="chunks to retrieve (default 5; 0: none)")
     p.add_argument("--no-retrieval", action="store_true", help="answer from the question alone")
+    p.add_argument("--min-reuse-tokens", type=int, default=None,
+                   help="context tokens from which --method auto reuses KV (default: the device's measured "
+                        "break-even: 256 on CPU)")
     p.add_argument("--kv", choices=KV_KINDS, default=None,
                    help="which stored KV to reuse (default: plain-first for fusionrag, plain otherwise; "
                         "plain-first: fused, but the prompt's first chunk plain where the store holds it)")

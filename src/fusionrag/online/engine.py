@@ -46,15 +46,17 @@ from fusionrag.retrieval.matching import Piece, match_passages
 
 log = logging.getLogger(__name__)
 
-#: Context tokens from which ``method="auto"`` reuses KV when the store records no measured value.
-#: Below it a full prefill is faster on a CPU (the question pre-pass and the KV loads cost more
-#: than recomputing 85% fewer tokens saves): measured in benchmarks/ttft/results/break_even.
-BREAK_EVEN_TOKENS = 512
+#: Context tokens (the passages' tokens) from which ``method="auto"`` reuses KV, per device type.
+#: CPU: parity at ~100 tokens for smollm2-135m and qwen2.5-0.5b, 1.13x / 1.37x faster at ~175
+#: (benchmarks/ttft/results/break_even); 256 leaves room for KV read from disk. CUDA: an estimate
+#: until a GPU run measures it (a GPU prefill of a short context takes milliseconds, so the pre-pass
+#: and KV movement weigh more there).
+BREAK_EVEN_TOKENS = {"cpu": 256, "cuda": 1024}
 
 
 def break_even_tokens(lm: LoadedModel) -> int:
-    """The context length from which reuse is faster than a full prefill for ``lm`` (see BREAK_EVEN_TOKENS)."""
-    return BREAK_EVEN_TOKENS
+    """The context length from which reuse is faster than a full prefill on ``lm``'s device."""
+    return BREAK_EVEN_TOKENS.get(str(lm.device).split(":")[0], BREAK_EVEN_TOKENS["cuda"])
 
 
 

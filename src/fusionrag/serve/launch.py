@@ -39,6 +39,8 @@ _FLAGS = (
     ("--shutdown-timeout", "shutdown_timeout_s", float, "seconds open requests may finish after SIGTERM"),
     ("--max-new-tokens", "max_new_tokens", int, "upper bound on a request's max_tokens"),
     ("--default-max-tokens", "default_max_tokens", int, "max_tokens of requests that name none"),
+    ("--min-reuse-tokens", "min_reuse_tokens", int,
+     "context tokens from which method auto reuses KV (default: the measured break-even of the device)"),
 )
 
 
@@ -96,7 +98,7 @@ def kv_tier_source(url: str, store: Any) -> Any:
 
 def engine_factory(store: str | None, model: str | None, memory_budget_mb: int = 0,
                    kv_tier: str | None = None, devices: dict | None = None,
-                   adhoc_cache_mb: int = 2048) -> Callable[[], Any]:
+                   adhoc_cache_mb: int = 2048, min_reuse_tokens: int | None = None) -> Callable[[], Any]:
     """Builds the engine on the model thread (the store's SQLite connection belongs to its creating thread).
 
     ``store`` None: the model alone (plain generation, or over the passages requests bring)."""
@@ -116,10 +118,10 @@ def engine_factory(store: str | None, model: str | None, memory_budget_mb: int =
         budget = memory_budget_mb << 20 or None
         adhoc = adhoc_cache_mb << 20
         engine = Engine.open(store, model=model, memory_budget_bytes=None if kv_tier else budget,
-                             adhoc_cache_bytes=adhoc, **(devices or {}))
+                             adhoc_cache_bytes=adhoc, min_reuse_tokens=min_reuse_tokens, **(devices or {}))
         if kv_tier:  # rebuilt over the shared tier (the engine's own disk source is what it falls back to)
             engine = Engine(engine.store, engine.lm, kv_source=kv_tier_source(kv_tier, engine.store),
-                            memory_budget_bytes=budget, adhoc_cache_bytes=adhoc)
+                            memory_budget_bytes=budget, adhoc_cache_bytes=adhoc, min_reuse_tokens=min_reuse_tokens)
         return engine
 
     return factory
@@ -131,7 +133,8 @@ def build_app(args: argparse.Namespace) -> tuple[FastAPI, ServerSettings]:
 
     settings = settings_from_args(args)
     app = create_app(engine_factory(args.store, args.model, settings.memory_budget_mb,
-                                    settings.kv_tier, device_options(args), settings.adhoc_cache_mb), settings)
+                                    settings.kv_tier, device_options(args), settings.adhoc_cache_mb,
+                                    settings.min_reuse_tokens), settings)
     what = f"for {args.store}" if args.store else "(no store: answering over the passages requests bring)"
     print(f"fusionrag: loading {args.model or 'the model'} {what} ...", file=sys.stderr)
     app.state.scheduler.wait_ready()  # a bad store or model fails here, as one line, before binding

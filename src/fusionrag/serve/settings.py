@@ -68,6 +68,8 @@ class ServerSettings(BaseModel):
                                                              "they are cut off (a second SIGTERM exits at once)")
     header_timeout_s: float = Field(30.0, gt=0, description="seconds a request may take to arrive completely "
                                                            "(half-sent requests are closed)")
+    min_reuse_tokens: int | None = Field(None, ge=0, description="context tokens from which method auto reuses "
+                                                                 "KV (default: the device's measured break-even)")
     metrics_need_key: bool = Field(False, description="GET /metrics needs the API key too (default: open, as in "
                                                       "vLLM, so a Prometheus scrape needs no token)")
 
