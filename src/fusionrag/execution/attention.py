@@ -19,9 +19,14 @@ def capture_last_layer_queries(lm: LoadedModel):
     return lm.adapter.capture_last_queries()
 
 
-def finish_queries(lm: LoadedModel, q_proj_out: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """Raw ``q_proj`` output -> post-norm, post-RoPE queries ``[heads, n, head_dim]`` (fp32)."""
-    return lm.adapter.finish_queries(q_proj_out, positions)
+def capture_queries(lm: LoadedModel, layer: int = -1):
+    """Collect layer ``layer``'s raw ``q_proj`` outputs while inside (:meth:`ModelAdapter.capture_queries`)."""
+    return lm.adapter.capture_queries(layer)
+
+
+def finish_queries(lm: LoadedModel, q_proj_out: torch.Tensor, positions: torch.Tensor, layer: int = -1) -> torch.Tensor:
+    """Raw ``q_proj`` output of layer ``layer`` -> post-norm, post-RoPE queries ``[heads, n, head_dim]`` (fp32)."""
+    return lm.adapter.finish_queries(q_proj_out, positions, layer)
 
 
 def attention_probs(queries: torch.Tensor, keys: torch.Tensor, allowed: torch.Tensor, scale: float) -> torch.Tensor:
@@ -36,9 +41,9 @@ def attention_probs(queries: torch.Tensor, keys: torch.Tensor, allowed: torch.Te
     return torch.softmax(scores, dim=-1)
 
 
-def attention_scale(lm: LoadedModel) -> float:
-    """The last layer's softmax scale."""
-    return lm.adapter.attention_scale()
+def attention_scale(lm: LoadedModel, layer: int = -1) -> float:
+    """Layer ``layer``'s softmax scale (the last by default)."""
+    return lm.adapter.attention_scale(layer)
 
 
 def prefill_with_context_attention(

@@ -11,6 +11,12 @@ positions of the queries (see :mod:`fusionrag.execution.attention_backends`).
 
 Transformers builds no mask for an attention function it has no mask function for, so a
 pass with ``attention_mask=None`` reaches us with ``None`` whatever its positions are.
+
+Inside :func:`stop_at_attention` a pass ends where one layer's attention would begin: every
+decoder layer writes its new keys and values to the cache before it calls the attention
+function, so at that point the layer's queries have been projected and its keys are in the
+cache, and nothing after (that attention, the layer's MLP, the later layers, the final norm,
+the LM head) runs. The question's selection pre-pass needs exactly that much.
 """
 
 from __future__ import annotations
@@ -38,6 +44,11 @@ class _Pass:
 
 
 _ACTIVE: ContextVar[_Pass | None] = ContextVar("fusionrag_sparse_pass", default=None)
+_STOP_AT: ContextVar[int | None] = ContextVar("fusionrag_stop_at_attention", default=None)
+
+
+class _Stopped(Exception):
+    """Raised by the attention function at the layer a :func:`stop_at_attention` names; caught there."""
 
 
 def fusionrag_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -46,6 +57,8 @@ def fusionrag_attention(module: Any, query: torch.Tensor, key: torch.Tensor, val
     """The registered attention function (signature of transformers' attention interface)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    if _STOP_AT.get() == module.layer_idx:
+        raise _Stopped
     active = _ACTIVE.get()
     if active is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
@@ -89,6 +102,22 @@ def sparse_pass(past: KV, spec: SparseQuery, attend: Attend) -> Iterator[None]:
         yield
     finally:
         _ACTIVE.reset(token)
+
+
+@contextmanager
+def stop_at_attention(layer: int) -> Iterator[None]:
+    """Inside: a forward of this thread ends (quietly) when layer ``layer`` (>= 0) calls its attention.
+
+    The forward's cache then holds the new KV of layers ``0..layer``; hooks on that layer's
+    projections have fired. A forward that never reaches the layer is an error."""
+    token = _STOP_AT.set(layer)
+    try:
+        yield
+    except _Stopped:
+        return
+    finally:
+        _STOP_AT.reset(token)
+    raise RuntimeError(f"the pass never reached layer {layer}'s attention")
 
 
 def cache_keyword(fn: Any) -> str:

@@ -25,8 +25,14 @@ from typing import Protocol
 import torch
 
 from fusionrag.errors import FusionRAGError
-from fusionrag.execution.attention import attention_probs, attention_scale, capture_last_layer_queries, finish_queries
-from fusionrag.execution.forward import forward, forward_first_layers, visibility
+from fusionrag.execution.attention import (
+    attention_probs,
+    attention_scale,
+    capture_last_layer_queries,
+    capture_queries,
+    finish_queries,
+)
+from fusionrag.execution.forward import forward, forward_first_layers, forward_to_attention, visibility
 from fusionrag.kvcache.kv import KV
 from fusionrag.models.registry import LoadedModel
 from fusionrag.online.prefill import all_chunk_indices
@@ -87,17 +93,32 @@ def select(policy: Policy, inp: SelectionInput, ratio: float) -> torch.Tensor:
 
 @dataclass
 class QuestionQueries:
-    """The question's last-layer queries over an assembled context (what query-guided scoring reads)."""
+    """The question's queries at one layer over an assembled context (what query-guided scoring reads)."""
 
     queries: torch.Tensor  # [heads, q, d], RoPE applied at the question's positions
-    question_keys: torch.Tensor  # [kv_heads, q, d] the question's own last-layer keys
+    question_keys: torch.Tensor  # [kv_heads, q, d] the question's own keys at that layer
     positions: torch.Tensor  # [q]
+    layer: int = -1
 
 
-def question_queries(inp: SelectionInput) -> QuestionQueries:
-    """One forward of the question over the assembled context, capturing its last-layer queries.
+def question_queries(inp: SelectionInput, layer: int = -1) -> QuestionQueries:
+    """The question run over the assembled context up to layer ``layer``'s attention: its queries and keys there.
 
-    Public so that scoring variants (``studies/selection``) can score the same queries differently."""
+    The pass ends as soon as they exist (:func:`~fusionrag.execution.forward.forward_to_attention`):
+    for the last layer it skips that layer's attention and MLP, the final norm and the LM head,
+    which scoring never reads; the queries and keys are bit for bit those of the whole pass
+    (:func:`question_queries_reference`, the path before decision 048). Public so that scoring
+    variants (``studies/selection``) can score the same queries differently."""
+    lm, T = inp.lm, len(inp.context)
+    q_pos = torch.arange(T, T + inp.question_token_ids.numel())
+    with capture_queries(lm, layer) as captured:
+        keys = forward_to_attention(lm, inp.question_token_ids, q_pos, inp.context, layer)
+    return QuestionQueries(finish_queries(lm, captured[-1], q_pos, layer), keys, q_pos, layer)
+
+
+def question_queries_reference(inp: SelectionInput) -> QuestionQueries:
+    """The reference: one whole forward of the question (every layer, the LM head), capturing its
+    last-layer queries. What :func:`question_queries` computed before it stopped early."""
     lm, T = inp.lm, len(inp.context)
     q_pos = torch.arange(T, T + inp.question_token_ids.numel())
     with capture_last_layer_queries(lm) as captured:
@@ -105,29 +126,45 @@ def question_queries(inp: SelectionInput) -> QuestionQueries:
     return QuestionQueries(finish_queries(lm, captured[-1], q_pos), res.keys[-1], q_pos)
 
 
-def question_attention(inp: SelectionInput) -> torch.Tensor:
-    """Critical score per candidate: the question's last-layer attention, summed over question tokens and heads.
+def question_attention(inp: SelectionInput, layer: int = -1, reference: bool = False) -> torch.Tensor:
+    """Critical score per candidate: the question's attention at ``layer`` (the last by default), summed over
+    question tokens and heads (:func:`attention_scores` of :func:`question_queries`).
+
+    ``reference`` runs the whole forward (:func:`question_queries_reference`; last layer only): the same scores.
+    """
+    if reference and range(inp.lm.num_layers)[layer] != inp.lm.num_layers - 1:
+        raise ValueError("the reference pre-pass scores the last layer only")
+    return attention_scores(inp, question_queries_reference(inp) if reference else question_queries(inp, layer))
+
+
+def attention_scores(inp: SelectionInput, qq: QuestionQueries) -> torch.Tensor:
+    """Each candidate's attention from the question's queries ``qq``, summed over question tokens and heads.
 
     The model's real attention distribution over the whole prompt (one softmax over ``S``, every
-    chunk and the question): it ranks tokens by the attention the model actually pays. Per-chunk
-    normalisations (the research code's) measured no better: ``docs/decisions/``.
+    chunk and the question) at ``qq.layer``: it ranks tokens by the attention the model actually
+    pays. Per-chunk normalisations (the research code's) measured no better: ``docs/decisions/``.
     """
     T = len(inp.context)
-    qq = question_queries(inp)
-    keys = torch.cat([inp.context.keys[-1].float(), qq.question_keys], dim=1)
+    keys = torch.cat([inp.context.keys[qq.layer].float(), qq.question_keys], dim=1)
     allowed = visibility(torch.arange(T), None, qq.positions)
-    probs = attention_probs(qq.queries, keys, allowed, attention_scale(inp.lm))  # [heads, q, T+q]
+    probs = attention_probs(qq.queries, keys, allowed, attention_scale(inp.lm, qq.layer))  # [heads, q, T+q]
     return probs.sum(dim=(0, 1))[:T][inp.candidates]
 
 
 @dataclass
 class QueryGuided:
-    """FusionRAG's online selection: the tokens the question attends to most (:func:`question_attention`)."""
+    """FusionRAG's online selection: the tokens the question attends to most (:func:`question_attention`).
+
+    ``layer``: the layer whose attention scores (default the last, the paper's; an earlier one
+    stops the pre-pass sooner and is an option measured in decision 048, not a default).
+    ``reference``: score through the whole forward, as before decision 048 (same selection)."""
 
     name: str = "fusionrag"
+    layer: int = -1
+    reference: bool = False
 
     def scores(self, inp: SelectionInput) -> torch.Tensor:
-        return question_attention(inp)
+        return question_attention(inp, self.layer, self.reference)
 
 
 # --- CacheBlend -----------------------------------------------------------------------
