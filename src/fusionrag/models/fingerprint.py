@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from fusionrag.files import atomic_write, file_sha256
@@ -15,7 +16,10 @@ from fusionrag.paths import fusionrag_home
 
 
 def weights_hash(model_dir: Path) -> str:
-    """SHA-256 over the checkpoint's weight files, memoised by (path, size, mtime)."""
+    """SHA-256 over the checkpoint's weight files, memoised by (path, size, mtime).
+
+    Files not memoised yet are hashed in parallel threads (hashlib releases the GIL), so the shards
+    of a large checkpoint (a 7B model: 15 GB) are hashed on several cores at once."""
     files = sorted(
         p for p in Path(model_dir).iterdir() if p.suffix in {".safetensors", ".bin", ".gguf", ".pt"}
     )
@@ -24,18 +28,20 @@ def weights_hash(model_dir: Path) -> str:
         memo = json.loads(memo_path.read_text())
     except (OSError, ValueError):
         memo = {}
-    h = hashlib.sha256()
-    changed = False
+    keys = []
     for p in files:
         st = p.stat()
-        key = f"{p.resolve()}|{st.st_size}|{st.st_mtime_ns}"
-        if key not in memo:
-            memo[key] = file_sha256(p)
-            changed = True
+        keys.append(f"{p.resolve()}|{st.st_size}|{st.st_mtime_ns}")
+    todo = [(p, key) for p, key in zip(files, keys, strict=True) if key not in memo]
+    if todo:
+        with ThreadPoolExecutor(max_workers=min(8, len(todo))) as pool:
+            for (_, key), digest in zip(todo, pool.map(file_sha256, [p for p, _ in todo]), strict=True):
+                memo[key] = digest
+        atomic_write(memo_path, json.dumps(memo))
+    h = hashlib.sha256()
+    for p, key in zip(files, keys, strict=True):
         h.update(p.name.encode())
         h.update(memo[key].encode())
-    if changed:
-        atomic_write(memo_path, json.dumps(memo))
     return h.hexdigest()
 
 
