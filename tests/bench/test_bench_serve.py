@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from fusionrag.bench.loadtest import check_loopback, parse_method, question_items, run_load_test
+from fusionrag.bench.loadtest import check_loopback, closed_loop, parse_method, question_items, run_load_test
 from fusionrag.errors import FusionRAGError
 from serve_helpers import PASSAGES, live_server
 
@@ -31,6 +31,19 @@ def test_load_test_reports_ttft_and_throughput(live, tmp_path):
     assert json.loads((tmp_path / "loadtest.json").read_text())["cells"] == report["cells"]
     assert "TTFT p50" in (tmp_path / "loadtest.md").read_text()
     assert (tmp_path / "loadtest.png").stat().st_size > 1000
+
+
+def test_closed_loop_keeps_its_clients_busy_and_stops_at_its_bounds(live):
+    """Each client sends its next request when its last one ended: 5 requests by 2 clients, all answered."""
+    _, base_url = live
+    items = [{"question": "Capital of France?", "documents": PASSAGES[1:3]}, "Who discovered polonium?"]
+    cell = closed_loop(base_url, items, "fusionrag:0.15", clients=2, duration_s=30, n_requests=5, max_tokens=2,
+                       api_key="test-key", timeout_s=60)
+    assert cell["clients"] == 2 and cell["sent"] == cell["ok"] == 5 and not cell["errors"]
+    assert 0 < cell["ttft_ms_p50"] <= cell["ttft_ms_p99"] and 0 < cell["completion_tokens"] <= 10
+    assert 0 < cell["window_s"] <= cell["wall_s"] and cell["throughput_rps"] > 0 and cell["prompt_tokens_p50"] > 0
+    with pytest.raises(FusionRAGError, match="loopback"):
+        closed_loop("http://10.0.0.1:8000", items, "full")
 
 
 def test_load_test_stays_on_loopback():

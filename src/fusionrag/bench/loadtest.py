@@ -10,6 +10,10 @@ generated tokens, from the streamed ``usage``) per second of the cell's wall tim
 :func:`run_load_test` writes ``loadtest.json``, ``loadtest.md`` and ``loadtest.png``.
 ``fusionrag bench serve --store`` starts the server in-process
 (:class:`fusionrag.serve.server_thread.ServerThread`); ``--url`` targets a running one.
+
+:func:`closed_loop` is the other shape of load: a fixed number of clients, each sending its
+next request as soon as its last one finished (what ``benchmarks/gpu/gpu_serve.py`` runs:
+8 clients with 16K-token prompts), bounded the same way in count and time.
 """
 
 from __future__ import annotations
@@ -111,7 +115,7 @@ async def _one(client: Any, url: str, headers: dict, item: dict, spec: MethodSpe
         body["documents"] = item["documents"]
     t0 = time.perf_counter()
     res: dict[str, Any] = {"sent_at": t_offset, "ok": False, "status": None, "ttft_s": None, "latency_s": None,
-                           "tokens": 0, "error": None}
+                           "tokens": 0, "prompt_tokens": None, "error": None}
     try:
         async with client.stream("POST", url, json=body, headers=headers) as r:
             res["status"] = r.status_code
@@ -133,6 +137,7 @@ async def _one(client: Any, url: str, headers: dict, item: dict, spec: MethodSpe
                     res["ttft_s"] = time.perf_counter() - t0
                 if obj.get("usage"):
                     res["tokens"] = int(obj["usage"].get("completion_tokens", 0))
+                    res["prompt_tokens"] = obj["usage"].get("prompt_tokens")
         res["latency_s"] = time.perf_counter() - t0
         res["ok"] = res["ttft_s"] is not None
     except Exception as exc:  # connection errors, timeouts: counted, never fatal to the run
@@ -167,6 +172,15 @@ async def _cell(base_url: str, items: Sequence[dict], spec: MethodSpec, rate: fl
             t.cancel()
         wall = time.perf_counter() - t_start
     results = [t.result() for t in tasks if t in done]
+    return {"rate": rate, **_summary(spec, results, len(tasks), len(pending), wall)}
+
+
+def _ms(v: float | None) -> float | None:
+    return None if v is None else round(v * 1000.0, 2)
+
+
+def _summary(spec: MethodSpec, results: Sequence[dict], sent: int, unfinished: int, wall: float) -> dict[str, Any]:
+    """A cell's counts, TTFT and latency percentiles and throughput (completed requests / ``wall``)."""
     ok = [r for r in results if r["ok"]]
     ttfts = [r["ttft_s"] for r in ok]
     lats = [r["latency_s"] for r in ok]
@@ -176,31 +190,101 @@ async def _cell(base_url: str, items: Sequence[dict], spec: MethodSpec, rate: fl
         if not r["ok"]:
             key = str(r["status"] or "error")
             errors[key] = errors.get(key, 0) + 1
-    if pending:
-        errors["timeout"] = len(pending)
-
-    def ms(v: float | None) -> float | None:
-        return None if v is None else round(v * 1000.0, 2)
-
+    if unfinished:
+        errors["timeout"] = unfinished
+    prompt = [r["prompt_tokens"] for r in ok if r.get("prompt_tokens")]
     return {
         "method": spec.method,
         "ratio": spec.ratio,
         "label": spec.label,
-        "rate": rate,
-        "sent": len(tasks),
+        "sent": sent,
         "ok": len(ok),
         "errors": errors,
         "wall_s": round(wall, 3),
-        "ttft_ms_p50": ms(_percentile(ttfts, 0.5)),
-        "ttft_ms_p95": ms(_percentile(ttfts, 0.95)),
-        "ttft_ms_mean": ms(sum(ttfts) / len(ttfts)) if ttfts else None,
-        "latency_ms_p50": ms(_percentile(lats, 0.5)),
-        "latency_ms_p95": ms(_percentile(lats, 0.95)),
+        "ttft_ms_p50": _ms(_percentile(ttfts, 0.5)),
+        "ttft_ms_p95": _ms(_percentile(ttfts, 0.95)),
+        "ttft_ms_p99": _ms(_percentile(ttfts, 0.99)),
+        "ttft_ms_mean": _ms(sum(ttfts) / len(ttfts)) if ttfts else None,
+        "latency_ms_p50": _ms(_percentile(lats, 0.5)),
+        "latency_ms_p95": _ms(_percentile(lats, 0.95)),
         "throughput_rps": round(len(ok) / wall, 3) if wall > 0 else None,
         "throughput_tok_s": round(tokens / wall, 2) if wall > 0 else None,
         "completion_tokens": tokens,
+        "prompt_tokens_p50": _percentile(prompt, 0.5),
         "first_error": next((r["error"] for r in results if r["error"]), None),
     }
+
+
+async def _closed_cell(base_url: str, items: Sequence[dict], spec: MethodSpec, clients: int, n: int | None,
+                       duration_s: float, max_tokens: int, api_key: str | None, timeout_s: float,
+                       start_index: int) -> dict[str, Any]:
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    url = base_url.rstrip("/") + "/v1/chat/completions"
+    limit = min(n if n is not None else MAX_REQUESTS_PER_CELL, MAX_REQUESTS_PER_CELL)
+    results: list[dict] = []
+    issued = 0
+    stopped_at: list[float] = []  # when the first client found the bounds reached: the end of the full-load window
+    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), limits=limits, trust_env=False) as client:
+        t_start = time.perf_counter()
+
+        async def worker() -> None:
+            nonlocal issued
+            while True:
+                now = time.perf_counter() - t_start
+                if issued >= limit or now >= duration_s:
+                    stopped_at.append(now)
+                    return
+                item = items[(start_index + issued) % len(items)]
+                issued += 1
+                res = await _one(client, url, headers, item, spec, max_tokens, None, now)
+                res["done_at"] = time.perf_counter() - t_start
+                results.append(res)
+
+        tasks = [asyncio.create_task(worker()) for _ in range(max(1, clients))]
+        _, pending = await asyncio.wait(tasks, timeout=duration_s + timeout_s)
+        for t in pending:
+            t.cancel()
+        wall = time.perf_counter() - t_start
+    window = min(stopped_at) if stopped_at else wall
+    in_window = [r for r in results if r["ok"] and r["done_at"] <= window]
+    cell = {"clients": clients, **_summary(spec, results, issued, issued - len(results), wall)}
+    if window > 0 and in_window:  # every client busy until the first one stopped: the steady state
+        cell["throughput_rps"] = round(len(in_window) / window, 3)
+        cell["throughput_tok_s"] = round(sum(r["tokens"] for r in in_window) / window, 2)
+    cell["window_s"] = round(window if in_window else wall, 3)
+    return cell
+
+
+def closed_loop(base_url: str, items: Sequence[str | dict], method: Any, clients: int = 8,
+                duration_s: float | None = 60.0, n_requests: int | None = None, max_tokens: int = 32,
+                api_key: str | None = None, timeout_s: float = 600.0, start_index: int = 0) -> dict[str, Any]:
+    """``clients`` concurrent clients, each sending its next request (``items`` in turn) once its last one ended.
+
+    Stops issuing at ``n_requests`` requests or ``duration_s`` seconds (at least one bound; capped by
+    :data:`MAX_REQUESTS_PER_CELL`), then lets the requests in flight finish (at most ``timeout_s``).
+    Throughput is counted over the window in which every client was busy (from the start to the moment
+    the first client stopped issuing: ``window_s``), so the drain of the last requests, run by fewer
+    clients, does not lower it; TTFT and latency percentiles cover every completed request.
+    """
+    cases = _checked(base_url, items, duration_s, n_requests)
+    duration = float("inf") if duration_s is None else float(duration_s)
+    return asyncio.run(_closed_cell(base_url, cases, parse_method(method), int(clients), n_requests, duration,
+                                    max_tokens, api_key, timeout_s, start_index))
+
+
+def _checked(base_url: str, questions: Sequence[str | dict], duration_s: float | None,
+             n_requests: int | None) -> list[dict]:
+    """The request items, once the target is loopback and the load is bounded."""
+    check_loopback(base_url)
+    if duration_s is None and n_requests is None:
+        raise FusionRAGError("bound the load test with duration_s or n_requests")
+    items = [{"question": q} if isinstance(q, str) else dict(q) for q in questions]
+    if not items:
+        raise FusionRAGError("no questions to send")
+    return items
 
 
 def run_load_test(
@@ -226,12 +310,7 @@ def run_load_test(
     :data:`MAX_REQUESTS_PER_CELL` caps it), then waits at most ``timeout_s`` for them.
     ``questions`` are strings or ``{"question", "documents"?}`` dicts (see :func:`question_items`).
     """
-    check_loopback(base_url)
-    if duration_s is None and n_requests is None:
-        raise FusionRAGError("bound the load test with duration_s or n_requests")
-    items = [{"question": q} if isinstance(q, str) else dict(q) for q in questions]
-    if not items:
-        raise FusionRAGError("no questions to send")
+    items = _checked(base_url, questions, duration_s, n_requests)
     rates = [float(r) for r in rates]
     if not rates or any(r <= 0 for r in rates):
         raise FusionRAGError("request rates must be positive")
