@@ -44,13 +44,18 @@ RATIO = 0.15
 
 
 def qwen_config(name: str):
-    """Qwen2.5-7B's shape (28 layers, 28 query / 4 KV heads of 128, 18944 MLP), or a tiny one for tests."""
+    """Qwen2.5-7B's shape (28 layers, 28 query / 4 KV heads of 128, 18944 MLP), 3B's, 0.5B's, or a tiny one."""
     from transformers import Qwen2Config
 
     if name == "qwen2.5-7b":
         return Qwen2Config(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
                            num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=32768,
                            rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                           use_sliding_window=False, sliding_window=None)
+    if name == "qwen2.5-3b":  # gpu_serve.py's fallback: 36 layers, 16 query / 2 KV heads of 128
+        return Qwen2Config(vocab_size=151936, hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
+                           num_attention_heads=16, num_key_value_heads=2, max_position_embeddings=32768,
+                           rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
                            use_sliding_window=False, sliding_window=None)
     if name == "qwen2.5-0.5b":  # the CPU model's shape: 24 layers, 14 query / 2 KV heads of 64
         return Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,

@@ -9,16 +9,22 @@ Steps, each writing its files to ``--out`` as it goes (a run stopped at a time l
 - ``bench``: ``gpu_bench.py``: the kernels alone (per-head vs packed vs masked SDPA at 15% of 8K / 16K /
   32K, Qwen2.5-7B shape, bf16), then the TTFT table; ``gpu_bench.json`` / ``.md`` after each context;
 - ``assemble``: ``assemble_bench.py``: assembly chunk by chunk vs batched (64 chunks of 512 tokens);
-- ``profile``: ``gpu_profile.py``: where FusionRAG 15%'s time goes at 32K, the kernels' tile sweeps.
+- ``profile``: ``gpu_profile.py``: where FusionRAG 15%'s time goes at 32K, the kernels' tile sweeps;
+- ``serve``: ``gpu_serve.py``: the real ``fusionrag serve`` on a random Qwen2.5-7B-shaped checkpoint (3B where
+  the budget is short) over a store of ~200 chunks, 8 concurrent clients with 16K-token RAG prompts, ``full``
+  vs ``fusionrag`` 15%: TTFT p50 / p99, requests/s, tokens/s, GPU memory (``gpu_serve.json`` / ``.md`` /
+  ``.png``, after each method); ``--budget-s`` bounds it (the shell script passes what is left).
 
 ``gpu_check.json`` records each step's status, seconds and notes, rewritten after every step (and merged
 across invocations: the shell script runs each step in its own process, under its own time limit).
 
-    python benchmarks/gpu/gpu_check.py --out DIR [--steps doctor,bench,assemble,profile] [--dry-run]
+    python benchmarks/gpu/gpu_check.py --out DIR [--steps doctor,bench,assemble,profile,serve] [--dry-run]
+        [--budget-s S]
 
 ``--dry-run`` runs every step on the CPU in fp32 with the tiny config; the Triton kernels run under
 ``TRITON_INTERPRET=1`` (set here when torch sees no GPU), so their timings exercise the code only (said in
-each step's note); a host without Triton leaves them out, saying so.
+each step's note); a host without Triton leaves them out, saying so. The serving step's dry run is a tiny
+model on the CPU, 2 clients, a few requests per method.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ import traceback
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-STEPS = ("doctor", "bench", "assemble", "profile")
+STEPS = ("doctor", "bench", "assemble", "profile", "serve")
 DOCTOR_MODELS = ("tiny-qwen2", "tiny-llama")
 
 #: Each step's arguments: the GPU run's, and the dry run's (tiny shapes, CPU, fp32).
@@ -40,6 +46,7 @@ FULL = {
     "bench": [],  # gpu_bench's defaults: 7B shape, bf16, 8K / 16K / 32K, every backend
     "assemble": ["--config", "qwen2.5-7b", "--dtype", "bfloat16", "--chunks", "64", "--chunk-tokens", "512"],
     "profile": [],
+    "serve": [],  # gpu_serve's defaults: 7B shape (3B where the budget is short), bf16, 8 clients, 16K tokens
 }
 TINY = {
     "bench": ["--config", "tiny", "--device", "cpu", "--dtype", "float32", "--contexts", "96,160",
@@ -48,6 +55,7 @@ TINY = {
                  "--chunk-tokens", "32", "--rounds", "1"],
     "profile": ["--config", "tiny", "--device", "cpu", "--dtype", "float32", "--context", "128",
                 "--chunk-tokens", "32", "--repeats", "1", "--tiles", "16x16x4x2", "--packed-tiles", "16x16x1x1"],
+    "serve": ["--dry-run"],
 }
 
 
@@ -96,8 +104,8 @@ def doctor(out: Path, device: str, models: tuple[str, ...]) -> tuple[bool, list[
     return ok, notes
 
 
-def run_step(step: str, out: Path, dry_run: bool) -> tuple[bool, list[str]]:
-    """Run one step; ``(ok, notes)``."""
+def run_step(step: str, out: Path, dry_run: bool, budget_s: float | None = None) -> tuple[bool, list[str]]:
+    """Run one step; ``(ok, notes)``. ``budget_s`` bounds the serving step (the others have fixed sizes)."""
     import torch
 
     device = "cpu" if dry_run else ("cuda" if torch.cuda.is_available() else "cpu")
@@ -106,6 +114,10 @@ def run_step(step: str, out: Path, dry_run: bool) -> tuple[bool, list[str]]:
         ok, more = doctor(out, device, DOCTOR_MODELS[-1:] if dry_run else DOCTOR_MODELS)
         return ok, notes + more
     argv = [*(TINY if dry_run else FULL)[step], "--out", str(out)]
+    if step == "serve":
+        rc = _script("gpu_serve").main([*argv, *(["--budget-s", str(budget_s)] if budget_s else [])])
+        doc = json.loads((out / "gpu_serve.json").read_text()) if (out / "gpu_serve.json").is_file() else {}
+        return rc == 0, [f"gpu_serve: {doc.get('status', 'no gpu_serve.json')}", *doc.get("notes", [])]
     if step == "bench":
         rc = _script("gpu_bench").main(argv)
     elif step == "assemble":
@@ -129,6 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--steps", default=",".join(STEPS), help=f"comma-separated, of {', '.join(STEPS)}")
     p.add_argument("--dry-run", action="store_true", help="every step on the CPU with tiny shapes (fp32)")
+    p.add_argument("--budget-s", type=float, default=None, help="seconds the serving step may take in all "
+                                                               "(default: gpu_serve.py's)")
     args = p.parse_args(argv)
     steps = [s for s in args.steps.split(",") if s]
     unknown = set(steps) - set(STEPS)
@@ -144,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     for step in steps:
         t0 = time.perf_counter()
         try:
-            ok, notes = run_step(step, out, args.dry_run)
+            ok, notes = run_step(step, out, args.dry_run, args.budget_s)
             error = None
         except Exception as e:  # record it, run the next step
             ok, notes, error = False, [], "".join(traceback.format_exception_only(e)).strip()

@@ -52,11 +52,16 @@ def test_each_finished_step_is_saved_before_the_next_starts(tmp_path):
     assert all(len(d["kernel"]) == 2 for d in saved)
 
 
-def test_qwen_7b_config_has_the_published_shape():
-    cfg = load_script("benchmarks/gpu/gpu_bench.py").qwen_config("qwen2.5-7b")
+def test_qwen_7b_and_3b_configs_have_the_published_shapes():
+    bench = load_script("benchmarks/gpu/gpu_bench.py")
+    cfg = bench.qwen_config("qwen2.5-7b")
     shape = (cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads)
     assert shape == (28, 3584, 28, 4)
     assert cfg.intermediate_size == 18944 and cfg.vocab_size == 152064
+    cfg = bench.qwen_config("qwen2.5-3b")  # gpu_serve.py's fallback
+    shape = (cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads)
+    assert shape == (36, 2048, 16, 2) and cfg.hidden_size // cfg.num_attention_heads == 128
+    assert cfg.intermediate_size == 11008 and cfg.vocab_size == 151936 and cfg.tie_word_embeddings
 
 
 def test_gpu_profile_runs_end_to_end_on_cpu_with_a_tiny_config(tmp_path):
@@ -88,13 +93,15 @@ def test_tiles_parse_as_block_sizes_warps_and_stages():
 
 def test_the_gpu_run_s_python_steps_dry_run_on_cpu(tmp_path):
     """``gpu_check.py --dry-run``: every step of the GPU run (doctor on every backend, kernels alone at two
-    contexts, TTFT, assembly, profile) with tiny shapes on the CPU, the Triton kernels interpreted."""
+    contexts, TTFT, assembly, profile) with tiny shapes on the CPU, the Triton kernels interpreted; the
+    serving step's dry run has its own test (tests/benchmarks/test_gpu_serve.py)."""
     from fusionrag.execution.attention_backends import NAMES
 
     check = load_script("benchmarks/gpu/gpu_check.py")
-    assert check.main(["--dry-run", "--out", str(tmp_path)]) == 0
+    kernel_steps = [s for s in check.STEPS if s != "serve"]
+    assert check.main(["--dry-run", "--steps", ",".join(kernel_steps), "--out", str(tmp_path)]) == 0
     steps = json.loads((tmp_path / "gpu_check.json").read_text())["steps"]
-    assert list(steps) == list(check.STEPS) and all(s["ok"] and s["dry_run"] for s in steps.values())
+    assert list(steps) == kernel_steps and all(s["ok"] and s["dry_run"] for s in steps.values())
     doctor = [json.loads(line) for line in (tmp_path / "doctor.jsonl").read_text().splitlines()]
     kernels = {b for b in NAMES if triton_available() or not b.startswith("triton")}
     assert {d["attention"] for d in doctor} == kernels and all(d["ok"] for d in doctor)
@@ -115,7 +122,7 @@ def test_the_gpu_run_s_python_steps_dry_run_on_cpu(tmp_path):
 def test_a_step_that_fails_is_recorded_and_the_next_still_runs(tmp_path, monkeypatch):
     check = load_script("benchmarks/gpu/gpu_check.py")
 
-    def run_step(step, out, dry_run):
+    def run_step(step, out, dry_run, budget_s=None):
         if step == "doctor":
             raise RuntimeError("no GPU after all")
         return True, []
