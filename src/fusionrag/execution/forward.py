@@ -160,9 +160,9 @@ def forward_to_attention(lm: LoadedModel, input_ids: torch.Tensor, positions: to
     the same modules, inputs and backend), so a hook on that layer's query projection sees what
     it sees in a whole pass and the keys are bit for bit the whole pass's. What a whole pass
     would add is skipped: that layer's attention and MLP, the later layers, the final norm and
-    the LM head. For the last layer of Qwen2.5-0.5B that is 30% of the weights a short pass
-    reads (the LM head alone is 136M of 494M), which is what a short pass costs on a CPU.
-    Returns ``[kv_heads, n, D]`` (post-RoPE, the compute dtype, on the model's device).
+    the LM head. For the last layer of Qwen2.5-0.5B and a 29-token question that is ~50 ms of a
+    ~500 ms pass on one CPU thread (LM head 36 ms, one MLP 11 ms; decision 048). Returns
+    ``[kv_heads, n, D]`` (post-RoPE, the compute dtype, on the model's device).
     """
     index = range(lm.num_layers)[layer]  # the layer_idx its attention module carries
     _, cache = _run(lm, input_ids, positions, past, None, 1, None, stop_at=index)
