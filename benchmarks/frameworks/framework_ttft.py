@@ -383,18 +383,28 @@ def median_ci(values: list[float], n_boot: int = 2000) -> tuple[float, float, fl
     return med, lo, hi
 
 
+def per_question(rows: list[dict[str, Any]], path: str) -> list[tuple[float, float]]:
+    """``(full, fusionrag)`` TTFT in ms per question of ``path``: each the median over the rounds."""
+    got: dict[int, dict[str, list[float]]] = {}
+    for r in rows:
+        if r["path"] == path:
+            got.setdefault(r["question"], {}).setdefault(r["method"], []).append(r["ttft_ms"])
+    return [(statistics.median(m["full"]), statistics.median(m["fusionrag"]))
+            for _, m in sorted(got.items()) if m.get("full") and m.get("fusionrag")]
+
+
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per path. TTFTs and speed-ups are per question (the median over the rounds of each method),
+    so ``n`` and the bootstrap resample questions; the reuse counts cover every request."""
     out: dict[str, Any] = {}
     for p in PATHS:
         mine = [r for r in rows if r["path"] == p]
+        fr = [r for r in mine if r["method"] == "fusionrag"]
         by = {(r["round"], r["question"], r["method"]): r for r in mine}
-        keys = sorted({(r["round"], r["question"]) for r in mine})
-        pairs = [(by[(*k, "full")], by[(*k, "fusionrag")]) for k in keys
-                 if (*k, "full") in by and (*k, "fusionrag") in by]
-        fr = [b for _, b in pairs]
-        full = [a for a, _ in pairs]
-        ratios = [a["ttft_ms"] / b["ttft_ms"] for a, b in pairs]
-        speed, lo, hi = median_ci(ratios)
+        pairs = [(by[(r["round"], r["question"], "full")], r) for r in fr
+                 if (r["round"], r["question"], "full") in by]
+        ttft = per_question(rows, p)
+        speed, lo, hi = median_ci([a / b for a, b in ttft])
         chunks = sum(b["chunks"] for b in fr)
         reused = sum(b["reused_chunks"] for b in fr)
         adhoc: dict[str, int] = {}
@@ -402,18 +412,17 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
             for s in b["adhoc_sources"]:
                 key = f"{s['title'] or '(no title)'} [{s['source']}]"
                 adhoc[key] = adhoc.get(key, 0) + 1
+        med_full, med_fr = statistics.median(a for a, _ in ttft), statistics.median(b for _, b in ttft)
         out[p] = {
-            "label": LABELS[p], "n": len(pairs),
+            "label": LABELS[p], "n": len(ttft), "requests": len(fr),
             "chunks_per_request_mean": round(statistics.mean(b["chunks"] for b in fr), 2) if fr else None,
             "chunks": chunks, "reused_chunks": reused, "adhoc_chunks": sum(b["adhoc_chunks"] for b in fr),
             "reused_fraction": round(reused / chunks, 4) if chunks else None,
             "requests_at_100pct": sum(b["reused_chunks"] == b["chunks"] for b in fr),
-            "ran": sorted({b["ran"] for b in fr} | {a["ran"] for a in full}),
-            "median_ttft_ms_full": round(statistics.median(a["ttft_ms"] for a in full), 1),
-            "median_ttft_ms_fusionrag": round(statistics.median(b["ttft_ms"] for b in fr), 1),
+            "ran": sorted({r["ran"] for r in mine}),
+            "median_ttft_ms_full": round(med_full, 1), "median_ttft_ms_fusionrag": round(med_fr, 1),
             "speedup_median": round(speed, 3), "speedup_ci95": [round(lo, 3), round(hi, 3)],
-            "speedup_of_medians": round(statistics.median(a["ttft_ms"] for a in full)
-                                        / statistics.median(b["ttft_ms"] for b in fr), 3),
+            "speedup_of_medians": round(med_full / med_fr, 3),
             "context_tokens_median": statistics.median(b["context_tokens"] for b in fr),
             "context_tokens_equal_full": all(a["context_tokens"] == b["context_tokens"] for a, b in pairs),
             "same_first_token": sum(a["answer"] == b["answer"] for a, b in pairs),
@@ -432,10 +441,12 @@ def fmt_s(ms: float) -> str:
 
 def markdown(rep: dict[str, Any]) -> str:
     s = rep["summary"]
+    git = f" (git {rep['git']})" if rep.get("git") else ""
     lines = [
         "# TTFT through LangChain and LlamaIndex over a store built from files: fusionrag vs full",
         "",
-        f"{rep['questions']} questions of `{rep['data']}` ({rep['rounds']} round), model `{rep['model']}` "
+        f"{rep['questions']} questions of `{rep['data']}`, {rep['rounds']} round(s) (a question's TTFT per "
+        f"method: the median over its rounds; n = questions), model `{rep['model']}` "
         f"(served as `{rep['served_model']}`), {rep['threads']} thread, method `fusionrag` at ratio {rep['ratio']} "
         f"vs `full`, greedy, `max_tokens={rep['max_tokens']}`: the framework's end-to-end call (its retrieval, "
         "the HTTP request, the one token) is its time to first token. Store: "
@@ -455,7 +466,7 @@ def markdown(rep: dict[str, Any]) -> str:
         frac = "n/a" if x["reused_fraction"] is None else f"{100 * x['reused_fraction']:.1f}%"
         lines.append(
             f"| {x['label']} | {x['n']} | {x['chunks_per_request_mean']} | {frac} ({x['reused_chunks']}/{x['chunks']}) "
-            f"| {x['requests_at_100pct']}/{x['n']} | {fmt_s(x['median_ttft_ms_full'])} | "
+            f"| {x['requests_at_100pct']}/{x['requests']} | {fmt_s(x['median_ttft_ms_full'])} | "
             f"{fmt_s(x['median_ttft_ms_fusionrag'])} | {x['speedup_median']:.2f}x "
             f"[{x['speedup_ci95'][0]:.2f}, {x['speedup_ci95'][1]:.2f}] | {x['context_tokens_median']} |")
     lines += [
@@ -481,13 +492,13 @@ def markdown(rep: dict[str, Any]) -> str:
         for _, x in notes:
             if x["adhoc_sources"]:
                 top = "; ".join(f"{k} x{v}" for k, v in list(x["adhoc_sources"].items())[:8])
-                lines.append(f"- {x['label']}: {x['adhoc_chunks']} new piece(s) in {x['n']} requests: {top}")
+                lines.append(f"- {x['label']}: {x['adhoc_chunks']} new piece(s) in {x['requests']} requests: {top}")
             for note in x["notes"]:
                 lines.append(f"- {x['label']}: note `{note}`")
         lines.append("")
     lines += [
         "First answer token equal under both methods (greedy): " + ", ".join(
-            f"{s[p]['label']} {s[p]['same_first_token']}/{s[p]['n']}" for p in PATHS) + ".",
+            f"{s[p]['label']} {s[p]['same_first_token']}/{s[p]['requests']}" for p in PATHS) + " requests.",
         "",
         f"Setup (not in the TTFTs): store {'reused' if rep['build']['reused'] else 'built'} "
         f"({rep['build']['seconds']} s when built: " + "; ".join(
@@ -496,7 +507,7 @@ def markdown(rep: dict[str, Any]) -> str:
         f"LangChain's index built in {rep['setup']['lc_own_index_s']} s, LlamaIndex's in "
         f"{rep['setup']['li_own_index_s']} s. Server: `OMP_NUM_THREADS={rep['threads']} {rep['server_command']}`.",
         "",
-        "Versions: " + ", ".join(f"{k} {v}" for k, v in rep["versions"].items()) + ".",
+        "Versions: " + ", ".join(f"{k} {v}" for k, v in rep["versions"].items()) + f"{git}.",
         "",
         "![TTFT per path](framework_ttft.png)",
         "",
@@ -516,7 +527,7 @@ def plot(rep: dict[str, Any], path: Path) -> None:
     xs = range(len(PATHS))
     ticks = [SHORT[p] for p in PATHS]
     for k, m in enumerate(METHODS):
-        data = [[r["ttft_ms"] / 1000 for r in rows if r["path"] == p and r["method"] == m] for p in PATHS]
+        data = [[pair[k] / 1000 for pair in per_question(rows, p)] for p in PATHS]
         pos = [x + (k - 0.5) * 0.36 for x in xs]
         box = ax.boxplot(data, positions=pos, widths=0.3, patch_artist=True, showfliers=True,
                          medianprops={"color": "black"}, flierprops={"markersize": 3})
@@ -526,7 +537,7 @@ def plot(rep: dict[str, Any], path: Path) -> None:
         ax.plot([], [], "s", color=colours[m], label=f"method={m}")
     ax.set_xticks(list(xs), ticks, fontsize=9)
     ax.set_ylabel("time to first token, s (framework call, max_tokens=1)")
-    ax.set_ylim(0, max(r["ttft_ms"] for r in rows) / 1000 * 1.18)
+    ax.set_ylim(0, max(max(pair) for p in PATHS for pair in per_question(rows, p)) / 1000 * 1.18)
     ax.set_title(f"TTFT per question ({rep['model']}, {rep['threads']} thread, n={rep['questions']})", fontsize=11)
     ax.legend(loc="upper center", ncol=2, fontsize=9)
     ax.grid(axis="y", alpha=0.3)
@@ -537,12 +548,11 @@ def plot(rep: dict[str, Any], path: Path) -> None:
     bx.bar(list(xs), med, color=colours["fusionrag"], alpha=0.75, width=0.5)
     bx.errorbar(list(xs), med, yerr=err, fmt="none", ecolor="black", capsize=5)
     bx.axhline(1.0, color="black", lw=0.8, ls="--")
-    top = max(s[p]["speedup_ci95"][1] for p in PATHS) * 1.3 + 0.1
+    top = max(s[p]["speedup_ci95"][1] for p in PATHS) * 1.25 + 0.2
     for x, p in zip(xs, PATHS, strict=True):
         frac = s[p]["reused_fraction"]
-        text = f"{med[x]:.2f}x\nreused\n{100 * frac:.0f}%" if frac is not None else f"{med[x]:.2f}x"
-        inside = med[x] > 0.3 * top
-        bx.text(x + 0.3, (med[x] / 2) if inside else med[x], text, ha="left", va="center", fontsize=8.5,
+        text = f"{med[x]:.2f}x\nreused {100 * frac:.0f}%" if frac is not None else f"{med[x]:.2f}x"
+        bx.text(x, s[p]["speedup_ci95"][1] + 0.02 * top, text, ha="center", va="bottom", fontsize=8.5,
                 bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.8, "pad": 1})
     bx.set_xticks(list(xs), ticks, fontsize=9)
     bx.set_ylabel("speed-up: median of full / fusionrag per question")
@@ -560,6 +570,18 @@ def write_report(report: dict[str, Any], out: Path) -> None:
     (out / "framework_ttft.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
     (out / "framework_ttft.md").write_text(markdown(report))
     plot(report, out / "framework_ttft.png")
+
+
+def git_state() -> str:
+    """The checkout's commit, ``+dirty`` when ``src/`` has uncommitted changes (what the server ran)."""
+    try:
+        head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=30, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--", "src"], capture_output=True,
+                               text=True, timeout=30, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return head + ("+dirty" if dirty else "")
 
 
 def versions() -> dict[str, str]:
@@ -603,10 +625,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ready-timeout", type=float, default=300.0, help="seconds for the server to become ready")
     ap.add_argument("--build-only", action="store_true", help="make the files and the store, then stop")
     ap.add_argument("--replot", metavar="JSON", default=None,
-                    help="only rewrite the Markdown and the plot of an existing framework_ttft.json (into --out)")
+                    help="only re-summarize an existing framework_ttft.json's rows and rewrite the report (into --out)")
     args = ap.parse_args(argv)
     if args.replot:
         report = json.loads(Path(args.replot).read_text())
+        report["summary"] = summarize(report["rows"])  # this version's summary of the recorded rows
         write_report(report, Path(args.out))
         return 0
 
@@ -668,6 +691,7 @@ def run(args: argparse.Namespace, data: Path) -> int:
         "server_ready_s": server["ready_s"], "server_health": info, "setup": setup,
         "measure_s": round(measure_s, 1), "machine": platform.platform(), "processor": platform.processor(),
         "cpu_count": os.cpu_count(), "python": platform.python_version(), "versions": versions(),
+        "git": git_state(),
         "load_avg_1m_median": statistics.median(r["load_avg_1m"] for r in rows),
         "summary": summarize(rows), "rows": rows,
     }
