@@ -66,7 +66,7 @@ def _stored_chunks_of(app, path: Path) -> list[int]:
 
 
 def test_retrieve_returns_stored_chunks_with_their_source(live):
-    app, url, docs = live
+    _app, url, docs = live
     hits = httpx.post(url + "/retrieve", json={"query": Q, "top_k": 3}).json()["data"]
     assert len(hits) == 3
     assert {"chunk_id", "title", "text", "source", "score"} <= set(hits[0])
@@ -82,7 +82,7 @@ def test_langchain_with_the_fusionrag_retriever_reuses_every_chunk(live):
     pytest.importorskip("langchain_openai", reason=NO_LANGCHAIN)
     from fusionrag.integrations.langchain import FusionRAGRetriever, chat_model, rag_chain, sources
 
-    app, url, docs = live
+    _app, url, _docs = live
     retriever = FusionRAGRetriever(base_url=url, top_k=3)
     found = retriever.invoke(Q)
     assert len(found) == 3 and all(d.metadata["chunk_id"] is not None for d in found)

@@ -290,7 +290,8 @@ class Engine:
         """The request's chunks, their retrieval scores, and a note when it gets none it might expect.
 
         Passages the request brings are mapped onto stored chunks (:mod:`fusionrag.retrieval.matching`);
-        otherwise the store is searched, unless retrieval is off or there is no store."""
+        otherwise the store is searched, unless retrieval is off or there is no store. Only stored
+        chunks have a ``chunk_id``, so an engine without a store never reaches the store below."""
         if req.chunks is not None:
             pieces = match_passages(self.store, self.prompt, req.chunks)
             return pieces, [None] * len(pieces), ""
@@ -298,17 +299,14 @@ class Engine:
             return [], [], ""
         if self.store is None:
             return [], [], "no store: answered without passages"
-        scored = self.store.search_scored(req.question, req.top_k or DEFAULT_TOP_K)
-        if not scored:
+        hits = self.store.retrieve(req.question, req.top_k or DEFAULT_TOP_K)
+        if not hits:
             return [], [], "the store is empty: answered without passages"
-        pieces = []
-        for cid, _ in scored:
-            rec = self.store.chunk(cid)
-            pieces.append(Piece(cid, rec.title, rec.text, self.store.source_of(cid)))
-        return pieces, [round(s, 4) for _, s in scored], ""
+        pieces = [Piece(h["chunk_id"], h["title"], h["text"], h["source"]) for h in hits]
+        return pieces, [h["score"] for h in hits], ""
 
     def _token_ids(self, chunk_id: int | None, passage: dict) -> list[int]:
-        if chunk_id is not None and self.store is not None:
+        if chunk_id is not None:
             return list(self.store.chunk(chunk_id).token_ids)
         return self.prompt.chunk_token_ids(passage["title"], passage["text"])
 
@@ -319,11 +317,11 @@ class Engine:
         if kind != "plain-first":
             return [kind] * len(chunk_ids)
         first = chunk_ids[0] if chunk_ids else None
-        plain = first is None or self.store is None or self.store.has_kv(first, "plain")
+        plain = first is None or self.store.has_kv(first, "plain")
         return [("plain" if plain else "fused") if i == 0 else "fused" for i in range(len(chunk_ids))]
 
     def _stored_key(self, chunk_id: int | None, kind: str) -> Key | None:
-        if chunk_id is None or self.store is None:
+        if chunk_id is None:
             return None
         if self.store.has_kv(chunk_id, kind):
             return (chunk_id, kind)
@@ -370,8 +368,7 @@ class Engine:
         method runs on fused KV, otherwise read through the same source (so a memory tier serves them)."""
         if kind == "fused":
             return [e.scores for e in entries]
-        keys = [(c, "fused") for c in chunk_ids
-                if c is not None and self.store is not None and self.store.has_kv(c, "fused")]
+        keys = [(c, "fused") for c in chunk_ids if c is not None and self.store.has_kv(c, "fused")]
         fused = self._read_stored(keys)
         return [fused[(c, "fused")].scores if (c, "fused") in fused else None for c in chunk_ids]
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from fusionrag.online.engine import DEFAULT_TOP_K
+from fusionrag.online.request import ReuseRequest
 from fusionrag.serve.requests import PromptTooLongError
 
 #: Tokens a chunk may have beyond the store's ``chunk_tokens`` (its "[title] " prefix).
@@ -25,7 +26,9 @@ def check_prompt_length(engine: Any, question: str, prepare_kwargs: dict[str, An
     """
     preamble = {"preamble": prepare_kwargs["preamble"]} if prepare_kwargs.get("preamble") else {}
     chunks = prepare_kwargs.get("chunks")
-    if chunks is not None or prepare_kwargs.get("retrieval") is False or prepare_kwargs.get("top_k") == 0:
+    own = ReuseRequest(question, chunks=chunks, top_k=prepare_kwargs.get("top_k"),
+                       retrieval=prepare_kwargs.get("retrieval"))
+    if not own.retrieves:
         n = engine.prompt_tokens(question, chunks or [], **preamble)
     else:
         n = _retrieval_prompt_tokens(engine, question, int(prepare_kwargs.get("top_k") or DEFAULT_TOP_K), limit,

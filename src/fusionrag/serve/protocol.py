@@ -18,7 +18,7 @@ from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from fusionrag.errors import CacheIntegrityError, FusionRAGError
 from fusionrag.online.request import DEFAULT_TOP_K, InvalidRequest, ReuseRequest
@@ -220,14 +220,7 @@ def split_documents(text: str, where: str) -> tuple[str, list[dict]]:
 
 def parse_retrieve(body: Any, s: ServerSettings) -> RetrieveRequest:
     """A ``POST /v1/retrieve`` body ``{query, top_k?}``; top_k defaults to the engine's, bounded by the server's."""
-    if not isinstance(body, dict):
-        raise APIError(400, "the request body must be a JSON object {query, top_k?}")
-    check_text(body)
-    try:
-        req = RetrieveRequest.model_validate(body)
-    except ValidationError as exc:
-        message, code, param = validation_error(exc)
-        raise APIError(400, message, code=code, param=param) from None
+    req = _validated(RetrieveRequest, body)
     if not req.query.strip():
         raise APIError(400, "'query' is empty", code="empty_question", param="query")
     top_k = DEFAULT_TOP_K if req.top_k is None else req.top_k
@@ -264,7 +257,7 @@ class GenerateRequest:
         return self.reuse.as_kwargs()
 
 
-def _validated(model: type[ChatCompletionRequest | CompletionRequest], body: Any) -> Any:
+def _validated(model: type[BaseModel], body: Any) -> Any:
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
     check_text(body)
