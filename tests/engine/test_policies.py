@@ -54,21 +54,25 @@ def test_epic_takes_the_first_tokens_of_each_chunk(tiny_llama):
     assert epic_budget(0.99, inp.spans) == 3 * EPIC_MAX_PER_CHUNK
 
 
-def test_query_scores_equal_explicit_last_layer_attention(tiny_lm):
-    """FusionRAG's scores vs the eager-attention weights of the real last layer."""
-    _, _, question, inp = _setup(tiny_lm)
-    model = tiny_lm.model
-    # Reference: the model's own eager attention weights for the question over the assembled cache.
+def _eager_attentions(lm, inp):
+    """Reference: the model's own eager attention weights of the question over the assembled cache, per layer."""
     from fusionrag.execution.forward import to_dynamic_cache
 
-    T = len(inp.context)
+    model, T, q = lm.model, len(inp.context), inp.question_token_ids.numel()
     model.set_attn_implementation("eager")
     try:
-        out = model(input_ids=inp.question_token_ids[None], position_ids=torch.arange(T, T + len(question))[None],
+        out = model(input_ids=inp.question_token_ids[None], position_ids=torch.arange(T, T + q)[None],
                     cache=to_dynamic_cache(inp.context), use_cache=True, output_attentions=True)
     finally:
         model.set_attn_implementation("sdpa")
-    att = out.attentions[-1][0]  # [heads, q, T + q]
+    return out.attentions
+
+
+def test_query_scores_equal_explicit_last_layer_attention(tiny_lm):
+    """FusionRAG's scores vs the eager-attention weights of the real last layer."""
+    _, _, _question, inp = _setup(tiny_lm)
+    T = len(inp.context)
+    att = _eager_attentions(tiny_lm, inp)[-1][0]  # [heads, q, T + q]
     global_ref = att.sum(dim=(0, 1))[:T][inp.candidates]
     assert torch.allclose(question_attention(inp), global_ref, atol=1e-5)
 
@@ -88,7 +92,7 @@ def test_cacheblend_score_equals_explicit_layer1_deviation(tiny_lm):
 def test_unknown_method_is_clear():
     with pytest.raises(FusionRAGError, match="unknown method"):
         make_policy("magic")
-    assert methods() == ["full", "reuse", "fusionrag", "auto", "cacheblend", "cachecraft", "epic"]
+    assert methods() == ["full", "reuse", "fusionrag", "auto", "cacheblend", "cachecraft", "epic", "prophetkv", "ape"]
 
 
 def test_a_registered_policy_is_a_method_every_door_accepts_but_the_product_does_not_list():
@@ -106,3 +110,19 @@ def test_cachecraft_without_scores_is_clear(tiny_llama):
     inp.chunk_scores = [None, None, None]
     with pytest.raises(FusionRAGError, match="preprocess"):
         select(make_policy("cachecraft"), inp, 0.2)
+
+
+def test_prophetkv_scores_equal_the_layer_mean_of_explicit_attention(tiny_lm):
+    """ProphetKV's score vs every layer's eager attention weights of the question over the assembled cache,
+    renormalised over the context keys (its softmax leaves the question's own keys out)."""
+    from fusionrag.online.policies import layerwise_question_attention
+
+    _, _, _question, inp = _setup(tiny_lm)
+    T = len(inp.context)
+    per_layer = []
+    for att in _eager_attentions(tiny_lm, inp):  # [1, heads, q, T + q]
+        ctx = att[0, :, :, :T]
+        per_layer.append((ctx / ctx.sum(-1, keepdim=True)).mean(dim=(0, 1)))
+    expected = torch.stack(per_layer).mean(0)[inp.candidates]
+    got = layerwise_question_attention(inp)
+    assert torch.allclose(got, expected, atol=1e-5)

@@ -31,7 +31,9 @@ from typing import Any
 import torch
 
 from fusionrag.execution.attention_backends import Attend, SparseQuery
-from fusionrag.kvcache.kv import KV
+from fusionrag.execution.attention_backends.parallel import attend as parallel_attend
+from fusionrag.execution.attention_backends.parallel import parallel_attention
+from fusionrag.kvcache.kv import KV, ParallelContext
 
 ATTN_IMPL = "fusionrag"
 
@@ -45,6 +47,17 @@ class _Pass:
 
 _ACTIVE: ContextVar[_Pass | None] = ContextVar("fusionrag_sparse_pass", default=None)
 _STOP_AT: ContextVar[int | None] = ContextVar("fusionrag_stop_at_attention", default=None)
+
+
+@dataclass(frozen=True)
+class DecodeParallel:
+    """The rows of a decode batch whose prompt was placed in parallel (APE): their context keys and rule."""
+
+    rules: tuple[ParallelContext | None, ...]  # per batch row
+    context: torch.Tensor  # [B, W] bool: each row's context slots (the step's own token included, False)
+
+
+_DECODE: ContextVar[DecodeParallel | None] = ContextVar("fusionrag_decode_parallel", default=None)
 
 
 class _Stopped(Exception):
@@ -61,16 +74,26 @@ def fusionrag_attention(module: Any, query: torch.Tensor, key: torch.Tensor, val
         raise _Stopped
     active = _ACTIVE.get()
     if active is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
+        out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                        **kwargs)
+        decode = _DECODE.get()
+        if decode is not None:  # rows of a parallel prompt (APE) read their context through its rule
+            scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+            for b, rule in enumerate(decode.rules):
+                if rule is not None:
+                    allowed = torch.ones(query.shape[2], key.shape[2], dtype=torch.bool, device=query.device) \
+                        if attention_mask is None else attention_mask[b, 0] > torch.finfo(attention_mask.dtype).min / 2
+                    out[b] = parallel_attention(query[b], key[b], value[b], allowed, decode.context[b], rule,
+                                                scale).transpose(0, 1)
+        return out, None
     if query.shape[0] != 1:
         raise RuntimeError("a sparse pass takes one row (the backend applies the visibility rule)")
     # A pass never hands the model a mask; should a transformers version build one anyway
     # (e.g. from ``position_ids``), it is not ours to honour: the backend applies the rule.
     layer = module.layer_idx
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = active.attend(query[0], active.past.keys[layer], active.past.values[layer], key[0], value[0],
-                        active.spec, scale)
+    attend = parallel_attend if active.spec.parallel is not None else active.attend
+    out = attend(query[0], active.past.keys[layer], active.past.values[layer], key[0], value[0], active.spec, scale)
     return out.transpose(0, 1)[None], None  # [1, n, Hq, D], as transformers' functions return
 
 
@@ -102,6 +125,16 @@ def sparse_pass(past: KV, spec: SparseQuery, attend: Attend) -> Iterator[None]:
         yield
     finally:
         _ACTIVE.reset(token)
+
+
+@contextmanager
+def decode_parallel(state: DecodeParallel | None) -> Iterator[None]:
+    """Inside: the decoder's forward reads the parallel rows' context through their rule (APE)."""
+    token = _DECODE.set(state)
+    try:
+        yield
+    finally:
+        _DECODE.reset(token)
 
 
 @contextmanager

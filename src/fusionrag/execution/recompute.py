@@ -49,6 +49,8 @@ def sparse_recompute(
     if suffix_ids.numel() == 0:
         raise ValueError("the suffix (question) must have at least one token")
     idx = torch.unique(torch.as_tensor(recompute_idx, dtype=torch.long).reshape(-1))  # sorted, no repeats
+    if idx.numel() and context.parallel is not None:
+        raise ValueError("a context placed in parallel (APE) is read as stored: it recomputes no tokens")
     if idx.numel() and (idx[0] < 0 or idx[-1] >= total):
         raise ValueError("recompute indices must lie inside the context")
     device = lm.device
@@ -69,4 +71,4 @@ def sparse_recompute(
         t[:, :, idx] = fresh[:, :, :r].to(t.dtype)
         t[:, :, total:] = fresh[:, :, r:].to(t.dtype)
         out.append(t)
-    return RecomputeResult(KV(out[0], out[1], 0), res.logits[-1], r)
+    return RecomputeResult(KV(out[0], out[1], 0, context.parallel), res.logits[-1], r)

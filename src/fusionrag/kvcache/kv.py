@@ -17,10 +17,28 @@ from fusionrag.models.rope import rotate_into, rotate_keys, rotation
 
 
 @dataclass(frozen=True)
+class ParallelContext:
+    """How later tokens read a prompt whose chunks were placed in parallel (APE, ICLR 2025).
+
+    Slots ``start:stop`` of the prompt KV are the chunks, all encoded at the same positions right
+    after ``S``; a token after them attends to those slots with the logits divided by
+    ``temperature`` and the context block's log-sum-exp multiplied by ``scale * temperature``
+    (APE section 4.3-4.4; :func:`fusionrag.execution.attention_backends.parallel.parallel_attention`).
+    ``temperature = scale = 1`` is plain attention over the parallel layout."""
+
+    start: int
+    stop: int
+    temperature: float = 0.9
+    scale: float = 0.9
+
+
+@dataclass(frozen=True)
 class KV:
     keys: torch.Tensor
     values: torch.Tensor
     base_position: int = 0
+    #: Set on a prompt assembled in parallel (APE): every later token reads slots start:stop with its rule.
+    parallel: ParallelContext | None = None
 
     def __post_init__(self) -> None:
         if self.keys.shape != self.values.shape or self.keys.dim() != 4:
@@ -56,7 +74,7 @@ class KV:
         keys, values = self.keys.to(device=device, dtype=dtype), self.values.to(device=device, dtype=dtype)
         if keys is self.keys and values is self.values:
             return self
-        return KV(keys, values, self.base_position)
+        return KV(keys, values, self.base_position, self.parallel)
 
     def moved_to(self, new_base: int, inv_freq: torch.Tensor) -> KV:
         """This segment re-positioned to start at ``new_base`` (keys rotated, values shared)."""
@@ -82,19 +100,32 @@ class KV:
         )
 
 
-def _layout(prefix: KV, chunks: Sequence[KV]) -> tuple[list[tuple[int, int]], list[int]]:
-    """Each chunk's ``(start, stop)`` span after ``prefix`` and the positions it moves by to get there."""
+def parallel_shift(chunks: Sequence[KV]) -> int:
+    """How far a parallel layout rotates every key forward: the chunks' total length minus the longest.
+
+    In APE's layout every chunk starts right after ``S`` and the question comes after the longest
+    chunk; the cache still stores the chunks one after another (slot = bookkeeping position, so
+    the visibility rule, decoding and teacher forcing need nothing new). Rotating ``S`` and every
+    chunk forward by this shift puts the question, at slot ``len(S) + sum``, exactly as far from
+    each key as APE puts it (RoPE scores depend only on the distance)."""
+    return sum(len(c) for c in chunks) - max((len(c) for c in chunks), default=0)
+
+
+def _layout(prefix: KV, chunks: Sequence[KV], parallel: bool = False) -> tuple[list[tuple[int, int]], list[int]]:
+    """Each chunk's ``(start, stop)`` span after ``prefix`` and the positions it moves by to get there
+    (``parallel``: every chunk to the same position, see :func:`parallel_shift`)."""
     spans, deltas = [], []
     pos = prefix.base_position + len(prefix)
+    parallel_at = pos + parallel_shift(chunks)
     for chunk in chunks:
         spans.append((pos - prefix.base_position, pos - prefix.base_position + len(chunk)))
-        deltas.append(pos - chunk.base_position)
+        deltas.append((parallel_at if parallel else pos) - chunk.base_position)
         pos += len(chunk)
     return spans, deltas
 
 
 def assemble(prefix: KV, chunks: Sequence[KV], inv_freq: torch.Tensor, device: torch.device | str | None = None,
-             dtype: torch.dtype = torch.float32) -> tuple[KV, list[tuple[int, int]]]:
+             dtype: torch.dtype = torch.float32, parallel: bool = False) -> tuple[KV, list[tuple[int, int]]]:
     """``prefix + chunk_1 + ... + chunk_k`` at consecutive positions (TurboRAG "reordered").
 
     The chunks move to ``device`` as stored (fp16, or int8 entries dequantised to fp16, travel small)
@@ -104,9 +135,16 @@ def assemble(prefix: KV, chunks: Sequence[KV], inv_freq: torch.Tensor, device: t
     ``dtype`` (per layer: the fp32 temporaries stay one layer's size). Bit for bit the chunk-by-chunk
     :func:`assemble_per_chunk`, in a few ops per layer instead of a dozen per chunk. Returns the
     assembled KV and each chunk's ``(start, stop)`` token span within it.
+
+    ``parallel`` (APE): every chunk at the same positions after ``S``, the keys of ``S`` and the
+    chunks rotated forward by :func:`parallel_shift`; spans and slots are as without it.
     """
-    head = prefix.to(device=device).to(torch.float32).to(dtype)
-    spans, deltas = _layout(prefix, chunks)
+    head = prefix.to(device=device).to(torch.float32)
+    if parallel:
+        head = head.moved_to(prefix.base_position + parallel_shift(chunks), inv_freq)
+        head = KV(head.keys, head.values, prefix.base_position)
+    head = head.to(dtype)
+    spans, deltas = _layout(prefix, chunks, parallel)
     if not chunks:
         return KV.concat([head]), spans  # a new tensor, as with chunks: the prefix may be shared
     dev = head.keys.device

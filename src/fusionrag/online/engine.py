@@ -35,7 +35,7 @@ from fusionrag.kvcache.sources import Key, KVSource, MemoryTier, NoStoredKV
 from fusionrag.kvcache.store import KVEntry
 from fusionrag.models.clock import StageClock
 from fusionrag.models.registry import LoadedModel
-from fusionrag.online.methods import make_policy
+from fusionrag.online.methods import make_policy, method_info
 from fusionrag.online.policies import SelectionInput, select
 from fusionrag.online.prefill import assemble_context, prefill_full, prefill_reused
 from fusionrag.online.request import DEFAULT_MAX_NEW_TOKENS, DEFAULT_TOP_K, ReuseRequest, resolved_kv
@@ -190,10 +190,11 @@ class Engine:
             pre = prefill_full(self.lm, self.prompt.system_token_ids, token_ids, question_token_ids)
         else:
             entries, fallbacks = self._load(chunk_ids, passages, token_ids, kv_kind)
+            parallel = method_info(method).parallel  # APE: side by side, read through its rule
             ctx, ctx_ids, spans = assemble_context(self.lm, self.system_kv, [e.kv for e in entries],
-                                                   self.prompt.system_token_ids, token_ids)
+                                                   self.prompt.system_token_ids, token_ids, parallel)
             clock.lap("load")
-            if method == "reuse":
+            if method == "reuse" or parallel is not None:
                 idx = None
             else:
                 scores = self._cachecraft_scores(chunk_ids, entries, kv_kind) if method == "cachecraft" else []

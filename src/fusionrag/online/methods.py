@@ -1,6 +1,8 @@
 """The reuse methods a request can name, one registry for every door (CLI, server, Python, bench).
 
-A method is ``full`` (Full Attention), ``reuse`` (Full Reuse) or a selection policy. Each
+A method is ``full`` (Full Attention), ``reuse`` (Full Reuse), a parallel placement (``ape``: no
+recompute, the chunks side by side after ``S`` and read through APE's attention rule) or a
+selection policy. Each
 policy has a default KV kind, the stored KV it reuses unless a request says otherwise, so
 ``fusionrag`` means the same thing in ``ask``, ``serve``, :class:`~fusionrag.Engine` and
 ``bench``: query-guided selection on fused KV with the prompt's first chunk plain
@@ -8,7 +10,7 @@ policy has a default KV kind, the stored KV it reuses unless a request says othe
 measured closer to Full Attention: ``docs/decisions/``).
 
 The product offers ``full``, ``reuse``, ``fusionrag`` and the published baselines
-(``cacheblend``, ``cachecraft``, ``epic``). Research variants (other scorings, controls)
+(``cacheblend``, ``cachecraft``, ``epic``, ``prophetkv``, ``ape``). Research variants (other scorings, controls)
 register themselves with :func:`register_policy` from outside the package (``studies/``);
 they are usable through the Python API and ``bench quality`` once registered, and never
 shown by the product's CLI or server.
@@ -21,7 +23,7 @@ from dataclasses import dataclass
 from typing import Literal, get_args
 
 from fusionrag.errors import FusionRAGError
-from fusionrag.online.policies import CacheBlend, CacheCraft, Epic, Policy, QueryGuided
+from fusionrag.online.policies import CacheBlend, CacheCraft, Epic, Policy, ProphetKV, QueryGuided
 
 #: Stored KV a request can reuse: plain (each chunk after ``S`` alone), fused (after its nearest
 #: chunks, offline), or fused except the prompt's first chunk, which reads its plain KV.
@@ -40,6 +42,8 @@ class MethodInfo:
     kind: Kind
     reads_stored_scores: bool = False  # Cache-Craft: scores recorded with the fused KV
     description: str = ""
+    #: APE's (temperature, scale): the chunks placed in parallel and read through its rule (no selection).
+    parallel: tuple[float, float] | None = None
 
 
 _REGISTRY: dict[str, MethodInfo] = {}
@@ -60,6 +64,19 @@ def register_policy(name: str, factory: Callable[[], Policy], *, kv: str = "plai
     return info
 
 
+def register_parallel(name: str, temperature: float, scale: float, *, kv: str = "plain", kind: Kind = "study",
+                      description: str = "") -> MethodInfo:
+    """Make ``name`` an APE-style method: no recompute, every chunk at the same positions after ``S``,
+    later tokens reading them with ``temperature`` and ``scale`` (:class:`~fusionrag.kvcache.kv.ParallelContext`)."""
+    if kv not in KV_KINDS:
+        raise FusionRAGError(f"kv must be one of {', '.join(KV_KINDS)}, got {kv!r}")
+    if not (0 < temperature <= 4 and 0 < scale <= 4):
+        raise FusionRAGError(f"APE's temperature and scale must lie in (0, 4], got {temperature}, {scale}")
+    info = MethodInfo(name, None, kv, kind, description=description, parallel=(float(temperature), float(scale)))
+    _REGISTRY[name] = info
+    return info
+
+
 _REGISTRY["full"] = MethodInfo("full", None, "none", "product", description="Full Attention (recompute everything)")
 _REGISTRY["reuse"] = MethodInfo("reuse", None, "plain", "product", description="Full Reuse (recompute nothing)")
 register_policy("fusionrag", QueryGuided, kv="plain-first", kind="product",
@@ -72,6 +89,11 @@ register_policy("cacheblend", CacheBlend, kind="baseline", description="baseline
 register_policy("cachecraft", CacheCraft, kind="baseline", reads_stored_scores=True,
                 description="baseline: Cache-Craft (stored inter-chunk attention)")
 register_policy("epic", Epic, kind="baseline", description="baseline: EPIC (each chunk's first tokens)")
+register_policy("prophetkv", ProphetKV, kind="baseline",
+                description="baseline: ProphetKV (the question's attention over the context, every layer)")
+#: APE's released default (its README and demo: temperature 0.9, scale 0.9); the paper tunes both per task.
+register_parallel("ape", 0.9, 0.9, kind="baseline",
+                  description="baseline: APE (chunks in parallel, attention temperature and scale, no recompute)")
 
 
 def method_info(name: str) -> MethodInfo:
@@ -96,7 +118,7 @@ def all_methods() -> list[str]:
 def make_policy(method: str) -> Policy:
     """A fresh policy object for a selection method."""
     info = method_info(method)
-    if info.factory is None:
+    if info.factory is None or info.parallel is not None:
         raise FusionRAGError(f"'{method}' selects nothing (it is not a selection policy)")
     return info.factory()
 

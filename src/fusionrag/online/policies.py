@@ -12,6 +12,7 @@ Attention and ``ratio <= 0`` Full Reuse, whatever the policy.
 | ``cacheblend`` (baseline) | layer-1 deviation between fresh and reused V (or K) |
 | ``cachecraft`` (baseline) | attention each token paid to the preceding chunks when its KV was built (stored) |
 | ``epic`` (baseline) | the first tokens of each chunk (attention sinks) |
+| ``prophetkv`` (baseline) | the question's attention over the context, averaged over every layer |
 
 Which names exist, and which KV each reuses by default, is :mod:`fusionrag.online.methods`
 (studies register their own variants there).
@@ -19,6 +20,7 @@ Which names exist, and which KV each reuses by default, is :mod:`fusionrag.onlin
 
 from __future__ import annotations
 
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -165,6 +167,52 @@ class QueryGuided:
 
     def scores(self, inp: SelectionInput) -> torch.Tensor:
         return question_attention(inp, self.layer, self.reference)
+
+
+# --- ProphetKV ------------------------------------------------------------------------
+
+
+def layerwise_question_attention(inp: SelectionInput) -> torch.Tensor:
+    """ProphetKV's score per candidate: the question's attention over the reused context at every layer,
+    averaged over the question's tokens and heads, then over the layers (uniformly).
+
+    One pass of the question over the assembled (stale) context, as FusionRAG's pre-pass, ended at the
+    last layer's attention (:func:`~fusionrag.execution.forward.forward_to_attention`), capturing every
+    layer's queries; each layer's softmax runs over the context keys only (``S`` and the chunks, not the
+    question's own keys) and sums to 1, so the layer average weighs every layer alike."""
+    lm, T = inp.lm, len(inp.context)
+    q_pos = torch.arange(T, T + inp.question_token_ids.numel())
+    with ExitStack() as stack:
+        captured = [stack.enter_context(capture_queries(lm, layer)) for layer in range(lm.num_layers)]
+        forward_to_attention(lm, inp.question_token_ids, q_pos, inp.context, -1)
+    allowed = torch.ones(q_pos.numel(), T, dtype=torch.bool)
+    total = torch.zeros(T, dtype=torch.float32, device=inp.context.keys.device)
+    for layer, raw in enumerate(captured):
+        queries = finish_queries(lm, raw[-1], q_pos, layer)
+        probs = attention_probs(queries, inp.context.keys[layer].float(), allowed, attention_scale(lm, layer))
+        total += probs.mean(dim=(0, 1)).to(total.device)
+    return (total / lm.num_layers)[inp.candidates.to(total.device)]
+
+
+@dataclass
+class ProphetKV:
+    """ProphetKV (Wang et al., ICML 2026, arXiv 2602.02579): query-driven selection against the
+    "crowding-out" of the budget by globally salient tokens, two stages (a scoring pass of the
+    question, then one recompute of the chosen tokens at every layer).
+
+    Its full text was not readable here; this follows the abstract and three independent ports that
+    agree (notes in docs/decisions): stage I runs the question over the reused KV and scores each
+    context token by its attention at every layer (softmax over the context keys only, mean over heads
+    and question tokens, uniform mean over the layers, "Eq. 7"); stage II recomputes one global top-k
+    set at every layer (the engine's sparse recompute). Choices left open, taken here: the scoring
+    queries are the whole question segment (the question and its template: what this engine's
+    prompt puts after the passages), ``S`` stays in the softmax but is never selected, and the
+    budget counts chunk tokens only (as for every policy here)."""
+
+    name: str = "prophetkv"
+
+    def scores(self, inp: SelectionInput) -> torch.Tensor:
+        return layerwise_question_attention(inp)
 
 
 # --- CacheBlend -----------------------------------------------------------------------
