@@ -4,6 +4,7 @@ Run from the repository root: ``python -m studies.quality_cli --data FILE ... --
 It takes every ``bench quality`` option and adds:
 
 - the selection variants of :mod:`studies.selection.variants` (``query``, ``fusionrag-authors``, ...);
+- APE's sweep settings ``ape-t{T}-s{S}`` (:mod:`studies.peers`);
 - ``--neighbours corpus|question|preceding|other-questions`` (:mod:`studies.neighbours.sources`);
 - ``--kv both``: the baseline policies on fused KV as well (the offline stage on/off ablation).
 
@@ -20,6 +21,7 @@ import sys
 from collections.abc import Sequence
 
 from fusionrag.bench.cli import add_quality_args, quality_spec
+from studies import peers
 from studies.neighbours.sources import NEIGHBOUR_SOURCES, NeighbourSource
 from studies.selection import variants
 
@@ -40,6 +42,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from fusionrag.bench.quality import plan_runs, run_quality
 
     variants.register()
+    peers.register()
     p = argparse.ArgumentParser(prog="python -m studies.quality_cli", description=__doc__.splitlines()[0])
     add_quality_args(p)
     p.set_defaults(kv_dtype="float16",

@@ -102,6 +102,25 @@ lane_f() {  # session 12: MuSiQue dev's old 50-question cells, then more neighbo
   NB_LIMIT=100 neighbours --data "$MUS_TRAIN" --max-passages 10 other-questions sim0.5
   NB_LIMIT=100 neighbours --data "$HOT" other-questions
 }
+# Issue 31: the newest peers on the same stores and questions (ProphetKV at 5/15/30% on plain and fused KV,
+# APE at 0% on plain and fused KV). 15% and APE on all 100 questions, 5%/30% on the first 50 as the curve.
+APE_SWEEP=$(.venv/bin/python -c 'from studies.peers import sweep_methods; print(",".join(sweep_methods()))')
+peers() {  # DATA [--max-passages N]
+  local data=(--data "$@")
+  Q "${data[@]}" --limit 100 --kb-limit 100 --fuse-only-evaluated --ratios 0.15 \
+    --methods prophetkv,prophetkv:fused,ape,ape:fused --no-decode --out $OUT
+}
+peers_curve() {  # DATA [--max-passages N]
+  local data=(--data "$@")
+  Q "${data[@]}" --limit 50 --kb-limit 100 --fuse-only-evaluated --ratios 0.05,0.3 \
+    --methods prophetkv,prophetkv:fused --no-decode --out $OUT
+}
+ape_sweep() {  # APE's short sweep: 2WikiMQA's first 20 (dev) questions, plain KV; its own folder
+  Q --data "$WIKI" --limit 20 --kb-limit 100 --ratios 0.15 --methods "$APE_SWEEP" --no-decode \
+    --out studies/peers/results/ape_sweep
+}
+lane_p1() { ape_sweep; peers "$WIKI"; peers "$HOT"; peers_curve "$WIKI"; }
+lane_p2() { peers "$MUS_TRAIN" --max-passages 10; peers_curve "$HOT"; peers_curve "$MUS_TRAIN" --max-passages 10; }
 mkdir -p runs
 case "${1:-both}" in
   a) lane_a > runs/paper_a.log 2>&1 ;;
@@ -111,6 +130,8 @@ case "${1:-both}" in
   d) lane_d > runs/paper_d.log 2>&1 ;;
   e) lane_e > runs/paper_e.log 2>&1 ;;
   f) lane_f > runs/paper_f.log 2>&1 ;;
+  p1) lane_p1 > runs/paper_p1.log 2>&1 ;;
+  p2) lane_p2 > runs/paper_p2.log 2>&1 ;;
   neighbours) shift; neighbours "$@" > "runs/paper_neighbours_$(basename -- "${*:-all}" | tr -c 'a-z0-9.\n' _).log" 2>&1 ;;
   # e.g. neighbours preceding; neighbours --data "$HOT" question
   report) ;;

@@ -13,12 +13,17 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 from collections import defaultdict
 from pathlib import Path
 
 from fusionrag.bench.metrics import bootstrap_ci, bootstrap_diff_ci
 from fusionrag.bench.records import read_records
 from fusionrag.files import atomic_write, write_json_atomic
+
+if __package__ in (None, ""):  # run as a file (as run.sh does): the repository root on the path, for studies.*
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from studies.peers.summary import peers_section
 
 
 def cells(records) -> dict[tuple, dict[str, dict]]:
@@ -206,7 +211,7 @@ def neighbour_section(root: Path, cs_main) -> tuple[list[str], dict]:
 
 CURVE_METHODS = [("fusionrag", "fused"), ("fusionrag-authors", "fused"), ("fusionrag-plainfirst", "plain-first"),
                  ("query", "plain"), ("query-authors", "plain"), ("cacheblend", "plain"), ("cachecraft", "plain"),
-                 ("epic", "plain")]
+                 ("epic", "plain"), ("prophetkv", "fused"), ("prophetkv", "plain")]
 CURVE_RATIOS = (0.05, 0.15, 0.3)
 
 
@@ -233,7 +238,9 @@ def curve_section(cs, datasets: list[str]) -> tuple[list[str], dict]:
         ref = {name: {q: cs.get(key, {}).get(q) for q in sorted(shared) if q in cs.get(key, {})}
                for name, key in (("Full Attention", (ds, "full", "none", 1.0)),
                                  ("Full Reuse plain", (ds, "reuse", "plain", 0.0)),
-                                 ("Full Reuse fused", (ds, "reuse", "fused", 0.0)))}
+                                 ("Full Reuse fused", (ds, "reuse", "fused", 0.0)),
+                                 ("APE plain", (ds, "ape", "plain", 0.0)),
+                                 ("APE fused", (ds, "ape", "fused", 0.0)))}
         lines += [f"### {ds} (n={len(shared)})", "",
                   "| method | ratio | gold NLL | KL first | KL answer | FusionRAG - it: gold NLL | KL first "
                   "| KL answer |",
@@ -303,8 +310,8 @@ def plot_curve(curve: dict, path: Path) -> None:
             ax.axhline(0.0, color="black", linewidth=0.8, label="Full Attention")
             for name, refv in curve[ds]["reference"].items():
                 if refv[metric] is not None:
-                    ax.axhline(_centre(refv[metric]), linestyle="-.", linewidth=0.9,
-                               color="dimgray" if "plain" in name else "darkgray", label=name)
+                    ax.axhline(_centre(refv[metric]), linestyle=":" if name.startswith("APE") else "-.",
+                               linewidth=0.9, color="dimgray" if "plain" in name else "darkgray", label=name)
             ax.set_xticks([5, 15, 30])
             ax.set_xlabel("recompute ratio (%)")
             ax.set_ylabel(label)
@@ -393,6 +400,8 @@ def main() -> None:
     plot_curve(summary["curve"], root / "paper" / "results" / "curve_same_questions.png")
     lines += ["Plot: `curve_same_questions.png` (every point on the curve's shared questions).", ""]
     sec, summary["selection"] = selection_section(cs, datasets)
+    lines += sec
+    sec, summary["peers"] = peers_section(cs, datasets, paired, fmt, mean_cell, root)
     lines += sec
     sec, summary["neighbours"] = neighbour_section(root, cs)
     lines += sec
