@@ -103,7 +103,7 @@ lane_f() {  # session 12: MuSiQue dev's old 50-question cells, then more neighbo
   NB_LIMIT=100 neighbours --data "$HOT" other-questions
 }
 # Issue 31: the newest peers on the same stores and questions (ProphetKV at 5/15/30% on plain and fused KV,
-# APE at 0% on plain and fused KV). 15% and APE on all 100 questions, 5%/30% on the first 50 as the curve.
+# APE at 0% on plain and fused KV), all on the 100 questions (the other methods' 5%/30% cells cover the first 50).
 APE_SWEEP=$(.venv/bin/python -c 'from studies.peers import sweep_methods; print(",".join(sweep_methods()))')
 peers() {  # DATA [--max-passages N]
   local data=(--data "$@")
@@ -112,7 +112,7 @@ peers() {  # DATA [--max-passages N]
 }
 peers_curve() {  # DATA [--max-passages N]
   local data=(--data "$@")
-  Q "${data[@]}" --limit 50 --kb-limit 100 --fuse-only-evaluated --ratios 0.05,0.3 \
+  Q "${data[@]}" --limit 100 --kb-limit 100 --fuse-only-evaluated --ratios 0.05,0.3 \
     --methods prophetkv,prophetkv:fused --no-decode --out $OUT
 }
 ape_sweep() {  # APE's short sweep: 2WikiMQA's first 20 (dev) questions, plain KV; its own folder

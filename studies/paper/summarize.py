@@ -14,7 +14,7 @@ import argparse
 import json
 import statistics
 import sys
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 
 from fusionrag.bench.metrics import bootstrap_ci, bootstrap_diff_ci
@@ -229,8 +229,10 @@ def curve_section(cs, datasets: list[str]) -> tuple[list[str], dict]:
                  if (ds, m, kv, r) in cs}
         if not any(r != 0.15 for _, _, r in curve):
             continue
-        # a group stopped part-way leaves cells on a few questions: the curve uses the complete ones
-        most = max(len(c) for (_, _, r), c in curve.items() if r != 0.15)
+        # a group stopped part-way leaves cells on a few questions: the curve uses the complete ones, the
+        # most common size (a cell taken further, e.g. ProphetKV on all 100 questions, still covers them)
+        sizes = Counter(len(c) for (_, _, r), c in curve.items() if r != 0.15)
+        most = max(sizes, key=lambda n: (sizes[n], n))
         partial = sorted(f"{m} {r:.0%} (n={len(c)})" for (m, _, r), c in curve.items() if len(c) < most)
         curve = {k: c for k, c in curve.items() if len(c) >= most or k[2] == 0.15}
         shared = set.intersection(*(set(c) for (_, _, r), c in curve.items() if r != 0.15))

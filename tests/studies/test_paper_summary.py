@@ -23,9 +23,11 @@ def test_the_curve_uses_shared_questions_and_pairs_gold_nll_with_full_attention(
             recs.append(_rec(q, "fusionrag", "fused", r, 1.0 + i / 10 + extra, extra))
             recs.append(_rec(q, "cacheblend", "plain", r, 1.0 + i / 10 + 2 * extra, 2 * extra))
     recs += [_rec(f"q{i}", "epic", "plain", 0.3, 9.0, 9.0) for i in range(5)]  # a group stopped part-way
+    recs += [_rec(f"q{i}", "prophetkv", "fused", 0.3, 1.0, 0.1) for i in range(20)]  # taken further: kept
     lines, curve = ps.curve_section(ps.cells(recs), ["d"])
     d = curve["d"]
     assert d["n"] == 12 and d["left_out_partial"] == ["epic 30% (n=5)"] and "epic|plain|0.3" not in d["cells"]
+    assert d["cells"]["prophetkv|fused|0.3"]["mean"]["kl_first_c"]["n"] == 12  # on the shared questions
     cell = d["cells"]["cacheblend|plain|0.05"]
     assert cell["minus_full"]["diff"] == pytest.approx(0.6) and cell["minus_full"]["resolved"]
     assert cell["fusionrag_minus"]["kl_first_c"]["diff"] == pytest.approx(-0.3)
