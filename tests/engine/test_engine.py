@@ -36,12 +36,13 @@ def engine(store_dir):
 QUESTION = "In which city was the discoverer of polonium born?"
 
 
-@pytest.mark.parametrize("method", ["full", "reuse", "fusionrag", "cacheblend", "cachecraft", "epic"])
+@pytest.mark.parametrize("method", ["full", "reuse", "fusionrag", "cacheblend", "cachecraft", "epic", "prophetkv",
+                                    "ape"])
 def test_every_method_answers_with_breakdown(engine, method):
     res = engine.answer(QUESTION, method=method, ratio=0.15, top_k=3, max_new_tokens=4)
     assert len(res.chunk_ids) == 3 and all(c is not None for c in res.chunk_ids)
     assert set(res.ttft_ms) >= {"retrieve", "load", "select", "recompute", "first_token", "total"}
-    expected = {"full": res.context_tokens, "reuse": 0}.get(method)
+    expected = {"full": res.context_tokens, "reuse": 0, "ape": 0}.get(method)
     if expected is not None:
         assert res.recomputed_tokens == expected
     else:
