@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from fusionrag.bench.records import read_records
+from fusionrag.files import atomic_write_with
 
 METRICS = ("kl_first_c", "kl_answer", "gold_nll")
 LABELS = {"kl_first_c": "first-token KL", "kl_answer": "answer KL", "gold_nll": "gold NLL"}
@@ -157,7 +158,5 @@ def plot_peers(comparisons: dict, datasets: list[str], path: Path) -> None:
     fig.legend(handles, names, loc="lower center", ncol=3, fontsize=8)
     fig.suptitle("FusionRAG 15% against ProphetKV and APE (qwen2.5-0.5b, n = 100 per dataset, paired)")
     fig.tight_layout(rect=(0, 0.1, 1, 0.95))
-    tmp = path.with_name(path.stem + ".tmp.png")
-    fig.savefig(tmp, dpi=110)
+    atomic_write_with(path, lambda tmp: fig.savefig(tmp, format="png", dpi=110))
     plt.close(fig)
-    tmp.replace(path)
