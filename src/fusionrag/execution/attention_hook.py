@@ -17,6 +17,11 @@ decoder layer writes its new keys and values to the cache before it calls the at
 function, so at that point the layer's queries have been projected and its keys are in the
 cache, and nothing after (that attention, the layer's MLP, the later layers, the final norm,
 the LM head) runs. The question's selection pre-pass needs exactly that much.
+
+Inside :func:`in_place_pass` (the sparse recompute, decision 050) the pass owns a writable KV,
+the request's own prompt KV: each layer first writes its new tokens' keys and values at their
+slots (a stale slot's fresh copy replaces it), then each query reads the slots at or before its
+position. A layer named by :func:`stop_at_attention` still writes before it stops.
 """
 
 from __future__ import annotations
@@ -25,12 +30,12 @@ import inspect
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from fusionrag.execution.attention_backends import Attend, SparseQuery
+from fusionrag.execution.attention_backends import Attend, AttendInPlace, SparseQuery
 from fusionrag.execution.attention_backends.parallel import attend as parallel_attend
 from fusionrag.execution.attention_backends.parallel import parallel_attention
 from fusionrag.kvcache.kv import KV, ParallelContext
@@ -42,7 +47,22 @@ ATTN_IMPL = "fusionrag"
 class _Pass:
     past: KV
     spec: SparseQuery
-    attend: Attend
+    attend: Attend | None
+    in_place: AttendInPlace | None = None  # set: ``past`` is the pass's own KV, written layer by layer
+    written: set[int] = field(default_factory=set)  # layers whose new KV is in place (an in-place pass)
+
+
+def _write_in_place(active: _Pass, layer: int, key: torch.Tensor, value: torch.Tensor, n: int) -> None:
+    """Put the ``n`` newest tokens' KV of ``layer`` at their slots, once per layer (a layer run again on
+    fewer rows, see ``forward``'s last-row pass, finds its KV there already and keeps it)."""
+    if layer in active.written:
+        return
+    slots = active.spec.memo.get("in_place_slots")
+    if slots is None:
+        slots = active.spec.memo.setdefault("in_place_slots", active.spec.positions - active.past.base_position)
+    active.past.keys[layer][:, slots[-n:]] = key[0, :, -n:].to(active.past.keys.dtype)
+    active.past.values[layer][:, slots[-n:]] = value[0, :, -n:].to(active.past.values.dtype)
+    active.written.add(layer)
 
 
 _ACTIVE: ContextVar[_Pass | None] = ContextVar("fusionrag_sparse_pass", default=None)
@@ -70,9 +90,11 @@ def fusionrag_attention(module: Any, query: torch.Tensor, key: torch.Tensor, val
     """The registered attention function (signature of transformers' attention interface)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    active = _ACTIVE.get()
+    if active is not None and active.in_place is not None:
+        _write_in_place(active, module.layer_idx, key, value, query.shape[2])
     if _STOP_AT.get() == module.layer_idx:
         raise _Stopped
-    active = _ACTIVE.get()
     if active is None:
         out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                         **kwargs)
@@ -92,7 +114,13 @@ def fusionrag_attention(module: Any, query: torch.Tensor, key: torch.Tensor, val
     # (e.g. from ``position_ids``), it is not ours to honour: the backend applies the rule.
     layer = module.layer_idx
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if active.in_place is not None:
+        n = query.shape[2]  # the pass's last n positions (all of them, or the last row's, see forward)
+        out = active.in_place(query[0], active.past.keys[layer], active.past.values[layer],
+                              active.spec.positions[-n:], active.past.base_position, scale, active.spec.memo)
+        return out.transpose(0, 1)[None], None
     attend = parallel_attend if active.spec.parallel is not None else active.attend
+    assert attend is not None
     out = attend(query[0], active.past.keys[layer], active.past.values[layer], key[0], value[0], active.spec, scale)
     return out.transpose(0, 1)[None], None  # [1, n, Hq, D], as transformers' functions return
 
@@ -121,6 +149,17 @@ def attention_implementation(model: Any, name: str) -> Iterator[None]:
 def sparse_pass(past: KV, spec: SparseQuery, attend: Attend) -> Iterator[None]:
     """Inside: every attention call of this thread is the sparse pass over ``past``."""
     token = _ACTIVE.set(_Pass(past, spec, attend))
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+@contextmanager
+def in_place_pass(work: KV, spec: SparseQuery, attend: AttendInPlace) -> Iterator[None]:
+    """Inside: every attention call of this thread writes its new KV into ``work`` (at slots
+    ``spec.positions - work.base_position``) and reads ``work`` through ``attend`` (see the module doc)."""
+    token = _ACTIVE.set(_Pass(work, spec, None, attend))
     try:
         yield
     finally:

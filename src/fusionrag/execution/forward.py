@@ -18,13 +18,16 @@ rule itself. The ``reference`` backend is the old path (a dense additive float m
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from transformers import DynamicCache
 
 from fusionrag.execution import attention_hook
-from fusionrag.execution.attention_backends import SparseQuery, default_backend, get_backend
+from fusionrag.execution.attention_backends import SparseQuery, default_backend, get_backend, get_in_place
 from fusionrag.execution.masks import additive_mask, visibility  # noqa: F401  (re-exported)
 from fusionrag.kvcache.kv import KV
 from fusionrag.models.registry import LoadedModel
@@ -124,6 +127,76 @@ def forward(
     logits, cache = _run(lm, input_ids, positions, past, past_hidden, logits_to_keep, None)
     keys, values = cache_tail(cache, int(torch.as_tensor(input_ids).numel()))
     return ForwardResult(logits, keys, values)
+
+
+def in_place_available(lm: LoadedModel) -> bool:
+    """Whether ``lm``'s sparse-pass backend can run :func:`forward_in_place`."""
+    return get_in_place(backend_name(lm)) is not None
+
+
+def forward_in_place(lm: LoadedModel, input_ids: torch.Tensor, positions: torch.Tensor, work: KV) -> torch.Tensor:
+    """Run ``input_ids`` at ``positions`` over ``work``, writing their fresh KV into it; the last row's logits.
+
+    ``work`` is the request's own KV (slot ``t`` at position ``work.base_position + t``), holding
+    the reused KV and room for every position of the pass: each layer writes its new tokens'
+    KV at their slots (over a stale slot's old copy) before its attention, and each query reads
+    every slot at or before its position. That is the sparse pass's visibility rule; what it
+    saves is the past + new concatenation, the stale columns and the final copy into the prompt
+    KV (decision 050). The slots of ``positions`` inside the reused part are the stale ones. Only
+    the last row's logits are needed, so the
+    last layer runs its attention and MLP for that row alone (:func:`_last_layer_on_last_row`).
+    """
+    device = lm.device
+    attend = get_in_place(backend_name(lm))
+    if attend is None:
+        raise ValueError(f"attention backend {backend_name(lm)!r} has no in-place pass")
+    input_ids = torch.as_tensor(input_ids, dtype=torch.long).reshape(-1).to(device)
+    positions = torch.as_tensor(positions, dtype=torch.long).reshape(-1).to(device)
+    if input_ids.numel() != positions.numel():
+        raise ValueError(f"{input_ids.numel()} tokens at {positions.numel()} positions")
+    if int(positions[0]) < work.base_position or int(positions[-1]) >= work.base_position + len(work):
+        raise ValueError("an in-place pass writes inside its KV: positions outside it")
+    spec = SparseQuery(positions, work.base_position, len(work))
+    attention_hook.install(lm.model)
+    cache = DynamicCache()
+    with attention_hook.in_place_pass(work, spec, attend), _last_layer_on_last_row(lm):
+        logits = _call(lm, input_ids, positions, cache, 1, None)
+    return logits[-1]
+
+
+@contextmanager
+def _last_layer_on_last_row(lm: LoadedModel) -> Iterator[None]:
+    """Inside: the last decoder layer computes every row's KV, then its attention and MLP for the last row only.
+
+    The other rows' last-layer outputs feed nothing (no later layer, and only the last row's
+    logits are kept), so their query projection, attention, output projection and MLP are
+    skipped (~1/L of the pass). The layer runs first, on every row, until its attention (which
+    writes the rows' KV in place, ``attention_hook.stop_at_attention``), then again on the last
+    row, whose KV is already in place. Both runs are the model's own module, so any family's
+    norms, projections and RoPE are its own. Only for an in-place pass."""
+    index = lm.num_layers - 1
+    layer = lm.adapter.layers[index]
+
+    def last_row(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        hidden = args[0] if args else kwargs["hidden_states"]
+        if hidden.shape[1] == 1:
+            return None
+        with attention_hook.stop_at_attention(index):
+            module.forward(*args, **kwargs)  # not __call__: this hook must not fire again
+        rows = {"position_ids", "cache_position"}
+        kw = {k: (v[..., -1:] if k in rows and isinstance(v, torch.Tensor) else v) for k, v in kwargs.items()}
+        if kw.get("position_embeddings") is not None:
+            kw["position_embeddings"] = tuple(t[:, -1:] for t in kw["position_embeddings"])
+        if args:
+            return (hidden[:, -1:], *args[1:]), kw
+        kw["hidden_states"] = hidden[:, -1:]
+        return args, kw
+
+    handle = layer.register_forward_pre_hook(last_row, with_kwargs=True)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def prefill(lm: LoadedModel, input_ids: torch.Tensor, past: KV | None = None, start: int | None = None,

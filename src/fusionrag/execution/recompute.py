@@ -8,8 +8,11 @@ pass, layer by layer) and reused KV for the rest; the stale KV of ``R`` is hidde
 The fresh KV is then written into place. With ``R`` = every context token after
 ``S``, this is exactly Full Attention; with ``R`` empty it is Full Reuse.
 
-The pass is sparse (:mod:`fusionrag.execution.forward`): the fresh KV goes to the pass's
-own buffer and the attention backend reads the shared context, which is never written.
+The pass is sparse (:mod:`fusionrag.execution.forward`). Where the backend has an in-place
+pass (the torch backends), the request's prompt KV is allocated first as a copy of the context
+and each layer writes its fresh KV into it before its attention (``forward_in_place``, decision
+050); otherwise the fresh KV goes to the pass's own buffer, the backend reads the context and
+the stale slots are masked. Either way the shared context is never written.
 Everything runs on the model's device, in its dtype; the returned prompt KV is there too.
 """
 
@@ -19,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fusionrag.execution.forward import forward
+from fusionrag.execution.forward import forward, forward_in_place, in_place_available
 from fusionrag.kvcache.kv import KV
 from fusionrag.models.registry import LoadedModel
 
@@ -56,12 +59,20 @@ def sparse_recompute(
     device = lm.device
     context = context.to(lm.dtype, device)
     idx = idx.to(device)
-    stale = torch.zeros(total, dtype=torch.bool, device=device)
-    stale[idx] = True
     positions = torch.cat([idx, torch.arange(total, total + suffix_ids.numel(), device=device)])
     ids = torch.cat([context_ids.to(device)[idx], suffix_ids.to(device)])
-    res = forward(lm, ids, positions, context, past_hidden=stale)
     r = idx.numel()
+    if context.parallel is None and in_place_available(lm):
+        # The request's prompt KV, reused context then room for the question, is the pass's own
+        # buffer: each layer writes its fresh KV over the stale slots and after the context (decision 050).
+        work = KV(*(t.new_empty((*t.shape[:2], total + suffix_ids.numel(), t.shape[3]))
+                    for t in (context.keys, context.values)), 0)
+        work.keys[:, :, :total] = context.keys
+        work.values[:, :, :total] = context.values
+        return RecomputeResult(work, forward_in_place(lm, ids, positions, work), r)
+    stale = torch.zeros(total, dtype=torch.bool, device=device)
+    stale[idx] = True
+    res = forward(lm, ids, positions, context, past_hidden=stale)
     # The request's own prompt KV, written once: reused context, fresh KV in place of the stale
     # slots, the question after it (the shared ``context`` is never modified).
     out = []

@@ -21,6 +21,12 @@ KV lives in the request's own cache.
 - ``triton-packed``: the same rule, one program per KV head with its grouped query heads packed
   into the tile's rows (K/V read once per KV head, not once per query head), autotuned tiles;
   selectable until a GPU run decides the default (``benchmarks/gpu/gpu_check.sh``).
+
+An *in-place* pass (the sparse recompute, decision 050) writes each layer's fresh KV into the
+request's own prompt KV before that layer's attention, so a query simply sees every slot at or
+before its position. A backend that has such a function, ``attend_in_place(q, keys, values,
+positions, base, scale, memo)``, is returned by :func:`get_in_place` (``reference`` and
+``blocked``); the Triton kernels keep the past + new interface until a GPU run measures both.
 """
 
 from __future__ import annotations
@@ -32,8 +38,10 @@ import torch
 from fusionrag.execution.attention_backends.spec import SparseQuery
 
 Attend = Callable[..., torch.Tensor]
+AttendInPlace = Callable[..., torch.Tensor]
 NAMES = ("reference", "blocked", "triton", "triton-packed")
-__all__ = ["NAMES", "Attend", "SparseQuery", "default_backend", "get_backend", "triton_available"]
+__all__ = ["NAMES", "Attend", "AttendInPlace", "SparseQuery", "default_backend", "get_backend", "get_in_place",
+           "triton_available"]
 
 
 def triton_available() -> bool:
@@ -60,6 +68,18 @@ def get_backend(name: str) -> Attend:
     else:
         raise ValueError(f"unknown attention backend {name!r} (known: {', '.join(NAMES)})")
     return attend
+
+
+def get_in_place(name: str) -> AttendInPlace | None:
+    """Backend ``name``'s in-place function, or ``None`` where it has none (the pass then reads past + new)."""
+    if name == "reference":
+        from fusionrag.execution.attention_backends.reference import attend_in_place
+    elif name == "blocked":
+        from fusionrag.execution.attention_backends.blocked import attend_in_place
+    else:
+        get_backend(name)  # an unknown name is an error here too
+        return None
+    return attend_in_place
 
 
 def default_backend(device: torch.device) -> str:

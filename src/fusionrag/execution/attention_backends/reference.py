@@ -26,3 +26,14 @@ def attend(q: torch.Tensor, k_past: torch.Tensor, v_past: torch.Tensor, k_new: t
     keys = torch.cat([k_past.to(q.dtype), k_new], dim=1).repeat_interleave(groups, dim=0)
     values = torch.cat([v_past.to(q.dtype), v_new], dim=1).repeat_interleave(groups, dim=0)
     return F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask, scale=scale)[0]
+
+
+def attend_in_place(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, base: int,
+                    scale: float, memo: dict) -> torch.Tensor:
+    """The in-place rule as a dense mask: query ``i`` sees slot ``t`` iff ``base + t <= positions[i]``."""
+    groups = q.shape[0] // keys.shape[0]
+    slots = torch.arange(keys.shape[1], device=q.device) + base
+    mask = additive_mask(slots[None, :] <= positions[:, None], q.dtype)
+    return F.scaled_dot_product_attention(q[None], keys.repeat_interleave(groups, dim=0)[None],
+                                          values.repeat_interleave(groups, dim=0)[None], attn_mask=mask,
+                                          scale=scale)[0]
