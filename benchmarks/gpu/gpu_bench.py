@@ -12,7 +12,11 @@ Measured, methods interleaved (each round runs every cell once; medians over rou
 - ``fusionrag_15_<backend>``: query-guided selection + sparse recompute of 15%, the sparse
   passes on ``reference`` (masked SDPA), ``triton`` (Q-Sparse-Attn, a program per query head)
   or ``triton-packed`` (a program per KV head, its query heads packed into the tile's rows);
-- ``cacheblend_15``: CacheBlend's selection (two fresh layers) + the same recompute (the last backend).
+- ``cacheblend_15``: CacheBlend's selection (two fresh layers) + the same recompute (the last backend);
+- ``fusionrag_15_pinned`` / ``fusionrag_15_disk`` (issue 30 item 4): FusionRAG 15% on the last backend
+  with the chunks' KV waiting in page-locked host memory (copied to the GPU by each request), or in a
+  store's files on local disk (fp16, read, verified and copied by each request after being dropped
+  from the OS page cache); the ``fusionrag_15_<backend>`` cells have it on the GPU already.
 First the kernels alone against masked SDPA at 15% of each ``--kernel-contexts`` size (one layer's
 shapes; the packed kernel's autotuned tiles recorded), then the TTFT table, and an exactness check:
 ratio 1 against Full Attention on every backend. Triton backends that cannot run here (no CUDA and
@@ -32,6 +36,7 @@ import json
 import platform
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -115,8 +120,10 @@ def make_prompt(vocab: int, total: int, chunk_tokens: int, system: int, question
     return Prompt(rand(system), [rand(n) for n in sizes], rand(question))
 
 
-def methods(lm, prompt: Prompt, chunk_kvs: list, s_kv, backends: list[str]) -> dict[str, Callable[[], object]]:
-    """Each method as a zero-argument call from token ids (and reused KV) to first-token logits."""
+def methods(lm, prompt: Prompt, chunk_kvs: list, s_kv, backends: list[str],
+            tiers: dict[str, Callable[[], list]] | None = None) -> dict[str, Callable[[], object]]:
+    """Each method as a zero-argument call from token ids (and reused KV) to first-token logits;
+    ``tiers``: ``{name: () -> the chunks' KV from that tier}``, one FusionRAG 15% cell each."""
     from fusionrag.execution.attention_hook import attention_implementation
     from fusionrag.online.methods import make_policy
     from fusionrag.online.policies import SelectionInput, select
@@ -128,10 +135,10 @@ def methods(lm, prompt: Prompt, chunk_kvs: list, s_kv, backends: list[str]) -> d
         with attention_implementation(lm.model, "sdpa"):
             return lm.model(ids, logits_to_keep=1).logits[0, -1]
 
-    def reused(method: str, ratio: float, backend: str):
+    def reused(method: str, ratio: float, backend: str, kvs: Callable[[], list] = lambda: chunk_kvs):
         def run():
             view = dataclasses.replace(lm, attention=backend)
-            ctx, ctx_ids, spans = assemble_context(view, s_kv, chunk_kvs, prompt.system, prompt.chunks)
+            ctx, ctx_ids, spans = assemble_context(view, s_kv, kvs(), prompt.system, prompt.chunks)
             idx = None
             if ratio > 0:
                 inp = SelectionInput(view, ctx, ctx_ids, spans, torch.tensor(prompt.question))
@@ -145,7 +152,32 @@ def methods(lm, prompt: Prompt, chunk_kvs: list, s_kv, backends: list[str]) -> d
     for b in backends:
         cells[f"fusionrag_15_{b}"] = reused("fusionrag", RATIO, b)
     cells["cacheblend_15"] = reused("cacheblend", RATIO, backends[-1])
+    for name, kvs in (tiers or {}).items():
+        cells[f"fusionrag_15_{name}"] = reused("fusionrag", RATIO, backends[-1], kvs)
     return cells
+
+
+def host_tiers(chunk_kvs: list, chunks: list[list[int]], folder: Path) -> tuple[Callable[[int], list],
+                                                                             Callable[[int], list]]:
+    """The chunks' KV in page-locked host memory (plain host memory without CUDA) and in a store's files
+    (fp16, as stores keep it): ``pinned(n)`` / ``disk(n)`` give the first ``n`` chunks' KV from there, the
+    disk ones read and verified after their files are dropped from the OS page cache."""
+    from fusionrag.kvcache.kv import KV
+    from fusionrag.kvcache.sources import drop_from_page_cache
+    from fusionrag.kvcache.store import KVStore
+
+    pin = torch.cuda.is_available()
+    host = [KV(*(t.to("cpu").pin_memory() if pin else t.to("cpu") for t in (kv.keys, kv.values)), kv.base_position)
+            for kv in chunk_kvs]
+    store = KVStore(folder, "gpu-bench", "random-system", "float16")
+    for i, kv in enumerate(host):
+        store.save(i, "plain", kv, chunks[i])
+
+    def disk(n: int) -> list:
+        drop_from_page_cache(store.path(i, "plain") for i in range(n))
+        return [store.load(i, "plain", token_ids=chunks[i]).kv for i in range(n)]
+
+    return (lambda n: host[:n]), disk
 
 
 def median_ms(device: str, fn: Callable[[], object], repeats: int) -> float:
@@ -252,12 +284,14 @@ def run(args: argparse.Namespace, save: Callable[[dict], None] = lambda doc: Non
     if longest is not None:
         s_kv = system_kv(lm, longest.system).to(device=device)
         all_kvs = [chunk_kv_plain(lm, s_kv, c).to(device=device) for c in longest.chunks]  # the device tier
+        pinned, disk = host_tiers(all_kvs, longest.chunks, Path(tempfile.mkdtemp(prefix="gpu-bench-kv-")))
     for total in contexts:
         body = total - SYSTEM_TOKENS - QUESTION_TOKENS
         n_chunks = -(-body // args.chunk_tokens)
         prompt = Prompt(longest.system, [c for c in longest.chunks[:n_chunks]], longest.question)
         kvs = all_kvs[:n_chunks]
-        cells = methods(lm, prompt, kvs, s_kv, backends)
+        cells = methods(lm, prompt, kvs, s_kv, backends,
+                        {"pinned": lambda n=n_chunks: pinned(n), "disk": lambda n=n_chunks: disk(n)})
         samples: dict[str, list[float]] = {name: [] for name in cells}
         for fn in cells.values():  # warm-up: kernels compiled, allocator grown
             timed(device, fn)

@@ -71,7 +71,7 @@ TARGET_TTFT_X, TARGET_RPS_X = 4.0, 3.0
 #: The tiny dry run: every size small enough for a test on two CPU cores.
 DRY = {"shape": "tiny", "device": "cpu", "dtype": "float32", "chunks": 24, "chunk_tokens": 64, "docs": 4,
        "questions": 4, "clients": 2, "seconds": 3.0, "max_requests": 6, "max_tokens": 4, "budget_s": 90.0,
-       "memory_budget_mb": 64}
+       "memory_budget_mb": 64, "device_kv_budget_mb": 32}
 
 
 class Interrupted(Exception):
@@ -433,6 +433,7 @@ def _meta(args: argparse.Namespace) -> dict[str, Any]:
             "docs_per_request": args.docs, "questions": args.questions, "clients": args.clients,
             "seconds_per_method": args.seconds, "max_requests_per_method": args.max_requests,
             "max_tokens": args.max_tokens, "budget_s": args.budget_s, "memory_budget_mb": args.memory_budget_mb,
+            "device_kv_budget_mb": args.device_kv_budget_mb,
             "weights": "random (timing does not depend on weight values)",
             "ttft": "client-side: request sent to the first streamed chunk (queueing included)"}
 
@@ -531,7 +532,8 @@ def run(args: argparse.Namespace, save: Callable[[dict], None] = lambda doc: Non
                             "--dtype", args.dtype, "--attention", args.attention, "--host", "127.0.0.1",
                             "--port", str(port), "--max-prompt-tokens", str(max_prompt),
                             "--max-batch", str(max(8, args.clients)), "--memory-budget-mb",
-                            str(args.memory_budget_mb), "--default-max-tokens", str(args.max_tokens),
+                            str(args.memory_budget_mb), "--device-kv-budget-mb", str(args.device_kv_budget_mb),
+                            "--default-max-tokens", str(args.max_tokens),
                             "--shutdown-timeout", "5", "--log-level", "warning")
         doc["meta"]["server_command"] = " ".join(["fusionrag", *cmd[3:]])
         doc["gpu_memory"] = {"total_mib": gpu.read("memory.total"), "before_server_mib": gpu.read()}
@@ -619,10 +621,11 @@ def markdown(doc: dict) -> str:
         lines += ["", f"GPU memory (nvidia-smi, MiB): {_fmt(gm.get('total_mib'))} total, "
                       f"{_fmt(gm.get('before_server_mib'))} before the server, {_fmt(gm.get('after_load_mib'))} with "
                       "its model loaded; the peaks above are its caching allocator's, a later method inheriting an "
-                      "earlier one's. The KV tier is in host memory (`--memory-budget-mb`; no device tier yet)."]
+                      "earlier one's. Chunk KV sits in a GPU tier (`--device-kv-budget-mb`) over a page-locked "
+                      "host tier (`--memory-budget-mb`)."]
     measured = [c for c in doc["methods"] if c.get("server")]
     if measured and measured[-1]["server"].get("kv_tier"):
-        lines += ["", "KV memory tier after the last method (`/metrics`): " + ", ".join(
+        lines += ["", "KV tiers after the last method (`/metrics`): " + ", ".join(
             f"{k} = {v:,.0f}" for k, v in measured[-1]["server"]["kv_tier"].items())]
     lines += ["", "## Phases", "", "| phase | seconds | detail |", "|---|---|---|"]
     for name, p in ph.items():
@@ -711,6 +714,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=None, help="generated tokens a request (default 32)")
     p.add_argument("--memory-budget-mb", type=int, default=None, help="the server's KV memory tier (default 8192: "
                                                                       "every chunk's KV)")
+    p.add_argument("--device-kv-budget-mb", type=int, default=None, help="the server's KV tier on the GPU, above "
+                   "the memory tier (default 16384: every chunk's plain and fused KV in the 7B shape; 0: none)")
     p.add_argument("--budget-s", type=float, default=None, help="seconds for everything (default 240: a minute "
                                                                "per method after ~100 s of set-up)")
     p.add_argument("--reserve-s", type=float, default=None, help="of the budget, kept for stopping the server "
@@ -722,7 +727,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     full = {"shape": "auto", "device": "cuda", "dtype": "bfloat16", "chunks": 200, "chunk_tokens": 512, "docs": 32,
             "questions": 16, "clients": 8, "seconds": 60.0, "max_requests": 600, "max_tokens": 32,
-            "budget_s": 240.0, "memory_budget_mb": 8192}
+            "budget_s": 240.0, "memory_budget_mb": 8192, "device_kv_budget_mb": 16384}
     for key, value in (DRY if args.dry_run else full).items():
         if getattr(args, key) is None:
             setattr(args, key, value)

@@ -37,3 +37,26 @@ def test_tiny_ttft_bench_writes_report_with_speedups_and_loader(tmp_path, fusion
     summary = (tmp_path / "ttft" / "speedups.md").read_text()
     assert "| transformers |" in summary and "faster baseline" in summary
 
+
+
+def test_device_tier_rows_and_tier_names_checked_before_any_work(tmp_path, fusionrag_home):
+    import pytest
+    import torch
+
+    from fusionrag.errors import FusionRAGError
+
+    data = tmp_path / "hotpotqa" / "mini.jsonl"
+    data.parent.mkdir()
+    data.write_text("".join(json.dumps(ex) + "\n" for ex in load_sample()))
+    spec = TTFTSpec(data=data, out=tmp_path / "ttft", model="tiny-llama", context_tokens=[400], repeats=1,
+                    methods=("full", "fusionrag"), ratios=(0.15,), tiers=("device", "memory"), top_n=0,
+                    loader_requests=0, embedder=HashingEmbedder())
+    rows = run_ttft(spec)
+    assert {r["tier"] for r in rows} == {"device", "memory", "-"}
+    same = {r["tier"]: r for r in rows if r["method"] == "fusionrag"}
+    assert same["device"]["recomputed_tokens"] == same["memory"]["recomputed_tokens"] > 0
+    with pytest.raises(FusionRAGError, match="unknown KV tier 'ssd'"):
+        run_ttft(TTFTSpec(data=data, out=tmp_path / "x", model="no-such-model", tiers=("ssd",)))
+    if not torch.cuda.is_available():
+        with pytest.raises(FusionRAGError, match="needs a CUDA device"):
+            run_ttft(TTFTSpec(data=data, out=tmp_path / "x", model="no-such-model", tiers=("pinned",)))

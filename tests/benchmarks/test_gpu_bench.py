@@ -23,7 +23,8 @@ def test_gpu_bench_runs_end_to_end_on_cpu_with_a_tiny_config(tmp_path):
                        "--chunk-tokens", "32", "--repeats", "1", "--kernel-contexts", "128",
                        "--backends", "reference,blocked", "--out", str(out)]) == 0
     doc = json.loads((out / "gpu_bench.json").read_text())
-    methods = {"transformers", "full", "full_reuse", "fusionrag_15_reference", "fusionrag_15_blocked", "cacheblend_15"}
+    methods = {"transformers", "full", "full_reuse", "fusionrag_15_reference", "fusionrag_15_blocked", "cacheblend_15",
+               "fusionrag_15_pinned", "fusionrag_15_disk"}  # the last two: chunk KV from host memory / disk
     assert {r["method"] for r in doc["rows"]} == methods
     assert sorted({r["context_tokens"] for r in doc["rows"]}) == [96, 160]  # S + chunks (the last ragged) + Q
     assert all(r["ttft_ms"] > 0 and len(r["samples_ms"]) == 1 for r in doc["rows"])
@@ -48,7 +49,7 @@ def test_each_finished_step_is_saved_before_the_next_starts(tmp_path):
         bench.run(args, save=lambda doc: saved.append(json.loads(json.dumps(doc))))
     finally:
         bench.torch.set_grad_enabled(True)
-    assert [len(d["rows"]) for d in saved] == [0, 6, 12]  # kernel first, then one context at a time
+    assert [len(d["rows"]) for d in saved] == [0, 8, 16]  # kernel first, then one context at a time
     assert all(len(d["kernel"]) == 2 for d in saved)
 
 

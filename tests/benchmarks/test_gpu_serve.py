@@ -38,6 +38,9 @@ def test_the_serving_step_dry_runs_end_to_end_on_cpu(tmp_path):
         assert c["warmup"]["ok"] == 2 and c["server"]["passages_computed_on_the_fly"] == 0  # all KV was stored
     assert cells["full"]["server"]["recomputed_share"] == 1.0
     assert cells["fusionrag"]["server"]["recomputed_share"] == pytest.approx(0.15, abs=0.02)
+    tiers = cells["fusionrag"]["server"]["kv_tier"]  # the server's device tier over its host tier, by name
+    assert any('tier="device"' in k and v > 0 for k, v in tiers.items() if k.startswith("fusionrag_kv_tier_bytes"))
+    assert "--device-kv-budget-mb 32" in doc["meta"]["server_command"]
     assert set(doc["ratios"]) >= {"ttft_p50_speedup", "requests_per_s_x", "targets"}
     md = (tmp_path / "gpu_serve.md").read_text()
     assert "| fusionrag 15% |" in md and "| full |" in md and "Status: **complete**" in md

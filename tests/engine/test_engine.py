@@ -193,6 +193,31 @@ def test_memory_tier_and_prefetch_give_identical_answers(store_dir):
     assert stats.memory_hits + stats.inflight_hits >= 3
 
 
+def test_device_tier_over_the_memory_tier_gives_identical_answers(store_dir):
+    lm = load_model("tiny-llama")
+    store = KnowledgeStore.open(store_dir, lm, embedder=HashingEmbedder())
+    ref = Engine(store, lm).answer(QUESTION, method="fusionrag", top_k=3, max_new_tokens=3)
+    tiered = Engine(store, lm, memory_budget_bytes=64 << 20, device_budget_bytes=32 << 20)
+    for _ in range(2):
+        got = tiered.answer(QUESTION, method="fusionrag", top_k=3, max_new_tokens=3)
+        assert got.token_ids == ref.token_ids and torch.equal(got.first_logits, ref.first_logits)
+    tiers = tiered.stats()["tiers"]
+    assert tiers["device"].loads == 3 and tiers["device"].gets == 6  # each chunk copied up once
+    assert tiers["device"].memory_hits >= 3  # at least the second answer from the device tier
+    assert tiers["host"].loads == 3
+
+
+def test_server_flag_puts_a_device_tier_over_the_memory_tier(store_dir):
+    from fusionrag.serve.launch import engine_factory
+    from fusionrag.serve.settings import load_settings
+
+    settings = load_settings(None, memory_budget_mb=16, device_kv_budget_mb=8)
+    engine = engine_factory(str(store_dir), "tiny-llama", settings.memory_budget_mb,
+                            device_kv_budget_mb=settings.device_kv_budget_mb)()
+    assert engine.kv_source.name == "device" and engine.kv_source.cache.max_bytes == 8 << 20
+    assert set(engine.stats()["tiers"]) == {"device", "host"}
+
+
 def test_memory_tier_never_serves_kv_that_a_re_fuse_replaced(tmp_path):
     """Regression: the memory tier kept returning a chunk's old fused KV after add + re-fuse changed it."""
     lm = load_model("tiny-llama")

@@ -4,23 +4,15 @@ from __future__ import annotations
 
 import torch
 
-from fusionrag.kvcache.kv import KV
 from fusionrag.kvcache.sources import ColdDiskSource, DiskSource, KVSource, MemoryTier, PreloadedSource
-from fusionrag.kvcache.store import KVStore
+from kv_helpers import disk_source, random_kv
 
 TOKENS = {0: [1, 2, 3], 1: [4, 5]}
 
 
-def _kv(n: int, seed: int) -> KV:
-    g = torch.Generator().manual_seed(seed)
-    return KV(torch.randn(2, 2, n, 8, generator=g), torch.randn(2, 2, n, 8, generator=g), 4)
-
 
 def _disk(tmp_path) -> DiskSource:
-    store = KVStore(tmp_path, "fp", "sys", "float32")
-    for cid, ids in TOKENS.items():
-        store.save(cid, "fused", _kv(len(ids), cid), ids, scores=torch.arange(len(ids), dtype=torch.float32))
-    return DiskSource(store, TOKENS.__getitem__)
+    return disk_source(tmp_path, TOKENS)
 
 
 def test_every_source_implements_the_interface(tmp_path):
@@ -50,11 +42,11 @@ def test_memory_tier_invalidation_rereads_the_changed_entry(tmp_path):
     tier = MemoryTier(disk, 1 << 20)
     try:
         old = tier.get_many([(0, "fused")])[0]
-        disk.kv_store.save(0, "fused", _kv(3, 99), TOKENS[0])  # the store rewrote the entry
+        disk.kv_store.save(0, "fused", random_kv(3, 99), TOKENS[0])  # the store rewrote the entry
         assert torch.equal(tier.get_many([(0, "fused")])[0].kv.keys, old.kv.keys)  # stale until told
         tier.invalidate([(0, "fused")])
         fresh = tier.get_many([(0, "fused")])[0]
-        assert torch.equal(fresh.kv.keys, _kv(3, 99).keys) and tier.stats()["host"].memory_items == 1
+        assert torch.equal(fresh.kv.keys, random_kv(3, 99).keys) and tier.stats()["host"].memory_items == 1
     finally:
         tier.close()
 
@@ -67,7 +59,7 @@ def test_an_invalidated_load_in_flight_is_not_kept(tmp_path):
     def slow_load(key):
         started.set()
         release.wait(10)
-        return _kv(3, 1)
+        return random_kv(3, 1)
 
     cache = TieredKVCache(slow_load, 1 << 20)
     try:

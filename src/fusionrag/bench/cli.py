@@ -270,7 +270,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--context-tokens", type=_ints, default="1024,2048,4096,8192")
     t.add_argument("--ratios", type=_floats, default="0,0.15")
     t.add_argument("--methods", type=_names, default="full,fusionrag,cacheblend")
-    t.add_argument("--tiers", type=_names, default="memory,disk")
+    t.add_argument("--tiers", type=_names, default="memory,disk",
+                   help="where chunk KV waits: device (on the model's device), pinned (page-locked host memory, CUDA), "
+                        "memory, disk (cold reads)")
     t.add_argument("--repeats", type=int, default=3)
     t.add_argument("--top-n", type=int, default=2, help="offline neighbours for the fused KV used here")
     t.add_argument("--loader-requests", type=int, default=4,

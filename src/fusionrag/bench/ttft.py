@@ -7,9 +7,11 @@ rounds), so a busy shared machine slows all of them alike. Two baselines, both o
 same token ids: ``transformers``, the plain library prefill (``model(ids,
 logits_to_keep=1)``, its own SDPA attention, no mask), and ``full``, our Full Attention
 path; every speed-up is also given against the faster of the two (``speedup_vs_baseline``),
-so a slow baseline cannot inflate it. Two KV tiers: ``memory`` (chunk KVs already in RAM)
-and ``disk`` (read from the store for every request, with the files dropped from the OS
-page cache first, i.e. a cold read).
+so a slow baseline cannot inflate it. KV tiers (``--tiers``, :data:`TIERS`): ``device`` (chunk
+KVs already on the model's device), ``pinned`` (in page-locked host memory, copied to the GPU by
+each request; CUDA only), ``memory`` (in RAM) and ``disk`` (read from the store for every
+request, with the files dropped from the OS page cache first, i.e. a cold read). On a CPU
+``device`` and ``memory`` are the same place.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch
 from tqdm.auto import tqdm
 
 from fusionrag.errors import FusionRAGError
+from fusionrag.kvcache.device_tier import DevicePlacement, pin_entry
 from fusionrag.kvcache.sources import KVSource, PreloadedSource, drop_from_page_cache
 from fusionrag.kvcache.store import CHUNK_KINDS
 from fusionrag.offline import build
@@ -51,13 +54,30 @@ class TTFTSpec:
     attention: str | None = None  # sparse-pass backend (None: auto)
 
 
-def tier_source(store, tier: str, chunk_ids: Sequence[int]) -> KVSource:
-    """The KV source of one benchmark tier: ``memory`` (entries read into RAM beforehand) or ``disk``
-    (each file evicted from the page cache before it is read)."""
-    if tier == "memory":
-        keys = [(c, k) for c in chunk_ids for k in CHUNK_KINDS if store.has_kv(c, k)]
-        return PreloadedSource.of(store.kv_source(), keys)
-    return store.cold_kv_source()
+#: Where a benchmark's chunk KV waits for the request, nearest the model first.
+TIERS = ("device", "pinned", "memory", "disk")
+
+
+def check_tier(tier: str) -> None:
+    """A one-line error for a tier name this machine cannot benchmark."""
+    if tier not in TIERS:
+        raise FusionRAGError(f"unknown KV tier {tier!r} (known: {', '.join(TIERS)})")
+    if tier == "pinned" and not torch.cuda.is_available():
+        raise FusionRAGError("KV tier 'pinned' needs a CUDA device (page-locked memory is for copies to a GPU)")
+
+
+def tier_source(store, tier: str, chunk_ids: Sequence[int], device: torch.device | str = "cpu") -> KVSource:
+    """The KV source of one benchmark tier: ``device`` (entries already on the model's device),
+    ``pinned`` (in page-locked host memory, copied to the GPU by each request; CUDA only),
+    ``memory`` (in ordinary host memory) or ``disk`` (each file evicted from the page cache before it is read)."""
+    check_tier(tier)
+    if tier == "disk":
+        return store.cold_kv_source()
+    keys = [(c, k) for c in chunk_ids for k in CHUNK_KINDS if store.has_kv(c, k)]
+    entries = PreloadedSource.of(store.kv_source(), keys)
+    place = {"device": DevicePlacement(device), "pinned": pin_entry}.get(tier)
+    return entries if place is None else PreloadedSource({k: place(e) for k, e in zip(keys, entries.get_many(keys),
+                                                                                         strict=True)})
 
 
 def drop_store_from_page_cache(store) -> None:
@@ -163,6 +183,8 @@ def run_ttft(spec: TTFTSpec) -> list[dict]:
     from fusionrag.online.engine import Engine
     from fusionrag.retrieval.knowledge import KnowledgeStore
 
+    for tier in spec.tiers:  # a wrong tier fails now, not after the model and the store are built
+        check_tier(tier)
     lm = load_model(spec.model, dtype=spec.dtype, device=spec.device, attention=spec.attention)
     examples = load_questions(spec.data)
     question = examples[0].question
@@ -198,7 +220,7 @@ def run_ttft(spec: TTFTSpec) -> list[dict]:
         ids = contexts[n]
         chunks = [{"title": store.chunk(c).title, "text": store.chunk(c).text} for c in ids]
         prompt_ids = _prompt_ids(store, question, ids)
-        engines = {tier: Engine(store, lm, kv_source=tier_source(store, tier, ids)) for tier in spec.tiers}
+        engines = {tier: Engine(store, lm, kv_source=tier_source(store, tier, ids, lm.device)) for tier in spec.tiers}
         cells = [(tier, m, r) for tier in spec.tiers for m, r in plan
                  if not (m in ("full", "transformers") and tier != spec.tiers[0])]
         samples: dict[tuple, list] = {c: [] for c in cells}

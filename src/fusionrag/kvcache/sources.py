@@ -129,13 +129,23 @@ class MemoryTier:
     """A byte-bounded, heat-managed memory tier over a slower source, with an asynchronous loader.
 
     The admission/eviction policy and the prefetch machinery are :class:`TieredKVCache`'s;
-    this class adapts it to the source interface and passes invalidations down.
+    this class adapts it to the source interface and passes invalidations down. ``place``
+    turns an entry read from below into what this tier holds (the loader threads run it): a
+    pinned host copy, or a copy on the GPU (:mod:`fusionrag.kvcache.device_tier`); ``name``
+    is the tier's key in :meth:`stats` (``host``, ``device``).
     """
 
-    def __init__(self, lower: KVSource, max_bytes: int, *, loader_threads: int = 2, **cache_options: Any) -> None:
+    def __init__(self, lower: KVSource, max_bytes: int, *, loader_threads: int = 2, name: str = "host",
+                 place: Callable[[KVEntry], KVEntry] | None = None, **cache_options: Any) -> None:
         self.lower = lower
-        self.cache: TieredKVCache[Key, KVEntry] = TieredKVCache(
-            lambda key: lower.get_many([key])[0], max_bytes, max_workers=loader_threads, **cache_options)
+        self.name = name
+
+        def load(key: Key) -> KVEntry:
+            entry = lower.get_many([key])[0]
+            return entry if place is None else place(entry)
+
+        self.cache: TieredKVCache[Key, KVEntry] = TieredKVCache(load, max_bytes, max_workers=loader_threads,
+                                                                **cache_options)
 
     def get_many(self, keys: Sequence[Key]) -> list[KVEntry]:
         return self.cache.get_many(keys)
@@ -153,7 +163,7 @@ class MemoryTier:
         self.lower.invalidate(keys)
 
     def stats(self) -> dict[str, Any]:
-        return {"host": self.cache.stats(), **self.lower.stats()}
+        return {self.name: self.cache.stats(), **self.lower.stats()}
 
     def close(self) -> None:
         self.cache.close()

@@ -29,9 +29,10 @@ from fusionrag.errors import CacheIntegrityError, FusionRAGError
 from fusionrag.execution.generate import TextStreamer, greedy_tokens
 from fusionrag.execution.segments import chunk_kv_plain
 from fusionrag.execution.segments import system_kv as compute_system_kv
+from fusionrag.kvcache.device_tier import kv_tiers
 from fusionrag.kvcache.kv import KV
 from fusionrag.kvcache.prefix_cache import AlternativePathCache
-from fusionrag.kvcache.sources import Key, KVSource, MemoryTier, NoStoredKV
+from fusionrag.kvcache.sources import Key, KVSource, NoStoredKV
 from fusionrag.kvcache.store import KVEntry
 from fusionrag.models.clock import StageClock
 from fusionrag.models.registry import LoadedModel
@@ -65,10 +66,13 @@ class Engine:
 
     def __init__(self, store: KnowledgeStore | None, lm: LoadedModel, *, kv_source: KVSource | None = None,
                  memory_budget_bytes: int | None = None, loader_threads: int = 2,
-                 adhoc_cache_bytes: int | None = 2 << 30, min_reuse_tokens: int | None = None) -> None:
+                 adhoc_cache_bytes: int | None = 2 << 30, min_reuse_tokens: int | None = None,
+                 device_budget_bytes: int | None = None) -> None:
         """``kv_source`` replaces the store's own disk reads (benchmarks' hot/cold tiers; a shared tier);
         ``memory_budget_bytes`` puts a heat-managed memory tier with an asynchronous loader of
-        ``loader_threads`` threads over it. ``store`` None: no retrieval, no stored KV; passages a
+        ``loader_threads`` threads over it (page-locked on CUDA); ``device_budget_bytes`` a tier on the
+        model's device above that (:mod:`fusionrag.kvcache.device_tier`: copies on a side stream, so
+        prefetches overlap the model's work). ``store`` None: no retrieval, no stored KV; passages a
         request brings are computed once and kept in the prefix cache. ``min_reuse_tokens``: the
         context length from which ``method="auto"`` reuses KV (default: :func:`break_even_tokens`)."""
         if store is not None and lm.fingerprint != store.fingerprint:
@@ -78,8 +82,8 @@ class Engine:
         self.prompt = store.prompt if store is not None else PromptBuilder(lm.tokenizer)
         self.min_reuse_tokens = break_even_tokens(lm) if min_reuse_tokens is None else int(min_reuse_tokens)
         source = kv_source if kv_source is not None else store.kv_source() if store is not None else NoStoredKV()
-        self.kv_source: KVSource = MemoryTier(source, memory_budget_bytes, loader_threads=loader_threads) \
-            if memory_budget_bytes else source
+        self.kv_source: KVSource = kv_tiers(source, lm.device, memory_budget_bytes, device_budget_bytes,
+                                            loader_threads=loader_threads)
         self._system_kv: KV | None = None
         # KV of request-supplied passages (not in the store): a prefix cache with the alternative
         # path, so each distinct passage has one ``S + chunk`` replica whatever its position.

@@ -34,6 +34,8 @@ _FLAGS = (
     ("--ratio", "default_ratio", float, "default recompute ratio"),
     ("--memory-budget-mb", "memory_budget_mb", int,
      "in-memory KV tier (heat-based, with the asynchronous loader); 0 reads the store directly"),
+    ("--device-kv-budget-mb", "device_kv_budget_mb", int,
+     "chunk KV kept on the GPU above the memory tier (heat-based; copies on a side stream); 0: none"),
     ("--adhoc-cache-mb", "adhoc_cache_mb", int,
      "KV kept of request-supplied passages the store does not hold (alternative-path prefix cache)"),
     ("--shutdown-timeout", "shutdown_timeout_s", float, "seconds open requests may finish after SIGTERM"),
@@ -98,7 +100,8 @@ def kv_tier_source(url: str, store: Any) -> Any:
 
 def engine_factory(store: str | None, model: str | None, memory_budget_mb: int = 0,
                    kv_tier: str | None = None, devices: dict | None = None,
-                   adhoc_cache_mb: int = 2048, min_reuse_tokens: int | None = None) -> Callable[[], Any]:
+                   adhoc_cache_mb: int = 2048, min_reuse_tokens: int | None = None,
+                   device_kv_budget_mb: int = 0) -> Callable[[], Any]:
     """Builds the engine on the model thread (the store's SQLite connection belongs to its creating thread).
 
     ``store`` None: the model alone (plain generation, or over the passages requests bring)."""
@@ -116,12 +119,15 @@ def engine_factory(store: str | None, model: str | None, memory_budget_mb: int =
         from fusionrag.online.engine import Engine
 
         budget = memory_budget_mb << 20 or None
+        on_device = device_kv_budget_mb << 20 or None
         adhoc = adhoc_cache_mb << 20
         engine = Engine.open(store, model=model, memory_budget_bytes=None if kv_tier else budget,
-                             adhoc_cache_bytes=adhoc, min_reuse_tokens=min_reuse_tokens, **(devices or {}))
+                             device_budget_bytes=None if kv_tier else on_device, adhoc_cache_bytes=adhoc,
+                             min_reuse_tokens=min_reuse_tokens, **(devices or {}))
         if kv_tier:  # rebuilt over the shared tier (the engine's own disk source is what it falls back to)
             engine = Engine(engine.store, engine.lm, kv_source=kv_tier_source(kv_tier, engine.store),
-                            memory_budget_bytes=budget, adhoc_cache_bytes=adhoc, min_reuse_tokens=min_reuse_tokens)
+                            memory_budget_bytes=budget, device_budget_bytes=on_device, adhoc_cache_bytes=adhoc,
+                            min_reuse_tokens=min_reuse_tokens)
         return engine
 
     return factory
@@ -134,7 +140,7 @@ def build_app(args: argparse.Namespace) -> tuple[FastAPI, ServerSettings]:
     settings = settings_from_args(args)
     app = create_app(engine_factory(args.store, args.model, settings.memory_budget_mb,
                                     settings.kv_tier, device_options(args), settings.adhoc_cache_mb,
-                                    settings.min_reuse_tokens), settings)
+                                    settings.min_reuse_tokens, settings.device_kv_budget_mb), settings)
     what = f"for {args.store}" if args.store else "(no store: answering over the passages requests bring)"
     print(f"fusionrag: loading {args.model or 'the model'} {what} ...", file=sys.stderr)
     app.state.scheduler.wait_ready()  # a bad store or model fails here, as one line, before binding

@@ -60,6 +60,8 @@ class ServerSettings(BaseModel):
     preprocess_top_n: int | None = Field(10, description="fused preprocess after adding documents (None: plain)")
     keep_jobs: int = Field(1000, ge=0, description="finished document jobs remembered for GET")
     memory_budget_mb: int = Field(1024, ge=0, description="in-memory KV tier in MiB (0 reads the store directly)")
+    device_kv_budget_mb: int = Field(0, ge=0, description="chunk KV kept on the GPU above the memory tier, MiB "
+                                                         "(copied on a side stream; 0: none)")
     kv_tier: str | None = Field(None, description="a KV tier shared by servers, between the memory tier and the "
                                                   "disk: redis://HOST:PORT[/DB] or unix:///PATH.sock")
     adhoc_cache_mb: int = Field(2048, ge=0, description="KV of request-supplied passages the store does not hold "
