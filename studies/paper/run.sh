@@ -119,6 +119,13 @@ ape_sweep() {  # APE's short sweep: 2WikiMQA's first 20 (dev) questions, plain K
   Q --data "$WIKI" --limit 20 --kb-limit 100 --ratios 0.15 --methods "$APE_SWEEP" --no-decode \
     --out studies/peers/results/ape_sweep
 }
+# Issue 30 item 3: FusionRAG's selection from an earlier layer's attention (a cheaper pre-pass), fused KV,
+# 15%, the first 50 questions of each dataset (paired with the fusionrag cells there).
+layers() {  # DATA [--max-passages N]
+  Q --data "$@" --limit 50 --kb-limit 100 --fuse-only-evaluated --ratios 0.15 \
+    --methods fusionrag-layer12,fusionrag-layer15 --no-decode --out $OUT
+}
+lane_l() { layers "$WIKI"; layers "$HOT"; layers "$MUS_TRAIN" --max-passages 10; }
 lane_p1() { ape_sweep; peers "$WIKI"; peers "$HOT"; peers_curve "$WIKI"; }
 lane_p2() { peers "$MUS_TRAIN" --max-passages 10; peers_curve "$HOT"; peers_curve "$MUS_TRAIN" --max-passages 10; }
 mkdir -p runs
@@ -132,6 +139,7 @@ case "${1:-both}" in
   f) lane_f > runs/paper_f.log 2>&1 ;;
   p1) lane_p1 > runs/paper_p1.log 2>&1 ;;
   p2) lane_p2 > runs/paper_p2.log 2>&1 ;;
+  l) lane_l > runs/paper_l.log 2>&1 ;;
   neighbours) shift; neighbours "$@" > "runs/paper_neighbours_$(basename -- "${*:-all}" | tr -c 'a-z0-9.\n' _).log" 2>&1 ;;
   # e.g. neighbours preceding; neighbours --data "$HOT" question
   report) ;;

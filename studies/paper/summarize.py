@@ -379,6 +379,41 @@ def checks(records, root: Path) -> tuple[list[str], dict]:
     return lines, out
 
 
+#: Issue 30 item 3: FusionRAG's selection from an earlier layer's attention is the default only if, at 15% on
+#: every dataset, its paired first-token KL and answer KL are within this much of the last layer's (n >= 50).
+LAYER_MARGIN = 0.01
+FUSED_15 = ("fusionrag", "fused", 0.15)
+
+
+def scoring_layer_section(cs, datasets: list[str]) -> tuple[list[str], dict]:
+    """The earlier scoring layers (``fusionrag-layer{K}``, fused KV, 15%) against FusionRAG's last-layer selection."""
+    layers = sorted({int(m.removeprefix("fusionrag-layer")) for (_, m, _, _) in cs if m.startswith("fusionrag-layer")})
+    out: dict = {}
+    if not layers:
+        return [], out
+    lines = ["## The selection pre-pass scored at an earlier layer (issue 30, item 3)", "",
+             "FusionRAG 15% on fused KV, the question's attention read at layer K instead of the last (the pre-pass "
+             "stops there: `QueryGuided(layer=K)`), paired with the last layer's cells "
+             "(`bash studies/paper/run.sh l`). "
+             f"The bar for a new default: first-token KL and answer KL within +{LAYER_MARGIN} of the last layer's on "
+             "every dataset (the mean difference; n >= 50).", "",
+             "| layer | dataset | first-token KL | answer KL | gold NLL |", "|---|---|---|---|---|"]
+    for k in layers:
+        rows = {}
+        for ds in datasets:
+            a, b = cs.get((ds, f"fusionrag-layer{k}", "fused", 0.15), {}), cs.get((ds, *FUSED_15), {})
+            if a and b:
+                rows[ds] = {m: paired(a, b, m) for m in ("kl_first_c", "kl_answer", "gold_nll")}
+                lines.append(f"| {k} | {ds} | " + " | ".join(fmt(rows[ds][m]) for m in ("kl_first_c", "kl_answer",
+                                                                                      "gold_nll")) + " |")
+        within = all(r[m] is not None and r[m]["n"] >= 50 and r[m]["diff"] <= LAYER_MARGIN
+                     for r in rows.values() for m in ("kl_first_c", "kl_answer"))
+        out[str(k)] = {"rows": rows, "meets_bar": bool(rows) and len(rows) == len(datasets) and within}
+    lines += ["", "Meets the bar: " + ", ".join(f"layer {k}: {'yes' if v['meets_bar'] else 'no'}"
+                                               for k, v in out.items()), ""]
+    return lines, out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="studies", help="the studies folder (paper/results, neighbours/results)")
@@ -404,6 +439,8 @@ def main() -> None:
     sec, summary["selection"] = selection_section(cs, datasets)
     lines += sec
     sec, summary["peers"] = peers_section(cs, datasets, paired, fmt, mean_cell, root)
+    lines += sec
+    sec, summary["scoring_layer"] = scoring_layer_section(cs, datasets)
     lines += sec
     sec, summary["neighbours"] = neighbour_section(root, cs)
     lines += sec

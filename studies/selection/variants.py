@@ -14,6 +14,7 @@ never list them. What each measured is in ``docs/decisions/`` (none beat the pro
 | ``query-authors`` | the research code's scoring on plain KV | plain |
 | ``fusionrag-plainfirst`` | FusionRAG's, under the name the studies' records carry | plain-first |
 | ``random`` | uniform (a control) | plain |
+| ``fusionrag-layer{K}`` | FusionRAG's, layer K's attention (the pre-pass stops there; K in 12, 15) | fused |
 """
 
 from __future__ import annotations
@@ -76,6 +77,10 @@ class RandomTokens:
         return torch.rand(inp.candidates.numel(), generator=gen)
 
 
+#: Earlier scoring layers measured against the last one (Qwen2.5-0.5B has 24 layers).
+SCORING_LAYERS = (12, 15)
+
+
 def register() -> None:
     """Register every variant (idempotent)."""
     register_policy("query", lambda: QueryGuided("query"), kv="plain",
@@ -90,6 +95,9 @@ def register() -> None:
     register_policy("fusionrag-plainfirst", lambda: QueryGuided("fusionrag-plainfirst"), kv="plain-first",
                     description="FusionRAG under the studies' earlier name")
     register_policy("random", RandomTokens, kv="plain", description="control: random tokens")
+    for layer in SCORING_LAYERS:  # issue 30 item 3 / decision 048: an earlier scoring layer, a cheaper pre-pass
+        register_policy(f"fusionrag-layer{layer}", lambda k=layer: QueryGuided(f"fusionrag-layer{k}", layer=k),
+                        kv="fused", description=f"FusionRAG's selection from layer {layer}'s attention")
 
 
 register()
