@@ -127,6 +127,39 @@ def module_breakdown(lm, inp, layer: int, reference: bool, ratio: float, sync) -
     return dict(parts)
 
 
+def ttft_prompts(model: str, data: str, lengths: list[int], top_n: int, device: str | None):
+    """``(lm, store, question, {length: chunk ids})``: the store and contexts ``fusionrag bench ttft`` builds
+    and reuses for ``data`` (same passages, same contexts, fused with ``top_n`` neighbours), its first question."""
+    from fusionrag.bench.datasets import load_questions
+    from fusionrag.bench.ttft import _contexts
+    from fusionrag.models import load_model
+    from fusionrag.offline import build
+    from fusionrag.paths import fusionrag_home
+    from fusionrag.prompt import SHORT_ANSWER_PROMPT
+    from fusionrag.retrieval.knowledge import KnowledgeStore
+
+    lm = load_model(model, device=device)
+    examples = load_questions(data)
+    path = fusionrag_home() / "bench" / f"ttft-{model}-{Path(data).stem}"
+    if (path / "store.sqlite").exists():
+        store = KnowledgeStore.open(path, lm=lm)
+    else:
+        store = build.create_store(path, lm, system_prompt=SHORT_ANSWER_PROMPT, chunk_tokens=512,
+                                   kv_dtype="float16", model_source=model)
+    passages, total = [], 0.0
+    for ex in examples:
+        for p in ex.passages:
+            passages.append({"title": p.title, "text": p.text})
+            total += len(p.text.split()) * 1.3
+        if total > max(lengths) * 1.2:
+            break
+    build.add_passages(store, lm, passages, doc="ttft")
+    contexts = _contexts(store, lengths)
+    if top_n > 0:
+        build.fuse(store, lm, top_n=top_n, chunk_ids=sorted({c for ids in contexts.values() for c in ids}))
+    return lm, store, examples[0].question, contexts
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data", required=True)
@@ -140,41 +173,15 @@ def main() -> int:
     ap.add_argument("--out", default="benchmarks/ttft/results/prepass")
     args = ap.parse_args()
 
-    from fusionrag.bench.datasets import load_questions
     from fusionrag.bench.provenance import build_meta, write_json_atomic, write_text_atomic
-    from fusionrag.bench.ttft import _contexts, tier_source
-    from fusionrag.models import load_model
+    from fusionrag.bench.ttft import tier_source
     from fusionrag.models.clock import device_sync
-    from fusionrag.offline import build
     from fusionrag.online.engine import Engine
     from fusionrag.online.methods import register_policy
-    from fusionrag.paths import fusionrag_home
-    from fusionrag.prompt import SHORT_ANSWER_PROMPT
-    from fusionrag.retrieval.knowledge import KnowledgeStore
 
     lengths = [int(x) for x in args.context_tokens.split(",")]
-    lm = load_model(args.model, device=args.device)
+    lm, store, question, contexts = ttft_prompts(args.model, args.data, lengths, args.top_n, args.device)
     sync = device_sync(lm.device)
-    examples = load_questions(args.data)
-    question = examples[0].question
-    # The store `fusionrag bench ttft` builds and reuses (same passages, same contexts).
-    path = fusionrag_home() / "bench" / f"ttft-{args.model}-{Path(args.data).stem}"
-    if (path / "store.sqlite").exists():
-        store = KnowledgeStore.open(path, lm=lm)
-    else:
-        store = build.create_store(path, lm, system_prompt=SHORT_ANSWER_PROMPT, chunk_tokens=512,
-                                   kv_dtype="float16", model_source=args.model)
-    passages, total = [], 0.0
-    for ex in examples:
-        for p in ex.passages:
-            passages.append({"title": p.title, "text": p.text})
-            total += len(p.text.split()) * 1.3
-        if total > max(lengths) * 1.2:
-            break
-    build.add_passages(store, lm, passages, doc="ttft")
-    contexts = _contexts(store, lengths)
-    if args.top_n > 0:
-        build.fuse(store, lm, top_n=args.top_n, chunk_ids=sorted({c for ids in contexts.values() for c in ids}))
     register_policy("prepass-capture", _Capture, kv="plain-first")
 
     last = lm.num_layers - 1
