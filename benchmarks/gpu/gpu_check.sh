@@ -6,7 +6,8 @@
 #   doctor    `run_doctor` (fp32) for both tiny families x every sparse backend (reference, blocked, triton,
 #             triton-packed): ratio 1 equals Full Attention within 1e-4 (doctor.jsonl, a line per run)
 #   bench     gpu_bench.py: the kernels alone, per-head vs packed vs masked SDPA at 15% of 8K/16K/32K
-#             (Qwen2.5-7B shape: 28 query / 4 KV heads of 128, bf16), then the TTFT table
+#             (Qwen2.5-7B shape: 28 query / 4 KV heads of 128, bf16), then the TTFT table, FusionRAG 15% with
+#             the chunks' KV on the GPU, in page-locked host memory and in a store's files on disk
 #             (gpu_bench.json/.md, saved after each context)
 #   assemble  assemble_bench.py: assembly chunk by chunk vs batched, 64 chunks x 512 tokens (7B shape, bf16)
 #   profile   gpu_profile.py: FusionRAG 15%'s phases at 32K per backend, the kernels' tile sweeps
@@ -15,7 +16,8 @@
 #             `fusionrag ingest` of ~200 synthetic chunks of 512 tokens on the GPU, the real `fusionrag serve
 #             --device cuda --dtype bfloat16` on 127.0.0.1, then 8 concurrent clients (closed loop) streaming
 #             16K-token RAG requests (32 stored chunks as `documents`, 32 new tokens), full then fusionrag 15%,
-#             for what is left of the step's budget: TTFT p50/p99, requests/s, tokens/s, GPU memory (nvidia-smi)
+#             for what is left of the step's budget: TTFT p50/p99, requests/s, tokens/s, GPU memory (nvidia-smi),
+#             the server's device KV tier (--device-kv-budget-mb) over its pinned host tier, sizes from /metrics
 #             (gpu_serve.json/.md/.png after each method; the server's and ingest's logs beside them)
 # gpu_check.json: each step's status, seconds and notes, written after every step. The same Python steps
 # run on a CPU with tiny shapes: `python benchmarks/gpu/gpu_check.py --dry-run --out DIR` (a test does).
