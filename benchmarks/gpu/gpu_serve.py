@@ -359,7 +359,8 @@ class GpuMemory:
 #: ``/metrics`` series kept (Prometheus names: counters end in ``_total``).
 METRICS = ("fusionrag_recomputed_tokens_total", "fusionrag_reused_tokens_total", "fusionrag_context_tokens_total",
            "fusionrag_fused_fallbacks_total", "fusionrag_decode_steps_total", "fusionrag_decode_rows_total",
-           "fusionrag_prefix_cache_lookups_total", "fusionrag_kv_tier_bytes", "fusionrag_kv_tier_items")
+           "fusionrag_prefix_cache_lookups_total", "fusionrag_kv_tier_bytes", "fusionrag_kv_tier_items",
+           "fusionrag_cuda_memory_")
 
 
 def scrape(base_url: str) -> dict[str, float]:
@@ -399,7 +400,8 @@ def metrics_delta(before: dict[str, float], after: dict[str, float], method: str
             "fused_fallbacks": total("fusionrag_fused_fallbacks_total"),
             "passages_computed_on_the_fly": total("fusionrag_prefix_cache_lookups_total", 'result="computed"'),
             "kv_tier": {k: v for k, v in after.items()
-                        if k.partition("{")[0] in ("fusionrag_kv_tier_bytes", "fusionrag_kv_tier_items")}}
+                        if k.partition("{")[0] in ("fusionrag_kv_tier_bytes", "fusionrag_kv_tier_items")},
+            "cuda_memory": {k: v for k, v in after.items() if k.startswith("fusionrag_cuda_memory_")}}
 
 
 def retrieve_items(base_url: str, qs: list[str], k: int) -> list[dict]:

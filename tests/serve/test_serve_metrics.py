@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
+import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from fusionrag.kvcache.prefix_cache import AlternativePathCache
@@ -39,6 +41,28 @@ def test_metrics_include_kv_tiers_when_the_engine_has_them():
     assert got[("fusionrag_prefix_cache_lookups_total", (("result", "computed"),))] == 2
     assert got[("fusionrag_prefix_cache_lookups_total", (("result", "alt_path_hit"),))] == 1  # "a" after "b"
     assert got[("fusionrag_prefix_cache_lookups_total", (("result", "prefix_hit"),))] == 1  # "b" first
+
+
+def _sched_on(device: str) -> SimpleNamespace:
+    import torch
+
+    engine = SimpleNamespace(stats=lambda: {}, lm=SimpleNamespace(device=torch.device(device)))
+    return SimpleNamespace(queue_length=0, active=0, stats=SchedulerStats(), engine=engine)
+
+
+def test_no_gpu_memory_gauges_for_a_model_on_the_cpu():
+    got = samples(Metrics(lambda: "m", _sched_on("cpu")).render().decode())
+    assert not any(name.startswith("fusionrag_cuda_memory") for name, _ in got)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here: the GPU memory gauges need a GPU")
+def test_gpu_memory_gauges_follow_the_allocator():
+    held = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")  # 64 MiB live
+    got = samples(Metrics(lambda: "m", _sched_on("cuda")).render().decode())
+    assert got[("fusionrag_cuda_memory_allocated_bytes", ())] >= held.numel()
+    assert got[("fusionrag_cuda_memory_reserved_bytes", ())] >= got[("fusionrag_cuda_memory_allocated_bytes", ())]
+    assert got[("fusionrag_cuda_memory_max_allocated_bytes", ())] >= held.numel()
 
 
 def test_a_failing_engine_never_fails_the_scrape():

@@ -147,6 +147,25 @@ class _LiveState(Collector):
         yield g
         if sched.engine is not None:
             yield from _engine_metrics(sched.engine.stats())
+            yield from _device_memory(getattr(getattr(sched.engine, "lm", None), "device", None))
+
+
+def _device_memory(device: Any) -> Iterator[Any]:
+    """The GPU memory torch's caching allocator holds for the model's device (nothing on a CPU): weights,
+    the device KV tier, requests' prompt KV, temporaries (the tier's own share is ``fusionrag_kv_tier_bytes``)."""
+    import torch
+
+    if getattr(device, "type", None) != "cuda" or not torch.cuda.is_initialized():
+        return
+    for name, value, doc in (
+            ("fusionrag_cuda_memory_allocated_bytes", torch.cuda.memory_allocated(device), "Bytes in live tensors."),
+            ("fusionrag_cuda_memory_reserved_bytes", torch.cuda.memory_reserved(device),
+             "Bytes the caching allocator holds (allocated + cached)."),
+            ("fusionrag_cuda_memory_max_allocated_bytes", torch.cuda.max_memory_allocated(device),
+             "Peak bytes in live tensors since start.")):
+        g = GaugeMetricFamily(name, doc)
+        g.add_metric([], value)
+        yield g
 
 
 def _engine_metrics(es: dict[str, Any]) -> Iterator[Any]:
