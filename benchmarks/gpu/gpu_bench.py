@@ -11,7 +11,8 @@ Measured, methods interleaved (each round runs every cell once; medians over rou
 - ``full_reuse``: assemble the chunks' KV (already on the GPU) + prefill the question;
 - ``fusionrag_15_<backend>``: query-guided selection + sparse recompute of 15%, the sparse
   passes on ``reference`` (masked SDPA), ``triton`` (Q-Sparse-Attn, a program per query head)
-  or ``triton-packed`` (a program per KV head, its query heads packed into the tile's rows);
+  or ``triton-packed`` (a program per KV head, its query heads packed into the tile's rows); the
+  recompute pass is in place (decision 050) on ``reference`` and ``triton-packed``, past + new on ``triton``;
 - ``cacheblend_15``: CacheBlend's selection (two fresh layers) + the same recompute (the last backend);
 - ``fusionrag_15_pinned`` / ``fusionrag_15_disk`` (issue 30 item 4): FusionRAG 15% on the last backend
   with the chunks' KV waiting in page-locked host memory (copied to the GPU by each request), or in a

@@ -10,11 +10,15 @@ logits and prompt KV, on every family the engine supports, for any recompute set
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import pytest
 import torch
 
-from fusionrag.execution.attention_backends import blocked, get_in_place, reference
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from fusionrag.execution.attention_backends import blocked, get_in_place, reference, triton_available
 from fusionrag.execution.forward import forward, forward_in_place, prefill
 from fusionrag.execution.recompute import sparse_recompute
 from fusionrag.execution.segments import chunk_kv_plain
@@ -53,7 +57,10 @@ def _past_plus_new(lm, ctx, ids, idx, question):
     return res.logits[-1], keys, values
 
 
-@pytest.mark.parametrize("backend", ["blocked", "reference"])
+IN_PLACE_BACKENDS = ["blocked", "reference"] + (["triton-packed"] if triton_available() else [])
+
+
+@pytest.mark.parametrize("backend", IN_PLACE_BACKENDS)
 @pytest.mark.parametrize("which", ["none", "ragged", "every chunk token", "first and last"])
 def test_in_place_equals_past_plus_new(family_lm, backend, which):
     lm = dataclasses.replace(family_lm, attention=backend)
@@ -92,7 +99,8 @@ def test_in_place_pass_refuses_positions_outside_its_kv(tiny_llama):
 def test_backends_without_an_in_place_pass_say_so():
     assert get_in_place("blocked") is blocked.attend_in_place
     assert get_in_place("reference") is reference.attend_in_place
-    assert get_in_place("triton") is None and get_in_place("triton-packed") is None
+    assert get_in_place("triton") is None  # the per-head kernel keeps past + new
+    assert get_in_place("triton-packed") is not None
     with pytest.raises(ValueError, match="unknown"):
         get_in_place("nope")
 
@@ -127,3 +135,18 @@ def test_last_layer_runs_its_mlp_on_the_last_row_only(tiny_llama):
         for h in hooks:
             h.remove()
     assert rows == {"first": [3 + question.numel()], "last": [1]}
+
+
+@pytest.mark.skipif(not triton_available(), reason="Triton is not installed (setup.sh installs it)")
+@pytest.mark.parametrize("groups", [1, 2, 7])
+def test_packed_kernel_in_place_equals_the_dense_rule(groups):
+    """The packed kernel with the buffer as its past and no fresh keys (under TRITON_INTERPRET on a CPU)."""
+    from fusionrag.execution.attention_backends import qsparse_packed
+
+    hk, d, slots, base = 2, 16, 90, 5
+    positions = torch.tensor([5, 6, 9, 30, 31, 32, 57, 88, 90, 91, 92, 93, 94])
+    q = torch.randn(hk * groups, positions.numel(), d, generator=GEN)
+    k, v = torch.randn(hk, slots, d, generator=GEN), torch.randn(hk, slots, d, generator=GEN)
+    expected = reference.attend_in_place(q, k, v, positions, base, 0.25, {})
+    got = qsparse_packed.attend_in_place(q, k, v, positions, base, 0.25, {})
+    assert (got - expected).abs().max().item() < 1e-5

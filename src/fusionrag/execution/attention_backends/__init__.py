@@ -25,8 +25,9 @@ KV lives in the request's own cache.
 An *in-place* pass (the sparse recompute, decision 050) writes each layer's fresh KV into the
 request's own prompt KV before that layer's attention, so a query simply sees every slot at or
 before its position. A backend that has such a function, ``attend_in_place(q, keys, values,
-positions, base, scale, memo)``, is returned by :func:`get_in_place` (``reference`` and
-``blocked``); the Triton kernels keep the past + new interface until a GPU run measures both.
+positions, base, scale, memo)``, is returned by :func:`get_in_place` (``reference``, ``blocked``
+and ``triton-packed``: its kernel with the buffer as the past and no fresh keys to stream); the
+per-head ``triton`` kernel keeps the past + new interface, so a GPU run measures both.
 """
 
 from __future__ import annotations
@@ -76,6 +77,8 @@ def get_in_place(name: str) -> AttendInPlace | None:
         from fusionrag.execution.attention_backends.reference import attend_in_place
     elif name == "blocked":
         from fusionrag.execution.attention_backends.blocked import attend_in_place
+    elif name == "triton-packed":
+        from fusionrag.execution.attention_backends.qsparse_packed import attend_in_place
     else:
         get_backend(name)  # an unknown name is an error here too
         return None

@@ -43,7 +43,7 @@ from fusionrag.execution.attention_backends.spec import SparseQuery
 
 
 def _packed_kernel(q_ptr, kp_ptr, vp_ptr, kn_ptr, vn_ptr, pos_ptr, stale_ptr, out_ptr,
-                   n, past_len, past_base, scale, n_bucket,
+                   n, n_new, past_len, past_base, scale, n_bucket,
                    sq_h, sq_n, skp_h, skp_t, skn_h, skn_n, so_h, so_n,
                    GROUPS: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr):
@@ -60,7 +60,7 @@ def _packed_kernel(q_ptr, kp_ptr, vp_ptr, kn_ptr, vn_ptr, pos_ptr, stale_ptr, ou
     if DOT_F32:  # Triton's CPU interpreter multiplies bf16 wrongly: it computes in fp32 instead
         q = q.to(tl.float32)
     pos = tl.load(pos_ptr + tok, mask=r_ok, other=-1)  # padding rows see nothing
-    out = _attend_rows(q, pos, tok, tl.minimum(n, (qb + 1) * TOKENS), kvh, kp_ptr, vp_ptr, kn_ptr, vn_ptr,
+    out = _attend_rows(q, pos, tok, tl.minimum(n_new, (qb + 1) * TOKENS), kvh, kp_ptr, vp_ptr, kn_ptr, vn_ptr,
                        stale_ptr, past_len, past_base, scale, skp_h, skp_t, skn_h, skn_n,
                        BLOCK_R, D, BLOCK_N, BLOCK_D, PRECISION, DOT_F32)
     tl.store(out_ptr + head[:, None] * so_h + tok[:, None] * so_n + offs_d[None, :],
@@ -126,21 +126,46 @@ def attend(q: torch.Tensor, k_past: torch.Tensor, v_past: torch.Tensor, k_new: t
            spec: SparseQuery, scale: float, config: dict[str, int] | None = None) -> torch.Tensor:
     """``[Hq, n, D]`` attention of ``q`` over past + new KV (see the module docstring). ``config``
     (``block_r``, ``block_n``, ``num_warps``, ``num_stages``) fixes the tile instead of autotuning."""
+    _check_config(config, q.shape[0] // k_new.shape[0])
+    q, k_past, v_past, k_new, v_new, stale8, pos32 = kernel_inputs(q, k_past, v_past, k_new, v_new, spec)
+    return _launch(q, k_past, v_past, k_new, v_new, stale8, pos32, spec, scale, q.shape[1], config)
+
+
+def attend_in_place(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, base: int,
+                    scale: float, memo: dict, config: dict[str, int] | None = None) -> torch.Tensor:
+    """The in-place pass (decision 050) on the packed kernel: every query reads the slots of ``keys``/``values``
+    at or before its position. The same kernel with the buffer as its past, no stale slot and no fresh keys
+    (a pass that wrote its fresh KV into the buffer has none left to stream)."""
+    _check_config(config, q.shape[0] // keys.shape[0])
+    key = ("packed_in_place", positions.numel(), int(positions[0]))
+    if key not in memo:  # the pass's positions over this buffer; its own memo keeps the kernel's inputs
+        memo[key] = SparseQuery(positions, base, keys.shape[1])
+    spec = memo[key]
+    q, keys, values, _, _, stale8, pos32 = kernel_inputs(q, keys, values, keys, values, spec)
+    return _launch(q, keys, values, keys, values, stale8, pos32, spec, scale, 0, config)
+
+
+def _check_config(config: dict[str, int] | None, groups: int) -> None:
+    """A tile named by hand must name exactly the tile's keys and hold one query's ``groups`` heads."""
+    if config is None:
+        return
+    missing, unknown = set(CONFIG_KEYS) - set(config), set(config) - set(CONFIG_KEYS)
+    if missing or unknown:
+        raise ValueError(f"packed kernel config needs exactly {list(CONFIG_KEYS)}; "
+                         f"missing {sorted(missing)}, unknown {sorted(unknown)}")
+    if config["block_r"] < groups:
+        raise ValueError(f"block_r {config['block_r']} has no room for one query's {groups} heads")
+
+
+def _launch(q, k_past, v_past, k_new, v_new, stale8, pos32, spec: SparseQuery, scale: float, n_new: int,
+            config: dict[str, int] | None) -> torch.Tensor:
+    """Run the kernel (autotuned, or on ``config``'s tile) for ``q``'s queries, streaming ``n_new`` fresh keys."""
     hq, n, d = q.shape
     groups = hq // k_new.shape[0]
-    if config is not None:
-        missing, unknown = set(CONFIG_KEYS) - set(config), set(config) - set(CONFIG_KEYS)
-        if missing or unknown:
-            raise ValueError(f"packed kernel config needs exactly {list(CONFIG_KEYS)}; "
-                             f"missing {sorted(missing)}, unknown {sorted(unknown)}")
-        if config["block_r"] < groups:
-            raise ValueError(f"block_r {config['block_r']} has no room for one query's {groups} heads")
-    q, k_past, v_past, k_new, v_new, stale8, pos32 = kernel_inputs(q, k_past, v_past, k_new, v_new,
-                                                                                  spec)
     out = torch.empty_like(q)
-    args = (q, k_past, v_past, k_new, v_new, pos32, stale8, out, n, spec.past_len, spec.past_base, float(scale),
-            n_bucket(n), q.stride(0), q.stride(1), k_past.stride(0), k_past.stride(1), k_new.stride(0),
-            k_new.stride(1), out.stride(0), out.stride(1))
+    args = (q, k_past, v_past, k_new, v_new, pos32, stale8, out, n, n_new, spec.past_len, spec.past_base,
+            float(scale), n_bucket(n), q.stride(0), q.stride(1), k_past.stride(0), k_past.stride(1),
+            k_new.stride(0), k_new.stride(1), out.stride(0), out.stride(1))
     consts = {"GROUPS": groups, "D": d, "BLOCK_D": max(16, triton.next_power_of_2(d)),
               **precision_flags(q.dtype)}
     jitted, tuned = _kernels()
