@@ -12,6 +12,7 @@ import torch
 
 from fusionrag.kvcache.device_tier import DevicePlacement, kv_tiers, map_entry, pin_entry
 from fusionrag.kvcache.sources import DiskSource, KVSource, MemoryTier
+from fusionrag.kvcache.store import KVStore
 from kv_helpers import disk_source, random_kv
 
 TOKENS = {0: [1, 2, 3], 1: [4, 5], 2: [6, 7, 8, 9]}
@@ -51,7 +52,10 @@ def test_no_budget_leaves_a_tier_out(tmp_path):
     disk = _disk(tmp_path)
     assert kv_tiers(disk, "cpu") is disk
     only_device = kv_tiers(disk, "cpu", device_bytes=1 << 20)
-    assert isinstance(only_device, MemoryTier) and only_device.lower is disk and only_device.name == "device"
+    assert isinstance(only_device, MemoryTier) and only_device.name == "device"
+    below = only_device.lower  # the store's files, read as stored (int8 stays int8 below the device tier)
+    assert isinstance(below, DiskSource) and below.kv_store is disk.kv_store and not below.dequantize
+    assert disk.dequantize
 
 
 def test_device_budget_keeps_what_fits_and_the_hotter_entry(tmp_path):
@@ -120,6 +124,48 @@ def test_on_cuda_entries_come_from_pinned_memory_to_the_device(tmp_path):
         assert all(e.kv.keys.device.type == "cuda" for e in got)
         for a, b in zip(got, disk.get_many(KEYS), strict=True):
             assert torch.equal(a.kv.keys.cpu(), b.kv.keys) and torch.equal(a.scores.cpu(), b.scores)
+        int8 = kv_tiers(_int8_disk(tmp_path / "int8"), "cuda", host_bytes=1 << 20, device_bytes=1 << 20)
+        try:  # codes cross to the GPU and are dequantised there, to the CPU's very values
+            for a, b in zip(int8.get_many(KEYS), _int8_disk(tmp_path / "int8").get_many(KEYS), strict=True):
+                assert a.kv.keys.device.type == "cuda" and torch.equal(a.kv.keys.cpu(), b.kv.keys)
+        finally:
+            int8.close()
+            int8.lower.close()
     finally:
         tiers.close()
         tiers.lower.close()
+
+
+def _int8_disk(tmp_path) -> DiskSource:
+    store = KVStore(tmp_path, "fp", "sys", "int8")
+    for cid, ids in TOKENS.items():
+        store.save(cid, "fused", random_kv(len(ids), cid), ids, scores=torch.arange(len(ids), dtype=torch.float32))
+    return DiskSource(store, TOKENS.__getitem__)
+
+
+def test_int8_entries_stay_int8_below_the_device_tier_and_are_dequantised_there(tmp_path):
+    disk = _int8_disk(tmp_path)
+    tiers = kv_tiers(disk, "cpu", host_bytes=1 << 20, device_bytes=1 << 20)
+    try:
+        host = tiers.lower.get_many(KEYS)  # what the host tier holds: codes and scales
+        assert all(e.kv.keys.dtype == torch.int8 and e.scales is not None for e in host)
+        ref = disk.get_many(KEYS)  # the store's own dequantisation
+        assert all(h.nbytes < r.nbytes for h, r in zip(host, ref, strict=True))
+        got = tiers.get_many(KEYS)
+        for a, b in zip(got, ref, strict=True):
+            assert a.scales is None and a.kv.keys.dtype == torch.float16
+            assert torch.equal(a.kv.keys, b.kv.keys) and torch.equal(a.kv.values, b.kv.values)
+            assert torch.equal(a.scores, b.scores)
+        assert disk.dequantize  # the caller's source is left as it was
+    finally:
+        tiers.close()
+        tiers.lower.close()
+
+
+def test_a_raw_int8_entry_read_from_the_store_dequantises_to_the_stores_values(tmp_path):
+    disk = _int8_disk(tmp_path)
+    raw = disk.kv_store.load(1, "fused", token_ids=TOKENS[1], dequantize=False)
+    assert raw.kv.keys.dtype == torch.int8 and raw.scales[0].dtype == torch.float16
+    plain = disk.kv_store.load(1, "fused", token_ids=TOKENS[1])
+    assert plain.scales is None and plain.dequantized() is plain
+    assert torch.equal(raw.dequantized().kv.keys, plain.kv.keys)

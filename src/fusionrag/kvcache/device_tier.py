@@ -15,27 +15,32 @@ tiers out of it, and :func:`kv_tiers` stacks them:
 
 Without CUDA there is no pinned memory and no side stream: the placement is a plain
 ``.to(device)`` (on a CPU, the entry itself). The tiers then still work (the tests run them on
-the CPU) but say nothing about a GPU. int8 entries reach these tiers already dequantised to
-fp16 by the store (:mod:`fusionrag.kvcache.quant`), so the device holds fp16.
+the CPU) but say nothing about a GPU. int8 entries read from the store's files stay int8 below
+the device tier (codes and fp16 scales, half of fp16's bytes in host memory and on the bus) and are
+dequantised to fp16 by the placement, on the device (:mod:`fusionrag.kvcache.quant`); from other
+sources (a shared Redis tier) they arrive dequantised.
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import replace
 
 import torch
 
 from fusionrag.kvcache.kv import KV
-from fusionrag.kvcache.sources import KVSource, MemoryTier
+from fusionrag.kvcache.sources import DiskSource, KVSource, MemoryTier
 from fusionrag.kvcache.store import KVEntry
 
 
 def map_entry(entry: KVEntry, fn: Callable[[torch.Tensor], torch.Tensor]) -> KVEntry:
-    """``entry`` with ``fn`` applied to each of its tensors (keys, values, Cache-Craft scores)."""
+    """``entry`` with ``fn`` applied to each of its tensors (keys, values, Cache-Craft scores, int8 scales)."""
     kv = entry.kv
     scores = None if entry.scores is None else fn(entry.scores)
-    return replace(entry, kv=KV(fn(kv.keys), fn(kv.values), kv.base_position, kv.parallel), scores=scores)
+    scales = None if entry.scales is None else (fn(entry.scales[0]), fn(entry.scales[1]))
+    return replace(entry, kv=KV(fn(kv.keys), fn(kv.values), kv.base_position, kv.parallel), scores=scores,
+                   scales=scales)
 
 
 def pin_entry(entry: KVEntry) -> KVEntry:
@@ -54,7 +59,7 @@ class DevicePlacement:
 
     def __call__(self, entry: KVEntry) -> KVEntry:
         if self._stream is None:
-            return map_entry(entry, lambda t: t.to(self.device))
+            return map_entry(entry, lambda t: t.to(self.device)).dequantized()
         compute = torch.cuda.default_stream(self.device)
 
         def copy(t: torch.Tensor) -> torch.Tensor:
@@ -64,7 +69,7 @@ class DevicePlacement:
             return out
 
         with torch.cuda.stream(self._stream):
-            placed = map_entry(entry, copy)
+            placed = map_entry(entry, copy).dequantized()  # int8 codes cross the bus; fp16 is made on the GPU
             done = torch.cuda.Event()
             done.record(self._stream)
         done.synchronize()  # this loader thread waits for its own copies only
@@ -77,6 +82,11 @@ def kv_tiers(lower: KVSource, device: torch.device | str, host_bytes: int | None
     when ``device`` is a GPU) and a tier of ``device_bytes`` on ``device`` above it; a budget of 0 or
     ``None`` leaves that tier out. Stats name them ``host`` and ``device``."""
     source = lower
+    if device_bytes and isinstance(lower, DiskSource) and lower.dequantize:
+        # The tier above dequantises, so the tiers below keep int8 entries as stored (half of fp16's bytes,
+        # half the copy to the GPU). Only that tier reads them.
+        source = copy.copy(lower)
+        source.dequantize = False
     if host_bytes:
         source = MemoryTier(source, host_bytes, loader_threads=loader_threads, name="host",
                             place=pin_entry if torch.device(device).type == "cuda" else None, **cache_options)

@@ -47,16 +47,23 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = t
     return (codes.to(torch.float32) * scales.to(torch.float32)).to(dtype)
 
 
-def dequantize_kv(tensors: dict[str, torch.Tensor],
-                  dtype: torch.dtype = torch.float16) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values of an int8 entry's tensors (raises ``KeyError``/``ValueError`` if malformed)."""
+def check_int8(tensors: dict[str, torch.Tensor]) -> None:
+    """Raise ``KeyError``/``ValueError`` unless ``tensors`` are an int8 entry's codes with matching scales."""
     keys, values = tensors["keys"], tensors["values"]
     ks, vs = tensors["key_scales"], tensors["value_scales"]
     if keys.dim() != 4 or ks.shape != (*keys.shape[:2], 1, keys.shape[3]):
         raise ValueError(f"key scales {tuple(ks.shape)} do not match keys {tuple(keys.shape)}")
     if vs.shape != (*values.shape[:3], 1):
         raise ValueError(f"value scales {tuple(vs.shape)} do not match values {tuple(values.shape)}")
-    return dequantize(keys, ks, dtype), dequantize(values, vs, dtype)
+
+
+def dequantize_kv(tensors: dict[str, torch.Tensor],
+                  dtype: torch.dtype = torch.float16) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of an int8 entry's tensors (raises ``KeyError``/``ValueError`` if malformed), computed
+    on whatever device the tensors are (the device KV tier dequantises on the GPU)."""
+    check_int8(tensors)
+    return (dequantize(tensors["keys"], tensors["key_scales"], dtype),
+            dequantize(tensors["values"], tensors["value_scales"], dtype))
 
 
 def relative_error(x: torch.Tensor, y: torch.Tensor) -> float:

@@ -67,15 +67,20 @@ class NoStoredKV:
 
 
 class DiskSource:
-    """The store's ``kv/`` folder itself: every read verified against the chunk's token ids."""
+    """The store's ``kv/`` folder itself: every read verified against the chunk's token ids.
 
-    def __init__(self, kv_store: KVStore, token_ids_of: Callable[[int], Sequence[int]]) -> None:
+    ``dequantize=False`` hands int8 entries out as stored (codes and scales, :attr:`KVEntry.scales`): only
+    for a tier that dequantises them itself (the GPU tier of :mod:`fusionrag.kvcache.device_tier`)."""
+
+    def __init__(self, kv_store: KVStore, token_ids_of: Callable[[int], Sequence[int]], *,
+                 dequantize: bool = True) -> None:
         self.kv_store = kv_store
         self._token_ids_of = token_ids_of
+        self.dequantize = dequantize
 
     def get(self, key: Key) -> KVEntry:
         chunk_id, kind = key
-        return self.kv_store.load(chunk_id, kind, token_ids=self._token_ids_of(chunk_id))
+        return self.kv_store.load(chunk_id, kind, token_ids=self._token_ids_of(chunk_id), dequantize=self.dequantize)
 
     def get_many(self, keys: Sequence[Key]) -> list[KVEntry]:
         return [self.get(k) for k in keys]

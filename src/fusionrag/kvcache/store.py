@@ -38,7 +38,7 @@ from safetensors.torch import save as st_save
 from fusionrag.errors import CacheIntegrityError, FusionRAGError
 from fusionrag.files import atomic_write, remove_temp_files
 from fusionrag.kvcache.kv import KV
-from fusionrag.kvcache.quant import INT8_SCHEME, dequantize_kv, quantize_kv
+from fusionrag.kvcache.quant import INT8_SCHEME, check_int8, dequantize_kv, quantize_kv
 
 FORMAT = "fusionrag-kv/1"
 FORMAT_INT8 = "fusionrag-kv/1+int8"
@@ -112,11 +112,24 @@ class KVEntry:
     kv: KV
     scores: torch.Tensor | None
     metadata: dict[str, str]
+    #: Set on an int8 entry read as stored (``dequantize=False``): ``kv`` then holds the int8 codes and these
+    #: the fp16 key / value scales, half an fp16 entry's bytes (a host tier under the GPU tier keeps them so);
+    #: :meth:`dequantized` makes it usable, on whatever device it is by then.
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def nbytes(self) -> int:
         """Memory held (what a memory tier budgets)."""
-        return self.kv.nbytes + (self.scores.numel() * self.scores.element_size() if self.scores is not None else 0)
+        extra = [t for t in (self.scores, *(self.scales or ())) if t is not None]
+        return self.kv.nbytes + sum(t.numel() * t.element_size() for t in extra)
+
+    def dequantized(self) -> KVEntry:
+        """The entry with fp16 KV (itself unless it holds int8 codes)."""
+        if self.scales is None:
+            return self
+        keys, values = dequantize_kv({"keys": self.kv.keys, "values": self.kv.values,
+                                      "key_scales": self.scales[0], "value_scales": self.scales[1]})
+        return KVEntry(KV(keys, values, self.kv.base_position, self.kv.parallel), self.scores, self.metadata)
 
     @property
     def extra(self) -> dict[str, Any]:
@@ -241,14 +254,17 @@ class KVStore:
             raise CacheIntegrityError(f"{_what(chunk_id, kind)}: {path} changed size while it was read")
         return data
 
-    def load(self, chunk_id: int | None, kind: str, token_ids=None) -> KVEntry:
-        """Read and verify one entry; :class:`CacheIntegrityError` says what is wrong."""
+    def load(self, chunk_id: int | None, kind: str, token_ids=None, dequantize: bool = True) -> KVEntry:
+        """Read and verify one entry; :class:`CacheIntegrityError` says what is wrong. ``dequantize=False``
+        keeps an int8 entry's codes and scales (:attr:`KVEntry.scales`)."""
         data = self.read_bytes(chunk_id, kind)
-        return self.decode(data, chunk_id, kind, token_ids, where=str(self.path(chunk_id, kind)))
+        return self.decode(data, chunk_id, kind, token_ids, where=str(self.path(chunk_id, kind)),
+                           dequantize=dequantize)
 
-    def decode(self, data: bytes, chunk_id: int | None, kind: str, token_ids=None, where: str = "") -> KVEntry:
+    def decode(self, data: bytes, chunk_id: int | None, kind: str, token_ids=None, where: str = "",
+               dequantize: bool = True) -> KVEntry:
         """Verify an entry's bytes (from disk or a shared tier) against this store's model, ``S`` and tokens."""
-        return decode_entry(data, chunk_id, kind, self.fingerprint, self.system_hash, token_ids, where)
+        return decode_entry(data, chunk_id, kind, self.fingerprint, self.system_hash, token_ids, where, dequantize)
 
 
 def _what(chunk_id: int | None, kind: str) -> str:
@@ -256,12 +272,12 @@ def _what(chunk_id: int | None, kind: str) -> str:
 
 
 def decode_entry(data: bytes, chunk_id: int | None, kind: str, fingerprint: str, system_hash: str,
-                 token_ids=None, where: str = "") -> KVEntry:
+                 token_ids=None, where: str = "", dequantize: bool = True) -> KVEntry:
     """Parse and verify one entry's bytes; :class:`CacheIntegrityError` says what is wrong.
 
     Checks, in order: safetensors framing, format, checksum (tensors and metadata), model
     fingerprint, ``S`` hash, token hash, kind/chunk id, shape. int8 entries are dequantised
-    to fp16 after verification.
+    to fp16 after verification (``dequantize=False``: kept as codes and scales, checked for shape).
     """
     what, path = _what(chunk_id, kind), where or "<bytes>"
     try:
@@ -295,11 +311,17 @@ def decode_entry(data: bytes, chunk_id: int | None, kind: str, fingerprint: str,
         raise CacheIntegrityError(f"{what} was computed for other tokens than the chunk's; refusing to reuse it")
     if meta.get("kind") != kind or (chunk_id is not None and meta.get("chunk_id") != str(int(chunk_id))):
         raise CacheIntegrityError(f"{what}: {path} holds {meta.get('kind')} KV of chunk {meta.get('chunk_id')}")
+    scales = None
     try:
         if meta["format"] == FORMAT_INT8:
             if meta.get("quant") != INT8_SCHEME:
                 raise ValueError(f"unknown int8 scheme {meta.get('quant')!r}")
-            keys, values = dequantize_kv(tensors)
+            if dequantize:
+                keys, values = dequantize_kv(tensors)
+            else:
+                check_int8(tensors)
+                keys, values, scales = tensors["keys"], tensors["values"], (tensors["key_scales"],
+                                                                           tensors["value_scales"])
         else:
             keys, values = tensors["keys"], tensors["values"]
         kv = KV(keys, values, int(meta["base_position"]))
@@ -307,7 +329,7 @@ def decode_entry(data: bytes, chunk_id: int | None, kind: str, fingerprint: str,
         raise CacheIntegrityError(f"{what}: malformed entry {path}: {exc}") from exc
     if str(len(kv)) != meta.get("n_tokens"):
         raise CacheIntegrityError(f"{what}: {path} has {len(kv)} tokens, header says {meta.get('n_tokens')}")
-    return KVEntry(kv, tensors.get("scores"), meta)
+    return KVEntry(kv, tensors.get("scores"), meta, scales)
 
 
 def _checksum(tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> str:

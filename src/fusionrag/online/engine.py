@@ -352,14 +352,14 @@ class Engine:
     def _read_stored(self, keys: list[Key]) -> dict[Key, KVEntry]:
         """Stored entries by key; one that fails verification is left out (and reported once), so the
         request is answered from freshly computed plain KV instead of failing."""
-        try:
-            return dict(zip(keys, self.kv_source.get_many(keys), strict=True))
+        try:  # dequantized(): a no-op, unless a source handed out int8 codes (none of the engine's does)
+            return {k: e.dequantized() for k, e in zip(keys, self.kv_source.get_many(keys), strict=True)}
         except CacheIntegrityError:
             pass
         out: dict[Key, KVEntry] = {}
         for key in keys:
             try:
-                out[key] = self.kv_source.get_many([key])[0]
+                out[key] = self.kv_source.get_many([key])[0].dequantized()
             except CacheIntegrityError as exc:
                 if key not in self.damaged:
                     log.error("stored %s KV of chunk %s failed verification (%s); computing it for this request. "
