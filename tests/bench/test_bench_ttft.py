@@ -36,6 +36,9 @@ def test_tiny_ttft_bench_writes_report_with_speedups_and_loader(tmp_path, fusion
     assert backends["blocked"]["max_abs_logit_diff"] < 1e-5 and backends["blocked"]["max_abs_kv_diff"] < 1e-5
     summary = (tmp_path / "ttft" / "speedups.md").read_text()
     assert "| transformers |" in summary and "faster baseline" in summary
+    probe = doc["meta"]["machine_probe"]  # the machine's rates at the run's start and end, in the report too
+    assert all(probe[w]["gemm_gflops"] > 0 and probe[w]["copy_gbs"] > 0 for w in ("start", "end"))
+    assert "Machine at start / end: GEMM" in summary
 
 
 

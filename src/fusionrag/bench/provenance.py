@@ -111,6 +111,32 @@ def machine_info() -> dict[str, Any]:
     return info
 
 
+def machine_probe(seconds: float = 0.25) -> dict[str, float]:
+    """How fast this machine computes and moves memory *now*, on this process's torch threads (CPU).
+
+    A shared VM's memory bandwidth can change by 2x between runs while its arithmetic rate does not,
+    and the two shift TTFT ratios differently (a short question pass is memory-bound, a long prefill
+    compute-bound). Benchmarks record this at their start and end so runs can be compared.
+    ``gemm_gflops``: fp32 ``[512, 896] x [896, 2048]``; ``copy_gbs``: bytes read + written copying 64 MiB."""
+    import time
+
+    import torch
+
+    def rate(fn, work: float) -> float:
+        fn()  # warm-up
+        n, t0 = 0, time.perf_counter()
+        while n < 3 or time.perf_counter() - t0 < seconds / 2:
+            fn()
+            n += 1
+        return work * n / (time.perf_counter() - t0)
+
+    a, b = torch.randn(512, 896), torch.randn(896, 2048)
+    x = torch.ones(16 << 20)
+    y = torch.empty_like(x)
+    return {"gemm_gflops": round(rate(lambda: a @ b, 2 * 512 * 896 * 2048) / 1e9, 1),
+            "copy_gbs": round(rate(lambda: y.copy_(x), 2 * x.numel() * 4) / 1e9, 2)}
+
+
 def build_meta(
     command: str | Sequence[str] | None = None,
     model: str | None = None,

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from fusionrag.bench.provenance import machine_probe
 from fusionrag.errors import FusionRAGError
 from fusionrag.kvcache.device_tier import DevicePlacement, pin_entry
 from fusionrag.kvcache.sources import KVSource, PreloadedSource, drop_from_page_cache
@@ -186,6 +187,7 @@ def run_ttft(spec: TTFTSpec) -> list[dict]:
     for tier in spec.tiers:  # a wrong tier fails now, not after the model and the store are built
         check_tier(tier)
     lm = load_model(spec.model, dtype=spec.dtype, device=spec.device, attention=spec.attention)
+    probe_start = machine_probe()
     examples = load_questions(spec.data)
     question = examples[0].question
     # The store holds hundreds of MB of KV: keep it in the cache folder, not next to the report.
@@ -243,6 +245,7 @@ def run_ttft(spec: TTFTSpec) -> list[dict]:
         loader_rows, loader_summary = _loader_study(spec, store, lm, question, contexts)
         print(f"[bench ttft] asynchronous loader on a cold disk tier: {loader_summary}")
     meta = {"data_file": str(spec.data), "question": question, "repeats": spec.repeats, "top_n": spec.top_n,
+            "machine_probe": {"start": probe_start, "end": machine_probe()},
             "loader": loader_summary, "loader_rows": loader_rows, "device": str(lm.device),
             "dtype": str(lm.dtype).removeprefix("torch."), "attention": spec.attention or "auto",
             "torch_threads": torch.get_num_threads(), "interleaved": True, "backends": backend_rows}
@@ -297,6 +300,16 @@ def _speedups(rows: list[dict]) -> None:
         row["speedup_vs_baseline"] = min(full, plain) / row["ttft_ms"]
 
 
+def _probe_line(meta: dict) -> str:
+    """The machine's arithmetic and memory rates at the run's start and end (bench.provenance.machine_probe)."""
+    probe = meta.get("machine_probe")
+    if not probe:
+        return ""
+    a, b = probe["start"], probe["end"]
+    return (f" Machine at start / end: GEMM {a['gemm_gflops']} / {b['gemm_gflops']} GFLOP/s, memory copy "
+            f"{a['copy_gbs']} / {b['copy_gbs']} GB/s (one core; TTFT ratios move with memory bandwidth).")
+
+
 def write_speedup_summary(rows: Sequence[dict], path: Path, meta: dict, command: str | None) -> Path:
     """The headline table: every method against the faster baseline, per context length (memory tier)."""
     from fusionrag.files import atomic_write
@@ -305,7 +318,7 @@ def write_speedup_summary(rows: Sequence[dict], path: Path, meta: dict, command:
              f"Command: `{command}`  " if command else "",
              f"Device {meta['device']}, {meta['dtype']}, {meta['torch_threads']} torch thread(s); cells interleaved, "
              f"median of {meta['repeats']} rounds. Baseline = the faster of plain transformers "
-             "(`model(ids, logits_to_keep=1)`) and our `full`, same token ids, same run.", "",
+             "(`model(ids, logits_to_keep=1)`) and our `full`, same token ids, same run." + _probe_line(meta), "",
              "| context tokens | method | ratio | tier | TTFT ms | vs baseline | vs transformers | vs full |",
              "|---|---|---|---|---|---|---|---|"]
     order = {"transformers": 0, "full": 1}
