@@ -60,8 +60,10 @@ def test_html_keeps_the_main_text_in_heading_sections_without_noise(tmp_path):
     for noise in ("tracking", "color: red", "Home", "About us", "banner", "hidden text", "inline noise", "Related",
                   "Copyright", "comment"):
         assert noise not in text, noise
-    htm, _ = _parse(tmp_path / "bare.htm", b"<p>No title here.</p><pre>keep   spacing\n  here</pre>")
-    assert htm.title == "bare" and htm.passages[0].text.strip() == "No title here.\n\nkeep   spacing\nhere"
+    htm, _ = _parse(tmp_path / "bare.htm", b"<p>No title here.</p><pre>keep   spacing\n  here\n    <b>and</b> here"
+                                          b"</pre><p>After.</p>")
+    assert htm.title == "bare"  # preformatted lines keep their indentation (code, aligned text)
+    assert htm.passages[0].text.strip() == "No title here.\n\nkeep   spacing\n  here\n    and here\n\nAfter."
 
 
 def test_docx_sections_by_heading_styles(tmp_path):

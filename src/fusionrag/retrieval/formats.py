@@ -64,6 +64,7 @@ _HTML_BLOCKS = ("p", "div", "li", "ul", "ol", "pre", "blockquote", "table", "tr"
                 "figcaption", "caption", "section", "article", "main", "hr", "address", "details", "summary")
 _HEADINGS = ("h1", "h2", "h3", "h4", "h5", "h6")
 _MARK = "\ue000"  # private use: marks a heading line in the flattened text
+_PRE = "\ue001"  # private use: marks a line of preformatted text (its indentation is kept)
 
 
 def read_html(path: Path, data: bytes, problems: list[Problem]) -> ParsedFile:
@@ -93,13 +94,18 @@ def html_passages(doc: str, stem: str, markup: str | bytes, title: str | None) -
             s.replace_with(NavigableString(re.sub(r"\s+", " ", str(s))))
     for br in root.find_all("br"):
         br.replace_with("\n")
+    for tag in root.find_all("pre"):  # code and aligned text: every line keeps its leading whitespace
+        if not any(p.name == "pre" for p in tag.parents):
+            lines = tag.get_text("").replace("\r", "").strip("\n").split("\n")
+            tag.replace_with("\n\n" + "\n".join(_PRE + line for line in lines) + "\n\n")
     for tag in root.find_all(_HEADINGS):
         tag.replace_with(f"\n{_MARK}{' '.join(tag.get_text(' ').split())}\n")
     for tag in root.find_all(_HTML_BLOCKS):
         tag.insert_before("\n\n")
         tag.insert_after("\n\n")
     flat = root.get_text("")
-    items = ((True, line[1:].strip()) if line.startswith(_MARK) else (False, line.strip())
+    items = ((True, line[1:].strip()) if line.startswith(_MARK) else
+             (False, line[1:].rstrip()) if line.startswith(_PRE) else (False, line.strip())
              for line in flat.replace("\r", "").split("\n"))
     passages = sections(doc, name, _squeeze(items))
     return name, passages
