@@ -93,6 +93,28 @@ def test_second_server_reads_what_the_first_loaded(server, store_dir, lm):
     assert b.stats()["tiers"]["redis"].memory_hits == sb.memory_hits  # what /metrics reads
 
 
+def test_int8_values_from_redis_stay_int8_below_a_device_tier(server, store_dir, lm):
+    """A device tier over the shared tier: the host tier holds Redis's int8 entries as stored, the device
+    tier dequantises them, and the answers equal a server's without tiers."""
+    import torch
+
+    from fusionrag.kvcache.device_tier import kv_tiers
+    from fusionrag.online.engine import Engine
+    from fusionrag.serve.launch import kv_tier_source
+
+    ref, _ = _engine(store_dir, lm, server.url, memory=False)
+    first = ref.answer(QUESTION, method="fusionrag", ratio=0.15, max_new_tokens=4)  # fills Redis
+    store = KnowledgeStore.open(store_dir, lm=lm)
+    source = kv_tier_source(server.url, store)
+    tiers = kv_tiers(source, "cpu", host_bytes=64 << 20, device_bytes=64 << 20)
+    engine = Engine(store, lm, kv_source=tiers)
+    second = engine.answer(QUESTION, method="fusionrag", ratio=0.15, max_new_tokens=4)
+    assert second.text == first.text and torch.equal(second.first_logits, first.first_logits)
+    host = tiers.lower.cache
+    assert host.resident_keys() and all(host.get(k).kv.keys.dtype == torch.int8 for k in host.resident_keys())
+    assert source.dequantize and tiers.lower.lower.stats()["redis"].memory_hits > 0  # read from Redis, as stored
+
+
 def test_corrupt_foreign_and_stale_values_are_refused_and_reread_from_disk(server, store_dir, lm):
     a, ra = _engine(store_dir, lm, server.url, memory=False)
     ref = a.answer(QUESTION, method="fusionrag", kv="fused", ratio=0.15, max_new_tokens=4)

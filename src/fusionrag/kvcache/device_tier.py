@@ -17,8 +17,8 @@ Without CUDA there is no pinned memory and no side stream: the placement is a pl
 ``.to(device)`` (on a CPU, the entry itself). The tiers then still work (the tests run them on
 the CPU) but say nothing about a GPU. int8 entries read from the store's files stay int8 below
 the device tier (codes and fp16 scales, half of fp16's bytes in host memory and on the bus) and are
-dequantised to fp16 by the placement, on the device (:mod:`fusionrag.kvcache.quant`); from other
-sources (a shared Redis tier) they arrive dequantised.
+dequantised to fp16 by the placement, on the device (:mod:`fusionrag.kvcache.quant`); the same
+for the shared Redis tier (any source with a ``dequantize`` switch).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from dataclasses import replace
 import torch
 
 from fusionrag.kvcache.kv import KV
-from fusionrag.kvcache.sources import DiskSource, KVSource, MemoryTier
+from fusionrag.kvcache.sources import KVSource, MemoryTier
 from fusionrag.kvcache.store import KVEntry
 
 
@@ -82,9 +82,10 @@ def kv_tiers(lower: KVSource, device: torch.device | str, host_bytes: int | None
     when ``device`` is a GPU) and a tier of ``device_bytes`` on ``device`` above it; a budget of 0 or
     ``None`` leaves that tier out. Stats name them ``host`` and ``device``."""
     source = lower
-    if device_bytes and isinstance(lower, DiskSource) and lower.dequantize:
-        # The tier above dequantises, so the tiers below keep int8 entries as stored (half of fp16's bytes,
-        # half the copy to the GPU). Only that tier reads them.
+    if device_bytes and getattr(lower, "dequantize", None) is True:
+        # The store's files or the shared Redis tier: the tier above dequantises, so the tiers below keep
+        # int8 entries as stored (half of fp16's bytes, half the copy to the GPU). Only that tier reads
+        # them; a shallow copy, so the caller's source keeps handing out fp16.
         source = copy.copy(lower)
         source.dequantize = False
     if host_bytes:

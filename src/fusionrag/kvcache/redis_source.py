@@ -63,7 +63,8 @@ class RedisSource:
 
     def __init__(self, url: str, kv_store: KVStore, token_ids_of: Callable[[int], Sequence[int]], *, prefix: str,
                  timeout_s: float = 0.5, retry_s: float = 2.0,
-                 check_disk_header: bool = True, ttl_s: int | None = None, client: Any = None) -> None:
+                 check_disk_header: bool = True, ttl_s: int | None = None, client: Any = None,
+                 dequantize: bool = True) -> None:
         try:
             import redis
         except ImportError as exc:  # an optional extra
@@ -75,6 +76,7 @@ class RedisSource:
         self.prefix = prefix
         self.retry_s = retry_s
         self.check_disk_header = check_disk_header
+        self.dequantize = dequantize  # False: int8 entries as stored, for a GPU tier above that dequantises
         self.ttl_s = ttl_s
         self.client = client or redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
         self._stats = RedisStats()
@@ -139,7 +141,7 @@ class RedisSource:
     def _verify(self, key: Key, data: bytes) -> KVEntry:
         chunk_id, kind = key
         return self.kv_store.decode(data, chunk_id, kind, token_ids=self.token_ids_of(chunk_id),
-                                    where=f"redis {self._name(key)}")
+                                    where=f"redis {self._name(key)}", dequantize=self.dequantize)
 
     def _mget(self, keys: list[Key]) -> list[bytes | None]:
         if not keys or not self._up():
