@@ -24,14 +24,14 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from prepass_bench import CAPTURED, _Capture, selection_input, ttft_prompts
+from prepass_bench import CAPTURED, _Capture, prompt_arguments, selection_input, ttft_prompts
 
 VARIANTS = ("past + new", "in place")
 
@@ -57,17 +57,11 @@ def recompute_call(inp, idx) -> Callable[[], object]:
 
 def run_variant(variant: str, call: Callable[[], object], sync: Callable[[], None]) -> tuple[float, object]:
     """One timed recompute (ms) and its result."""
-    ctx = past_plus_new() if variant == "past + new" else _nothing()
-    with ctx:
+    with past_plus_new() if variant == "past + new" else nullcontext():
         t0 = time.perf_counter()
         res = call()
         sync()
         return (time.perf_counter() - t0) * 1e3, res
-
-
-@contextmanager
-def _nothing():
-    yield
 
 
 def compare(a, b) -> dict:
@@ -79,13 +73,7 @@ def compare(a, b) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--data", required=True)
-    ap.add_argument("--model", default="qwen2.5-0.5b")
-    ap.add_argument("--context-tokens", default="2048,4096")
-    ap.add_argument("--ratio", type=float, default=0.15)
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--top-n", type=int, default=2, help="offline neighbours of the fused KV (bench ttft's default)")
-    ap.add_argument("--device", default=None)
+    prompt_arguments(ap)
     ap.add_argument("--out", default="benchmarks/ttft/results/in_place")
     args = ap.parse_args()
 

@@ -160,16 +160,21 @@ def ttft_prompts(model: str, data: str, lengths: list[int], top_n: int, device: 
     return lm, store, examples[0].question, contexts
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def prompt_arguments(ap: argparse.ArgumentParser) -> None:
+    """The options of a script timing FusionRAG on ``fusionrag bench ttft``'s prompts (this one, in_place_bench)."""
     ap.add_argument("--data", required=True)
     ap.add_argument("--model", default="qwen2.5-0.5b")
     ap.add_argument("--context-tokens", default="2048,4096")
     ap.add_argument("--ratio", type=float, default=0.15)
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--layers", default="", help="earlier scoring layers to time as options, e.g. 12,18")
     ap.add_argument("--top-n", type=int, default=2, help="offline neighbours of the fused KV (bench ttft's default)")
     ap.add_argument("--device", default=None)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    prompt_arguments(ap)
+    ap.add_argument("--layers", default="", help="earlier scoring layers to time as options, e.g. 12,18")
     ap.add_argument("--out", default="benchmarks/ttft/results/prepass")
     args = ap.parse_args()
 

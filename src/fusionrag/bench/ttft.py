@@ -75,10 +75,8 @@ def tier_source(store, tier: str, chunk_ids: Sequence[int], device: torch.device
     if tier == "disk":
         return store.cold_kv_source()
     keys = [(c, k) for c in chunk_ids for k in CHUNK_KINDS if store.has_kv(c, k)]
-    entries = PreloadedSource.of(store.kv_source(), keys)
-    place = {"device": DevicePlacement(device), "pinned": pin_entry}.get(tier)
-    return entries if place is None else PreloadedSource({k: place(e) for k, e in zip(keys, entries.get_many(keys),
-                                                                                         strict=True)})
+    place = {"device": DevicePlacement(device), "pinned": pin_entry}.get(tier, lambda entry: entry)
+    return PreloadedSource({k: place(e) for k, e in zip(keys, store.kv_source().get_many(keys), strict=True)})
 
 
 def drop_store_from_page_cache(store) -> None:

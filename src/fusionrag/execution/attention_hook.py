@@ -49,6 +49,7 @@ class _Pass:
     spec: SparseQuery
     attend: Attend | None
     in_place: AttendInPlace | None = None  # set: ``past`` is the pass's own KV, written layer by layer
+    slots: torch.Tensor | None = None  # an in-place pass: where each new token's KV goes in ``past``
     written: set[int] = field(default_factory=set)  # layers whose new KV is in place (an in-place pass)
 
 
@@ -57,11 +58,9 @@ def _write_in_place(active: _Pass, layer: int, key: torch.Tensor, value: torch.T
     fewer rows, see ``forward``'s last-row pass, finds its KV there already and keeps it)."""
     if layer in active.written:
         return
-    slots = active.spec.memo.get("in_place_slots")
-    if slots is None:
-        slots = active.spec.memo.setdefault("in_place_slots", active.spec.positions - active.past.base_position)
-    active.past.keys[layer][:, slots[-n:]] = key[0, :, -n:].to(active.past.keys.dtype)
-    active.past.values[layer][:, slots[-n:]] = value[0, :, -n:].to(active.past.values.dtype)
+    assert active.slots is not None
+    active.past.keys[layer][:, active.slots[-n:]] = key[0, :, -n:].to(active.past.keys.dtype)
+    active.past.values[layer][:, active.slots[-n:]] = value[0, :, -n:].to(active.past.values.dtype)
     active.written.add(layer)
 
 
@@ -159,7 +158,7 @@ def sparse_pass(past: KV, spec: SparseQuery, attend: Attend) -> Iterator[None]:
 def in_place_pass(work: KV, spec: SparseQuery, attend: AttendInPlace) -> Iterator[None]:
     """Inside: every attention call of this thread writes its new KV into ``work`` (at slots
     ``spec.positions - work.base_position``) and reads ``work`` through ``attend`` (see the module doc)."""
-    token = _ACTIVE.set(_Pass(work, spec, None, attend))
+    token = _ACTIVE.set(_Pass(work, spec, None, attend, spec.positions - work.base_position))
     try:
         yield
     finally:

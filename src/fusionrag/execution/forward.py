@@ -60,15 +60,21 @@ class ForwardResult:
     values: torch.Tensor
 
 
+def _pass_inputs(lm: LoadedModel, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Token ids and positions as flat long tensors on the model's device, one position per token."""
+    input_ids = torch.as_tensor(input_ids, dtype=torch.long).reshape(-1).to(lm.device)
+    positions = torch.as_tensor(positions, dtype=torch.long).reshape(-1).to(lm.device)
+    if input_ids.numel() != positions.numel():
+        raise ValueError(f"{input_ids.numel()} tokens at {positions.numel()} positions")
+    return input_ids, positions
+
+
 def _run(lm: LoadedModel, input_ids: torch.Tensor, positions: torch.Tensor, past: KV | None,
          past_hidden: torch.Tensor | None, logits_to_keep: int,
          n_layers: int | None, stop_at: int | None = None) -> tuple[torch.Tensor, DynamicCache]:
     device = lm.device
     attention_hook.install(lm.model)
-    input_ids = torch.as_tensor(input_ids, dtype=torch.long).reshape(-1).to(device)
-    positions = torch.as_tensor(positions, dtype=torch.long).reshape(-1).to(device)
-    if input_ids.numel() != positions.numel():
-        raise ValueError(f"{input_ids.numel()} tokens at {positions.numel()} positions")
+    input_ids, positions = _pass_inputs(lm, input_ids, positions)
     backend = backend_name(lm)
     past_len = 0 if past is None else len(past)
     cache = DynamicCache()
@@ -143,17 +149,13 @@ def forward_in_place(lm: LoadedModel, input_ids: torch.Tensor, positions: torch.
     every slot at or before its position. That is the sparse pass's visibility rule; what it
     saves is the past + new concatenation, the stale columns and the final copy into the prompt
     KV (decision 050). The slots of ``positions`` inside the reused part are the stale ones. Only
-    the last row's logits are needed, so the
-    last layer runs its attention and MLP for that row alone (:func:`_last_layer_on_last_row`).
+    the last row's logits are needed, so the last layer runs its attention and MLP for that row
+    alone (:func:`_last_layer_on_last_row`).
     """
-    device = lm.device
     attend = get_in_place(backend_name(lm))
     if attend is None:
         raise ValueError(f"attention backend {backend_name(lm)!r} has no in-place pass")
-    input_ids = torch.as_tensor(input_ids, dtype=torch.long).reshape(-1).to(device)
-    positions = torch.as_tensor(positions, dtype=torch.long).reshape(-1).to(device)
-    if input_ids.numel() != positions.numel():
-        raise ValueError(f"{input_ids.numel()} tokens at {positions.numel()} positions")
+    input_ids, positions = _pass_inputs(lm, input_ids, positions)
     if int(positions[0]) < work.base_position or int(positions[-1]) >= work.base_position + len(work):
         raise ValueError("an in-place pass writes inside its KV: positions outside it")
     spec = SparseQuery(positions, work.base_position, len(work))

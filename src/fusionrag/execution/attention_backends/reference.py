@@ -32,8 +32,11 @@ def attend_in_place(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, p
                     scale: float, memo: dict) -> torch.Tensor:
     """The in-place rule as a dense mask: query ``i`` sees slot ``t`` iff ``base + t <= positions[i]``."""
     groups = q.shape[0] // keys.shape[0]
-    slots = torch.arange(keys.shape[1], device=q.device) + base
-    mask = additive_mask(slots[None, :] <= positions[:, None], q.dtype)
+    key = ("reference_in_place", q.dtype, positions.numel(), keys.shape[1])
+    if key not in memo:  # once per pass (and once for a last-row call), shared by the layers
+        slots = torch.arange(keys.shape[1], device=q.device) + base
+        memo[key] = additive_mask(slots[None, :] <= positions[:, None], q.dtype)
+    mask = memo[key]
     return F.scaled_dot_product_attention(q[None], keys.repeat_interleave(groups, dim=0)[None],
                                           values.repeat_interleave(groups, dim=0)[None], attn_mask=mask,
                                           scale=scale)[0]
