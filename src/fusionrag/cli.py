@@ -23,11 +23,10 @@ MODEL_HELP = f"short name ({', '.join(KNOWN_NAMES)}) or a local HF checkpoint fo
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
-    from fusionrag.doctor import run_doctor
-    from fusionrag.models import load_model
+    from fusionrag.doctor import run_checks
     from fusionrag.models.devices import device_options
 
-    report = run_doctor(load_model(args.model, **device_options(args)))
+    report = run_checks(args.model, **device_options(args))
     print(json.dumps(report, indent=None if args.compact else 2))
     return 0 if report["ok"] else 1
 
@@ -49,7 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true", help="on an error, print the traceback too")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("doctor", help="check the exactness invariants on a real model (JSON report)")
+    p = sub.add_parser("doctor", help="check the exactness invariants on a real model, in float32 and in the compute "
+                                          "dtype auto chooses (JSON report)")
     p.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
     p.add_argument("--compact", action="store_true", help="print the JSON on one line")
     add_device_args(p)

@@ -30,6 +30,7 @@ from typing import Any
 from fusionrag.errors import CacheIntegrityError, FusionRAGError
 from fusionrag.kvcache.sources import Key
 from fusionrag.kvcache.store import KVEntry, KVStore
+from fusionrag.models.fingerprint import weights_id
 
 
 @dataclass
@@ -49,8 +50,9 @@ class RedisStats:
 
 
 def namespace(fingerprint: str, system_hash: str, store_id: str) -> str:
-    """Key prefix: one model, one ``S``, one store (``store_id``: e.g. the store's creation stamp and name)."""
-    digest = hashlib.sha256(f"{fingerprint}|{system_hash}|{store_id}".encode()).hexdigest()[:16]
+    """Key prefix: one model's weights (whatever dtype each server computes in), one ``S``, one store
+    (``store_id``: e.g. the store's creation stamp and name)."""
+    digest = hashlib.sha256(f"{weights_id(fingerprint)}|{system_hash}|{store_id}".encode()).hexdigest()[:16]
     return f"fusionrag:kv:{digest}"
 
 

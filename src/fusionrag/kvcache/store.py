@@ -39,6 +39,7 @@ from fusionrag.errors import CacheIntegrityError, FusionRAGError
 from fusionrag.files import atomic_write, remove_temp_files
 from fusionrag.kvcache.kv import KV
 from fusionrag.kvcache.quant import INT8_SCHEME, check_int8, dequantize_kv, quantize_kv
+from fusionrag.models.fingerprint import same_weights
 
 FORMAT = "fusionrag-kv/1"
 FORMAT_INT8 = "fusionrag-kv/1+int8"
@@ -297,7 +298,7 @@ def decode_entry(data: bytes, chunk_id: int | None, kind: str, fingerprint: str,
             f"{what}: checksum mismatch in {path} (the file was corrupted or modified); "
             "delete it and re-run ingest/preprocess"
         )
-    if meta.get("fingerprint") != fingerprint:
+    if not same_weights(str(meta.get("fingerprint")), fingerprint):  # the compute dtype may differ (issue 37)
         raise CacheIntegrityError(
             f"{what} was computed by model {meta.get('fingerprint')}, not by the loaded model "
             f"{fingerprint}; refusing to reuse it"

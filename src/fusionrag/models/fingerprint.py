@@ -1,7 +1,11 @@
 """A model fingerprint: which weights (and dtype) produced a KV cache.
 
 Reusing KV computed by different weights silently gives wrong answers, so every
-stored cache carries this string and loaders compare it.
+stored cache carries this string and loaders compare its weights part
+(:func:`same_weights`). The compute dtype is recorded, not enforced: chunk KV is stored in
+fp16 or int8 whatever the model computed in, so a store built in fp32 answers in bf16 and the
+reverse (issue 37); only ``S``'s KV, kept at the building dtype, is recomputed by an engine that
+computes in another dtype, so that recomputing 100% still equals Full Attention.
 """
 
 from __future__ import annotations
@@ -48,3 +52,20 @@ def weights_hash(model_dir: Path) -> str:
 def make_fingerprint(architecture: str, weights_sha: str, dtype: str) -> str:
     """``arch:sha16:dtype``; short enough for a safetensors header, specific enough to tell models apart."""
     return f"{architecture}:{weights_sha[:16]}:{dtype}"
+
+
+def weights_id(fingerprint: str) -> str:
+    """The fingerprint without its compute dtype (``arch:sha16``): which weights made a cache.
+
+    A fingerprint of another shape (tests use plain labels) is its own weights id."""
+    return fingerprint.rsplit(":", 1)[0] if fingerprint.count(":") >= 2 else fingerprint
+
+
+def fingerprint_dtype(fingerprint: str) -> str | None:
+    """The compute dtype a fingerprint records (``float32``, ``bfloat16``, ...), or None."""
+    return fingerprint.rsplit(":", 1)[1] if fingerprint.count(":") >= 2 else None
+
+
+def same_weights(a: str, b: str) -> bool:
+    """Whether caches made under fingerprint ``a`` are valid for a model with fingerprint ``b``."""
+    return weights_id(a) == weights_id(b)

@@ -115,10 +115,14 @@ def load_model(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype | str | Non
     """Load ``name_or_path`` (a short name or a local HF checkpoint folder) for inference.
 
     ``device`` defaults to CUDA when available (:mod:`fusionrag.models.devices`); ``attention``
-    picks the sparse-pass backend (None: ``auto``). The fingerprint includes the compute
-    dtype (KV computed in bf16 is not the KV computed in fp32) but not the device.
+    picks the sparse-pass backend (None: ``auto``). ``dtype`` defaults to float32 here, the
+    exactness reference the tests and studies compare against; None or ``"auto"`` is the commands'
+    and :meth:`Engine.open`'s default (bf16 on a CPU with bf16 arithmetic,
+    :func:`~fusionrag.models.devices.auto_dtype`). The fingerprint records the compute dtype
+    (stores accept any: :func:`~fusionrag.models.fingerprint.same_weights`) but not the device.
     """
-    lm = _load(name_or_path, resolve_dtype(dtype), resolve_device(device))
+    dev = resolve_device(device)
+    lm = _load(name_or_path, resolve_dtype(dtype, dev), dev)
     lm.attention = attention or "auto"
     return lm
 

@@ -35,6 +35,7 @@ from fusionrag.kvcache.prefix_cache import AlternativePathCache
 from fusionrag.kvcache.sources import Key, KVSource, NoStoredKV
 from fusionrag.kvcache.store import KVEntry
 from fusionrag.models.clock import StageClock
+from fusionrag.models.fingerprint import same_weights
 from fusionrag.models.registry import LoadedModel
 from fusionrag.online.methods import make_policy, method_info
 from fusionrag.online.policies import SelectionInput, select
@@ -75,7 +76,7 @@ class Engine:
         prefetches overlap the model's work). ``store`` None: no retrieval, no stored KV; passages a
         request brings are computed once and kept in the prefix cache. ``min_reuse_tokens``: the
         context length from which ``method="auto"`` reuses KV (default: :func:`break_even_tokens`)."""
-        if store is not None and lm.fingerprint != store.fingerprint:
+        if store is not None and not same_weights(lm.fingerprint, store.fingerprint):
             raise FusionRAGError(f"model {lm.name} is not the model the store at {store.path} was built with")
         self.store = store
         self.lm = lm
@@ -123,9 +124,11 @@ class Engine:
 
     @property
     def system_kv(self) -> KV:
-        """``S``'s KV in fp32: from the store, or computed here (not stored: building is offline's job)."""
+        """``S``'s KV in fp32: from the store when it was computed in this engine's compute dtype, else
+        computed here (not stored: building is offline's job), so that recomputing 100% is Full Attention."""
         if self._system_kv is None:
-            kv = self.store.load_system_kv() if self.store is not None else None
+            dtype = str(self.lm.dtype).removeprefix("torch.")
+            kv = self.store.load_system_kv(dtype) if self.store is not None else None
             if kv is None:
                 kv = compute_system_kv(self.lm, self.prompt.system_token_ids)
             self._system_kv = kv.to(torch.float32)

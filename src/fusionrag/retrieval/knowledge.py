@@ -36,6 +36,7 @@ from tqdm.auto import tqdm
 
 from fusionrag.errors import FusionRAGError, StoragePermissionError, StoreMismatchError
 from fusionrag.kvcache.store import DEFAULT_KV_DTYPE, KVStore, canonical_dtype
+from fusionrag.models.fingerprint import same_weights
 from fusionrag.models.registry import KNOWN_NAMES, LoadedModel
 from fusionrag.prompt import DEFAULT_SYSTEM_PROMPT, PromptBuilder, chunk_text
 from fusionrag.retrieval.chunking import DEFAULT_CHUNK_TOKENS, Chunk
@@ -188,13 +189,7 @@ class KnowledgeStore(IndexedChunks, StoredKV, StoredDocuments):
         settings = read_settings(db)
         if settings.get("format") != STORE_FORMAT:
             raise FusionRAGError(f"{path}: unsupported store format {settings.get('format')!r}")
-        theirs, ours = str(settings["fingerprint"]).rpartition(":"), lm.fingerprint.rpartition(":")
-        if lm.fingerprint != settings["fingerprint"] and theirs[0] == ours[0]:  # same weights, other compute dtype
-            raise StoreMismatchError(
-                f"the knowledge base at {path} was built with {settings['model']} computing in {theirs[2]}, not "
-                f"{ours[2]}: its caches are only valid in that dtype. Use --dtype {theirs[2]} (the model is right)."
-            )
-        if lm.fingerprint != settings["fingerprint"]:
+        if not same_weights(str(settings["fingerprint"]), lm.fingerprint):  # any compute dtype: issue 37
             raise StoreMismatchError(
                 f"the knowledge base at {path} was built with model {settings['model']} ({settings['fingerprint']}); "
                 f"the loaded model {lm.name} ({lm.fingerprint}) cannot reuse its caches. Use --model "

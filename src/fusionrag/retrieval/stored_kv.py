@@ -19,6 +19,7 @@ from fusionrag.errors import CacheIntegrityError
 from fusionrag.kvcache.kv import KV
 from fusionrag.kvcache.sources import ColdDiskSource, DiskSource
 from fusionrag.kvcache.store import CHUNK_KINDS, KVEntry, KVStore, canonical_dtype, tokens_hash
+from fusionrag.models.fingerprint import fingerprint_dtype, same_weights
 
 if TYPE_CHECKING:
     from fusionrag.prompt import PromptBuilder
@@ -38,10 +39,18 @@ class StoredKV:
 
     # -- reading ---------------------------------------------------------------------------
 
-    def load_system_kv(self) -> KV | None:
-        """The stored KV of ``S`` (verified), or None if it has not been computed yet."""
+    def load_system_kv(self, dtype: str | None = None) -> KV | None:
+        """The stored KV of ``S`` (verified), or None if it has not been computed yet, or (``dtype``
+        given) was computed in a dtype less precise than float32 and other than ``dtype``: ``S``
+        prefixes every prompt, so an engine computing in float32 recomputes a bf16-built ``S`` (ratio 1
+        stays Full Attention within 1e-4), while a bf16 engine keeps a float32-built one (closer to
+        the float32 reference than its own: issue 37)."""
         if not self._kv.exists(None, "system"):
             return None
+        if dtype is not None:
+            header = self._kv.header(None, "system") or {}
+            if fingerprint_dtype(str(header.get("fingerprint", ""))) not in (None, "float32", dtype):
+                return None
         return self._kv.load(None, "system", token_ids=self.prompt.system_token_ids).kv
 
     def has_kv(self, chunk_id: int, kind: str) -> bool:
@@ -98,10 +107,11 @@ class StoredKV:
     def is_current(self, chunk_id: int, kind: str, key: dict[str, Any], verify: bool = True) -> tuple[bool, bool]:
         """``(exists, current)`` for one of the chunk's entries.
 
-        Current means: made by this model after this ``S`` for the chunk's tokens, in the store's
-        dtype, with the settings in ``key`` (fused: neighbours and order), *and* (``verify``) it passes
-        full verification: a truncated or bit-flipped file whose header still looks right is rebuilt,
-        never skipped forever. An entry left by another store (same id, other tokens) is not current.
+        Current means: made by this model's weights (any compute dtype) after this ``S`` for the chunk's
+        tokens, in the store's dtype, with the settings in ``key`` (fused: neighbours and order), *and*
+        (``verify``) it passes full verification: a truncated or bit-flipped file whose header still
+        looks right is rebuilt, never skipped forever. An entry left by another store (same id, other
+        tokens) is not current.
         """
         meta = self._kv.header(chunk_id, kind)
         if meta is None:
@@ -111,7 +121,7 @@ class StoredKV:
         except ValueError:
             return True, False
         current = (
-            meta.get("fingerprint") == self._kv.fingerprint
+            same_weights(str(meta.get("fingerprint")), self._kv.fingerprint)
             and meta.get("system_hash") == self._kv.system_hash
             and meta.get("dtype") == self._kv.dtype
             and meta.get("tokens_sha256") == tokens_hash(self.chunk(chunk_id).token_ids)
