@@ -10,7 +10,7 @@ CPU with bf16 arithmetic) the two paths round differently (other kernels, other 
 one bf16 step at a logit of 20-30 is 0.125), so equality is stated as a bf16 tolerance
 (:data:`TOLERANCES`): on every question of the bundled sample, recomputing 100% decodes the same
 greedy tokens as Full Attention, and its first-token KL to the float32 Full Attention is, on
-average, within 1e-3 of bf16 Full Attention's own; keys within 2^-7 of their largest magnitude.
+average, within 1e-3 of bf16 Full Attention's own; keys within 2^-5 of their largest magnitude.
 :func:`run_checks` runs the float32 report and the chosen dtype's, the way ``fusionrag doctor`` prints them.
 """
 
@@ -39,9 +39,10 @@ LOGIT_TOL = 1e-4
 KEY_REL_TOL = 1e-4
 #: A reduced-precision dtype's tolerances: the first-token KL (nats) to float32's Full Attention that
 #: recomputing 100% adds to Full Attention's in the same dtype; keys relative to their largest magnitude
-#: (bf16 keeps 8 bits: 2^-8 is one step).
+#: (bf16 keeps 8 bits: 2^-8 is one step; the model rotates in bf16, the re-positioning in fp32, 2-3 steps
+#: apart at the largest key; a wrong angle is off by O(1)).
 KL_TOL = 1e-3
-REDUCED_KEY_REL_TOL = 2.0 ** -7
+REDUCED_KEY_REL_TOL = 2.0 ** -5
 TOLERANCES = {"float32": {"logits": LOGIT_TOL, "key_rel": KEY_REL_TOL},
               "reduced": {"added_first_token_kl_mean": KL_TOL, "key_rel": REDUCED_KEY_REL_TOL,
                           "greedy_tokens": "equal on the sample"}}

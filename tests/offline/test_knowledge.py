@@ -177,13 +177,40 @@ def test_the_store_keeps_its_database_index_and_kv_files_private():
     assert {"neighbours", "vectors", "is_current", "convert_kv_dtype", "jobs", "save_kv", "kv_source"} <= public
 
 
-def test_a_store_opened_with_another_compute_dtype_says_dtype_not_model(tmp_path):
-    """Before: when only the compute dtype differed, the refusal advised --model (the model already given)."""
+def test_a_store_built_in_one_compute_dtype_answers_in_another(tmp_path):
+    """Issue 37: chunk KV is stored in fp16/int8 whatever the model computed in, so a store built in float32
+    answers in bfloat16 and the reverse (before: refused, "use --dtype float32"). ``S``'s KV is kept when it
+    was computed in float32 or in the engine's dtype, and recomputed by a float32 engine over a bf16-built
+    store, so recomputing 100% there is still float32 Full Attention."""
+    from fusionrag.models.fingerprint import fingerprint_dtype
+    from fusionrag.online.engine import Engine
+    from fusionrag.retrieval.knowledge import KnowledgeStore
+
+    passages = [{"title": "A", "text": "alpha beta gamma delta " * 8}, {"title": "B", "text": "one two three " * 9}]
+    for built, answered in (("float32", "bfloat16"), ("bfloat16", "float32")):
+        path = tmp_path / f"kb-{built}"
+        store = build.create_store(path, load_model("tiny-llama", dtype=built), embedder=HashingEmbedder(64))
+        build.add_passages(store, load_model("tiny-llama", dtype=built), passages, doc="d")
+        store.close()
+        lm = load_model("tiny-llama", dtype=answered)
+        store = KnowledgeStore.open(path, lm=lm)
+        assert fingerprint_dtype(store.kv_header(store.chunk_ids()[0], "plain")["fingerprint"]) == built
+        engine = Engine(store, lm)
+        kept = store.load_system_kv(answered)
+        assert (kept is not None) == (built == "float32")  # a bf16-built S is recomputed by a float32 engine
+        full = engine.prepare("alpha?", method="full", top_k=2)
+        everything = engine.prepare("alpha?", method="fusionrag", ratio=1.0, top_k=2)
+        assert everything.pre.recomputed == everything.pre.context_tokens > 0
+        if answered == "float32":
+            assert (everything.pre.last_logits - full.pre.last_logits).abs().max() < 1e-4
+        store.close()
+
+
+def test_a_store_of_other_weights_is_refused_naming_the_model(tmp_path):
     from fusionrag.errors import StoreMismatchError, exit_code
-    from fusionrag.models import load_model
     from fusionrag.retrieval.knowledge import KnowledgeStore
 
     KnowledgeStore.create(tmp_path / "kb", load_model("tiny-llama"), embedder=HashingEmbedder(64)).close()
-    with pytest.raises(StoreMismatchError, match="--dtype float32") as info:
-        KnowledgeStore.open(tmp_path / "kb", load_model("tiny-llama", dtype="bfloat16"))
-    assert "--model" not in str(info.value) and exit_code(info.value) == 2
+    with pytest.raises(StoreMismatchError, match="--model tiny-llama") as info:
+        KnowledgeStore.open(tmp_path / "kb", load_model("tiny-qwen2"))
+    assert exit_code(info.value) == 2

@@ -11,7 +11,7 @@ import json
 import sys
 import time
 
-from fusionrag.models.devices import add_device_args, device_options
+from fusionrag.models.devices import add_device_args, device_options, dtype_choice
 from fusionrag.online.methods import KV_KINDS, method_info, methods
 from fusionrag.online.request import DEFAULT_MAX_NEW_TOKENS, ReuseRequest
 
@@ -46,8 +46,9 @@ def _cmd_ask(args: argparse.Namespace) -> int:
     where = f"over the store {args.store}" if args.store else "without a store (no retrieval)"
     _say(args, f"loading {_model_of(args)} {where} ...")
     engine = Engine.open(args.store, model=args.model, min_reuse_tokens=args.min_reuse_tokens, **device_options(args))
-    _say(args, f"loaded {engine.lm.name} on {engine.lm.device} in {time.perf_counter() - start:.1f} s; "
-               f"answering with method {args.method} ...")
+    dtype = dtype_choice(getattr(args, "dtype", None), engine.lm.device)
+    _say(args, f"loaded {engine.lm.name} on {engine.lm.device}, computing in {dtype}, in "
+               f"{time.perf_counter() - start:.1f} s; answering with method {args.method} ...")
     if args.stream and not (args.json or args.explain):
         for delta in engine.stream(args.question, max_new_tokens=args.max_new_tokens, **req.as_kwargs()):
             sys.stdout.write(delta)

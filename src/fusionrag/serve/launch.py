@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fusionrag.errors import FusionRAGError
-from fusionrag.models.devices import add_device_args, device_options
+from fusionrag.models.devices import add_device_args, device_options, dtype_choice
 from fusionrag.serve.settings import ServerSettings, load_settings, settings_help
 
 if TYPE_CHECKING:
@@ -144,4 +144,6 @@ def build_app(args: argparse.Namespace) -> tuple[FastAPI, ServerSettings]:
     what = f"for {args.store}" if args.store else "(no store: answering over the passages requests bring)"
     print(f"fusionrag: loading {args.model or 'the model'} {what} ...", file=sys.stderr)
     app.state.scheduler.wait_ready()  # a bad store or model fails here, as one line, before binding
+    lm = app.state.scheduler.engine.lm
+    print(f"fusionrag: {lm.name} on {lm.device}, computing in {dtype_choice(args.dtype, lm.device)}", file=sys.stderr)
     return app, settings
