@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,7 @@ from fusionrag.errors import CacheIntegrityError, FusionRAGError
 from fusionrag.execution.generate import TextStreamer, greedy_tokens
 from fusionrag.execution.segments import chunk_kv_plain
 from fusionrag.execution.segments import system_kv as compute_system_kv
+from fusionrag.kvcache.context_cache import ContextCache, context_key
 from fusionrag.kvcache.device_tier import kv_tiers
 from fusionrag.kvcache.kv import KV
 from fusionrag.kvcache.prefix_cache import AlternativePathCache
@@ -39,7 +41,7 @@ from fusionrag.models.fingerprint import same_weights
 from fusionrag.models.registry import LoadedModel
 from fusionrag.online.methods import make_policy, method_info
 from fusionrag.online.policies import SelectionInput, select
-from fusionrag.online.prefill import assemble_context, prefill_full, prefill_reused
+from fusionrag.online.prefill import Prefilled, assemble_context, prefill_full, prefill_reused
 from fusionrag.online.request import DEFAULT_MAX_NEW_TOKENS, DEFAULT_TOP_K, ReuseRequest, resolved_kv
 from fusionrag.online.state import Request
 from fusionrag.prompt import PromptBuilder, passage_hash
@@ -54,6 +56,8 @@ log = logging.getLogger(__name__)
 #: until a GPU run measures it (a GPU prefill of a short context takes milliseconds, so the pre-pass
 #: and KV movement weigh more there).
 BREAK_EVEN_TOKENS = {"cpu": 256, "cuda": 1024}
+#: The whole-context cache's default size: ~20 contexts of 4K tokens of qwen2.5-0.5b in bf16 (50 MB each).
+DEFAULT_CONTEXT_CACHE_BYTES = 1 << 30
 
 
 def break_even_tokens(lm: LoadedModel) -> int:
@@ -62,20 +66,46 @@ def break_even_tokens(lm: LoadedModel) -> int:
 
 
 
+@dataclass(frozen=True)
+class CachedContext:
+    """A request's context KV (``S`` + chunks, positions ``0..T-1``) as its prefill left it, for the next
+    question on the same context (:mod:`fusionrag.kvcache.context_cache`). A view of the request's prompt
+    KV, never written: later prefills copy it into their own buffer, decoding appends elsewhere."""
+
+    kv: KV
+    ids: torch.Tensor
+    spans: list[tuple[int, int]]
+
+    @property
+    def nbytes(self) -> int:
+        return self.kv.nbytes
+
+    @classmethod
+    def of(cls, pre: Prefilled, system_ids: Sequence[int], chunk_ids: Sequence[list[int]]) -> CachedContext:
+        ids = torch.tensor([*system_ids, *(t for c in chunk_ids for t in c)], dtype=torch.long)
+        n = ids.numel()
+        return cls(KV(pre.kv.keys[:, :, :n], pre.kv.values[:, :, :n], 0), ids, list(pre.spans))
+
+
 class Engine:
     """Answers questions over a knowledge store with a chosen KV-reuse method."""
 
     def __init__(self, store: KnowledgeStore | None, lm: LoadedModel, *, kv_source: KVSource | None = None,
                  memory_budget_bytes: int | None = None, loader_threads: int = 2,
                  adhoc_cache_bytes: int | None = 2 << 30, min_reuse_tokens: int | None = None,
-                 device_budget_bytes: int | None = None) -> None:
+                 device_budget_bytes: int | None = None,
+                 context_cache_bytes: int = 0) -> None:
         """``kv_source`` replaces the store's own disk reads (benchmarks' hot/cold tiers; a shared tier);
         ``memory_budget_bytes`` puts a heat-managed memory tier with an asynchronous loader of
         ``loader_threads`` threads over it (page-locked on CUDA); ``device_budget_bytes`` a tier on the
         model's device above that (:mod:`fusionrag.kvcache.device_tier`: copies on a side stream, so
         prefetches overlap the model's work). ``store`` None: no retrieval, no stored KV; passages a
         request brings are computed once and kept in the prefix cache. ``min_reuse_tokens``: the
-        context length from which ``method="auto"`` reuses KV (default: :func:`break_even_tokens`)."""
+        context length from which ``method="auto"`` reuses KV (default: :func:`break_even_tokens`).
+        ``context_cache_bytes``: the whole-context cache (:mod:`fusionrag.kvcache.context_cache`): a
+        request whose ``S`` + chunks were computed before prefills only its question. Off (0) here, so
+        that studies and benchmarks comparing methods on one engine measure each method; on in
+        :meth:`open` and the server (:data:`DEFAULT_CONTEXT_CACHE_BYTES`), the product's defaults."""
         if store is not None and not same_weights(lm.fingerprint, store.fingerprint):
             raise FusionRAGError(f"model {lm.name} is not the model the store at {store.path} was built with")
         self.store = store
@@ -90,6 +120,7 @@ class Engine:
         # path, so each distinct passage has one ``S + chunk`` replica whatever its position.
         self.adhoc_cache_bytes = adhoc_cache_bytes  # the cap, reported by stats() and /metrics
         self.prefix_cache = AlternativePathCache(max_bytes=adhoc_cache_bytes)
+        self.context_cache = ContextCache(context_cache_bytes)
         self._lock = threading.RLock()  # the model runs one request at a time
         self.damaged: set[Key] = set()  # stored entries that failed verification (answered around, not repaired)
         #: Makes the clock of each request's stage timings (synchronised with the model's device);
@@ -99,16 +130,19 @@ class Engine:
     @classmethod
     def open(cls, store_dir: str | Path | None, model: str | None = None, device: str | None = None,
              dtype: str | None = None, attention: str | None = None, **engine_options: Any) -> Engine:
-        """The store at ``store_dir`` with its model (``model`` overrides where the weights come from);
+        """The store at ``store_dir`` with its model (``model`` overrides where the weights come from), and
+        the whole-context cache on (``context_cache_bytes``, default :data:`DEFAULT_CONTEXT_CACHE_BYTES`);
         ``store_dir`` None: ``model`` without a store (plain generation, or over passages a request brings).
 
         ``device`` / ``dtype`` / ``attention``: where and how the model computes (defaults: CUDA
-        when available, float32, the device's sparse-attention backend); stored KV is read as stored.
+        when available; ``auto``: bf16 on a CPU with bf16 arithmetic, else float32; the device's
+        sparse-attention backend); stored KV is read as stored.
         A model that cannot be the store's is refused before it is loaded (or converted).
         """
         from fusionrag.models import DEFAULT_MODEL, load_model
         from fusionrag.retrieval.store_info import check_model_matches, stored_model
 
+        engine_options.setdefault("context_cache_bytes", DEFAULT_CONTEXT_CACHE_BYTES)
         if store_dir is None:
             lm = load_model(model or DEFAULT_MODEL, dtype=dtype, device=device, attention=attention)
             return cls(None, lm, **engine_options)
@@ -179,6 +213,7 @@ class Engine:
         clock = self.clock()
         if self.store is not None and self.store.refresh():  # another process wrote to the store
             self.kv_source.invalidate(None)
+            self.context_cache.invalidate(None)
         pieces, hit_scores, note = self._passages(req)
         chunk_ids = [p.chunk_id for p in pieces]
         passages = [p.as_passage() for p in pieces]
@@ -190,8 +225,16 @@ class Engine:
         if method == "full":
             kv_kind, ratio = "none", 1.0
 
-        fallbacks = 0
-        if method == "full":
+        fallbacks, cached = 0, None
+        keys = self._context_keys(method, ratio, kv_kind, token_ids)
+        if keys:
+            cached = self.context_cache.get(keys)
+        if cached is not None:  # the same S + chunks computed before: only the question is prefilled
+            clock.skip("load")
+            clock.skip("select")
+            pre = prefill_reused(self.lm, cached.kv, cached.ids, cached.spans, question_token_ids)
+            note = note or "context cache: this context's KV was computed by an earlier request"
+        elif method == "full":
             clock.skip("load")
             clock.skip("select")
             pre = prefill_full(self.lm, self.prompt.system_token_ids, token_ids, question_token_ids)
@@ -210,6 +253,8 @@ class Engine:
                 idx = select(make_policy(method), inp, float(ratio))
             clock.lap("select")
             pre = prefill_reused(self.lm, ctx, ctx_ids, spans, question_token_ids, idx)
+        if keys and cached is None:
+            self.context_cache.put(keys[0], CachedContext.of(pre, self.prompt.system_token_ids, token_ids), chunk_ids)
         clock.lap("recompute")
         int(torch.argmax(pre.last_logits))  # the first token itself (part of TTFT)
         clock.lap("first_token")
@@ -218,7 +263,18 @@ class Engine:
         sources = [{"chunk_id": p.chunk_id, "title": p.title, "source": p.source, "score": score,
                     "stored": p.chunk_id is not None} for p, score in zip(pieces, hit_scores, strict=True)]
         return Request(pre, method, kv_kind, float(ratio), chunk_ids, passages, token_ids, timings, fallbacks,
-                       sources=sources, note=note)
+                       sources=sources, note=note, context_cache_hit=cached is not None)
+
+    def _context_keys(self, method: str, ratio: float, kv_kind: str, token_ids: Sequence[list[int]]) -> list[bytes]:
+        """The whole-context cache's keys of this context: computed as this request would compute it, then
+        by Full Attention (the better KV for the same work); none when the cache is off or cannot serve it
+        (no passages; APE's parallel layout, read through its own rule)."""
+        if not self.context_cache.max_bytes or not token_ids or method_info(method).parallel is not None:
+            return []
+        ids = [*self.prompt.system_token_ids, *(t for c in token_ids for t in c)]
+        dtype = str(self.lm.dtype).removeprefix("torch.")
+        how = [f"{method}|{float(ratio):.6f}|{kv_kind}|{dtype}", f"full|1.000000|none|{dtype}"]
+        return [context_key(ids, h) for h in dict.fromkeys(how)]
 
     def resolve_method(self, method: str, context_tokens: int) -> tuple[str, str]:
         """The method a request runs and, when that is not the one it named, why.
@@ -281,14 +337,18 @@ class Engine:
         self.kv_source.prefetch([k for k in keys if k is not None])
 
     def invalidate(self, keys: Iterable[Key]) -> None:
-        """Forget cached copies of entries a store change rewrote or removed (every tier down to disk)."""
-        self.kv_source.invalidate(list(keys))
+        """Forget cached copies of entries a store change rewrote or removed (every tier down to disk), and
+        the whole contexts computed from those chunks."""
+        keys = list(keys)
+        self.kv_source.invalidate(keys)
+        self.context_cache.invalidate({chunk for chunk, _ in keys})
 
     def stats(self) -> dict[str, Any]:
         """What ``/metrics`` and benchmarks report: ``tiers`` (``{tier: TierStats}``, empty without a
         caching tier), ``prefix_cache`` (PrefixCacheStats of request-supplied passages) and
-        ``adhoc_entries`` (how many such KVs are cached)."""
+        ``adhoc_entries`` (how many such KVs are cached), ``context_cache`` (ContextCacheStats)."""
         return {"tiers": dict(self.kv_source.stats()), "prefix_cache": self.prefix_cache.stats(),
+                "context_cache": self.context_cache.stats(),
                 "adhoc_entries": len(self.prefix_cache), "adhoc_bytes": self.prefix_cache.nbytes,
                 "adhoc_limit_bytes": self.adhoc_cache_bytes or 0, "damaged_entries": len(self.damaged)}
 

@@ -36,6 +36,8 @@ class Request:
     #: Why the request ran as it did when that differs from what it asked (``method=auto``'s choice,
     #: no passages to reuse, an empty store); empty otherwise.
     note: str = ""
+    #: The prompt's ``S`` + chunks came from the whole-context cache: only the question was prefilled.
+    context_cache_hit: bool = False
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     status: Literal["prepared", "finished"] = "prepared"
@@ -98,6 +100,7 @@ class Request:
             "fused_fallbacks": self.fused_fallbacks,
             "sources": self.sources,
             "note": self.note,
+            "context_cache_hit": self.context_cache_hit,
         }
 
 

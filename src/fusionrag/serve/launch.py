@@ -38,6 +38,8 @@ _FLAGS = (
      "chunk KV kept on the GPU above the memory tier (heat-based; copies on a side stream); 0: none"),
     ("--adhoc-cache-mb", "adhoc_cache_mb", int,
      "KV kept of request-supplied passages the store does not hold (alternative-path prefix cache)"),
+    ("--context-cache-mb", "context_cache_mb", int,
+     "whole contexts kept after their prefill: a new question on the same context prefills only itself"),
     ("--shutdown-timeout", "shutdown_timeout_s", float, "seconds open requests may finish after SIGTERM"),
     ("--max-new-tokens", "max_new_tokens", int, "upper bound on a request's max_tokens"),
     ("--default-max-tokens", "default_max_tokens", int, "max_tokens of requests that name none"),
@@ -101,7 +103,7 @@ def kv_tier_source(url: str, store: Any) -> Any:
 def engine_factory(store: str | None, model: str | None, memory_budget_mb: int = 0,
                    kv_tier: str | None = None, devices: dict | None = None,
                    adhoc_cache_mb: int = 2048, min_reuse_tokens: int | None = None,
-                   device_kv_budget_mb: int = 0) -> Callable[[], Any]:
+                   device_kv_budget_mb: int = 0, context_cache_mb: int = 1024) -> Callable[[], Any]:
     """Builds the engine on the model thread (the store's SQLite connection belongs to its creating thread).
 
     ``store`` None: the model alone (plain generation, or over the passages requests bring)."""
@@ -120,14 +122,14 @@ def engine_factory(store: str | None, model: str | None, memory_budget_mb: int =
 
         budget = memory_budget_mb << 20 or None
         on_device = device_kv_budget_mb << 20 or None
-        adhoc = adhoc_cache_mb << 20
+        adhoc, contexts = adhoc_cache_mb << 20, context_cache_mb << 20
         engine = Engine.open(store, model=model, memory_budget_bytes=None if kv_tier else budget,
                              device_budget_bytes=None if kv_tier else on_device, adhoc_cache_bytes=adhoc,
-                             min_reuse_tokens=min_reuse_tokens, **(devices or {}))
+                             min_reuse_tokens=min_reuse_tokens, context_cache_bytes=contexts, **(devices or {}))
         if kv_tier:  # rebuilt over the shared tier (the engine's own disk source is what it falls back to)
             engine = Engine(engine.store, engine.lm, kv_source=kv_tier_source(kv_tier, engine.store),
                             memory_budget_bytes=budget, device_budget_bytes=on_device, adhoc_cache_bytes=adhoc,
-                            min_reuse_tokens=min_reuse_tokens)
+                            min_reuse_tokens=min_reuse_tokens, context_cache_bytes=contexts)
         return engine
 
     return factory
@@ -140,7 +142,8 @@ def build_app(args: argparse.Namespace) -> tuple[FastAPI, ServerSettings]:
     settings = settings_from_args(args)
     app = create_app(engine_factory(args.store, args.model, settings.memory_budget_mb,
                                     settings.kv_tier, device_options(args), settings.adhoc_cache_mb,
-                                    settings.min_reuse_tokens, settings.device_kv_budget_mb), settings)
+                                    settings.min_reuse_tokens, settings.device_kv_budget_mb,
+                                    settings.context_cache_mb), settings)
     what = f"for {args.store}" if args.store else "(no store: answering over the passages requests bring)"
     print(f"fusionrag: loading {args.model or 'the model'} {what} ...", file=sys.stderr)
     app.state.scheduler.wait_ready()  # a bad store or model fails here, as one line, before binding

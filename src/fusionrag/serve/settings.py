@@ -66,6 +66,9 @@ class ServerSettings(BaseModel):
                                                   "disk: redis://HOST:PORT[/DB] or unix:///PATH.sock")
     adhoc_cache_mb: int = Field(2048, ge=0, description="KV of request-supplied passages the store does not hold "
                                                        "(the alternative-path prefix cache), MiB; 0: none kept")
+    context_cache_mb: int = Field(1024, ge=0, description="whole contexts (S + chunks) kept after their prefill, "
+                                                         "so a new question on the same context prefills only "
+                                                         "itself, MiB; 0: off")
     shutdown_timeout_s: float = Field(30.0, gt=0, description="on SIGTERM, seconds open requests may finish before "
                                                              "they are cut off (a second SIGTERM exits at once)")
     header_timeout_s: float = Field(30.0, gt=0, description="seconds a request may take to arrive completely "
