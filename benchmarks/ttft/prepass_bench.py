@@ -129,34 +129,12 @@ def module_breakdown(lm, inp, layer: int, reference: bool, ratio: float, sync) -
 
 def ttft_prompts(model: str, data: str, lengths: list[int], top_n: int, device: str | None):
     """``(lm, store, question, {length: chunk ids})``: the store and contexts ``fusionrag bench ttft`` builds
-    and reuses for ``data`` (same passages, same contexts, fused with ``top_n`` neighbours), its first question."""
-    from fusionrag.bench.datasets import load_questions
-    from fusionrag.bench.ttft import _contexts
+    and reuses for ``data`` (:func:`fusionrag.bench.ttft.ttft_workload`), its first question; float32."""
+    from fusionrag.bench.ttft import ttft_workload
     from fusionrag.models import load_model
-    from fusionrag.offline import build
-    from fusionrag.paths import fusionrag_home
-    from fusionrag.prompt import SHORT_ANSWER_PROMPT
-    from fusionrag.retrieval.knowledge import KnowledgeStore
 
     lm = load_model(model, device=device)
-    examples = load_questions(data)
-    path = fusionrag_home() / "bench" / f"ttft-{model}-{Path(data).stem}"
-    if (path / "store.sqlite").exists():
-        store = KnowledgeStore.open(path, lm=lm)
-    else:
-        store = build.create_store(path, lm, system_prompt=SHORT_ANSWER_PROMPT, chunk_tokens=512,
-                                   kv_dtype="float16", model_source=model)
-    passages, total = [], 0.0
-    for ex in examples:
-        for p in ex.passages:
-            passages.append({"title": p.title, "text": p.text})
-            total += len(p.text.split()) * 1.3
-        if total > max(lengths) * 1.2:
-            break
-    build.add_passages(store, lm, passages, doc="ttft")
-    contexts = _contexts(store, lengths)
-    if top_n > 0:
-        build.fuse(store, lm, top_n=top_n, chunk_ids=sorted({c for ids in contexts.values() for c in ids}))
+    store, examples, contexts = ttft_workload(lm, data, lengths, top_n, model_source=model)
     return lm, store, examples[0].question, contexts
 
 

@@ -12,7 +12,7 @@ def test_tiny_ttft_bench_writes_report_with_speedups_and_loader(tmp_path, fusion
     data.parent.mkdir()
     data.write_text("".join(json.dumps(ex) + "\n" for ex in load_sample()))
     spec = TTFTSpec(data=data, out=tmp_path / "ttft", model="tiny-llama", context_tokens=[400, 800], repeats=1,
-                    top_n=1, loader_requests=2, loader_context=400, embedder=HashingEmbedder())
+                    top_n=1, loader_requests=2, loader_context=400, embedder=HashingEmbedder(), dtype="float32")
     rows = run_ttft(spec)
     doc = json.loads((tmp_path / "ttft" / "ttft.json").read_text())
     assert len(doc["rows"]) == len(rows) > 0 and (tmp_path / "ttft" / "ttft.png").is_file()

@@ -51,7 +51,7 @@ class TTFTSpec:
     embedder: object | None = None  # None: the store's default (MiniLM); tests inject a cheap one
     backends: Sequence[str] = ("reference", "blocked")  # sparse-pass backends compared at the largest context
     device: str | None = None  # None: cuda when available
-    dtype: str | None = None  # None: float32
+    dtype: str | None = None  # None: auto (bf16 on a CPU with bf16 arithmetic, else float32)
     attention: str | None = None  # sparse-pass backend (None: auto)
 
 
@@ -175,31 +175,27 @@ def _row(method: str, ratio: float, tier: str, n: int, samples: list, store, pro
             "target_tokens": n, "rounds": len(samples)}
 
 
-def run_ttft(spec: TTFTSpec) -> list[dict]:
+def ttft_workload(lm, data: str | Path, lengths: Sequence[int], top_n: int = 2, embedder: object | None = None,
+                  model_source: str | None = None) -> tuple:
+    """``(store, examples, {length: chunk ids})``: the store ``bench ttft`` builds and reuses for ``data``
+    (its passages in file order, fused with ``top_n`` neighbours where the contexts need them; kept under
+    ``$FUSIONRAG_HOME/bench``) and, per target length, the first chunks adding up to about it. Shared by
+    every benchmark that times ``bench ttft``'s prompts (``benchmarks/ttft``, ``benchmarks/engines``)."""
     from fusionrag.bench.datasets import load_questions
-    from fusionrag.bench.report import write_ttft_report
-    from fusionrag.models import load_model
-    from fusionrag.online.engine import Engine
+    from fusionrag.paths import fusionrag_home
     from fusionrag.retrieval.knowledge import KnowledgeStore
 
-    for tier in spec.tiers:  # a wrong tier fails now, not after the model and the store are built
-        check_tier(tier)
-    lm = load_model(spec.model, dtype=spec.dtype, device=spec.device, attention=spec.attention)
-    probe_start = machine_probe()
-    examples = load_questions(spec.data)
-    question = examples[0].question
+    examples = load_questions(data)
     # The store holds hundreds of MB of KV: keep it in the cache folder, not next to the report.
-    from fusionrag.paths import fusionrag_home
-
-    path = fusionrag_home() / "bench" / f"ttft-{spec.model}-{Path(spec.data).stem}"
+    name = model_source or lm.name
+    path = fusionrag_home() / "bench" / f"ttft-{name}-{Path(data).stem}"
     if (path / "store.sqlite").exists():
-        store = KnowledgeStore.open(path, lm=lm, embedder=spec.embedder)
+        store = KnowledgeStore.open(path, lm=lm, embedder=embedder)
     else:
-        store = build.create_store(
-            path, lm, system_prompt=SHORT_ANSWER_PROMPT, chunk_tokens=512, kv_dtype="float16",
-            embedder=spec.embedder, model_source=spec.model)
-    need = max(spec.context_tokens)
-    passages, total = [], 0
+        store = build.create_store(path, lm, system_prompt=SHORT_ANSWER_PROMPT, chunk_tokens=512, kv_dtype="float16",
+                                   embedder=embedder, model_source=name)
+    need = max(lengths)
+    passages, total = [], 0.0
     for ex in examples:
         for p in ex.passages:
             passages.append({"title": p.title, "text": p.text})
@@ -207,10 +203,24 @@ def run_ttft(spec: TTFTSpec) -> list[dict]:
         if total > need * 1.2:
             break
     build.add_passages(store, lm, passages, doc="ttft")
-    contexts = _contexts(store, spec.context_tokens)
-    if spec.top_n > 0:
-        used = sorted({c for ids in contexts.values() for c in ids})
-        build.fuse(store, lm, top_n=spec.top_n, chunk_ids=used)
+    contexts = _contexts(store, lengths)
+    if top_n > 0:
+        build.fuse(store, lm, top_n=top_n, chunk_ids=sorted({c for ids in contexts.values() for c in ids}))
+    return store, examples, contexts
+
+
+def run_ttft(spec: TTFTSpec) -> list[dict]:
+    from fusionrag.bench.report import write_ttft_report
+    from fusionrag.models import load_model
+    from fusionrag.online.engine import Engine
+
+    for tier in spec.tiers:  # a wrong tier fails now, not after the model and the store are built
+        check_tier(tier)
+    lm = load_model(spec.model, dtype=spec.dtype, device=spec.device, attention=spec.attention)
+    probe_start = machine_probe()
+    store, examples, contexts = ttft_workload(lm, spec.data, spec.context_tokens, spec.top_n, spec.embedder,
+                                              spec.model)
+    question = examples[0].question
     plan = [("transformers", 1.0), ("full", 1.0)] + [
         (m, r) for m in spec.methods if m not in ("full", "transformers") for r in spec.ratios
         if not (m != "fusionrag" and r == 0.0)
