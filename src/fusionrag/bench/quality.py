@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -83,20 +83,40 @@ class QualitySpec:
     decode: bool = True  # False: teacher-forced metrics only (no greedy answer, no F1/agreement)
     full_reference: Path | None = None  # committed Full Attention reference (default: OUT/full_reference)
     fuse_only_evaluated: bool = False  # offline: fuse only the evaluated questions' chunks (kb_limit > limit)
+    #: Compute dtype of the methods' cells. The stores and Full Attention stay float32 whatever it is (the KL is
+    #: always to the float32 reference); another dtype's records are named apart (``fusionrag@bf16``).
+    dtype: str = "float32"
+
+
+#: How a record names a method computed in another dtype than float32 (``fusionrag@bf16``).
+DTYPE_TAGS = {"float32": "", "bfloat16": "@bf16", "float16": "@fp16"}
+
+
+def dtype_tag(dtype: str) -> str:
+    """The suffix of a method's record name in compute dtype ``dtype`` ("" for float32, the reference)."""
+    if dtype not in DTYPE_TAGS:
+        raise FusionRAGError(f"unknown compute dtype {dtype!r} (choose {', '.join(DTYPE_TAGS)})")
+    return DTYPE_TAGS[dtype]
 
 
 @dataclass(frozen=True)
 class Run:
-    """One cell of the matrix: a selection method, the KV it reuses, a ratio, the offline top-n."""
+    """One cell of the matrix: a selection method, the KV it reuses, a ratio, the offline top-n, the compute dtype."""
 
     method: str
     kv: str
     ratio: float
     top_n: int
+    dtype: str = "float32"
+
+    @property
+    def label(self) -> str:
+        """The method as records name it: ``fusionrag``, or ``fusionrag@bf16`` computed in bfloat16."""
+        return self.method + dtype_tag(self.dtype)
 
     @property
     def key(self) -> str:
-        return f"{self.method}|{self.kv}|{self.ratio:g}|{self.top_n}"
+        return f"{self.label}|{self.kv}|{self.ratio:g}|{self.top_n}"
 
     @property
     def reads_store(self) -> bool:
@@ -120,8 +140,10 @@ def plan_runs(spec: QualitySpec) -> list[Run]:
     """The matrix, without duplicates: ratio-independent methods once, ratio 0 = Full Reuse.
 
     Each method runs on the KV it reuses in ``ask`` and ``serve`` (``fusionrag``: plain-first) unless
-    spelled ``method:kv``; ``reuse`` runs on plain and on fused KV (what the offline stage alone gives)."""
+    spelled ``method:kv``; ``reuse`` runs on plain and on fused KV (what the offline stage alone gives).
+    Outside float32 ``full`` is refused: Full Attention is the float32 reference every cell is scored against."""
     runs: list[Run] = []
+    dtype_tag(spec.dtype)
     top_ns = list(spec.top_n)
     main_n = top_ns[-1] if len(top_ns) == 1 else (10 if 10 in top_ns else top_ns[0])
     for r in spec.ratios:
@@ -129,6 +151,9 @@ def plan_runs(spec: QualitySpec) -> list[Run]:
     ratios = [r for r in spec.ratios if 0.0 < r < 1.0]
     for text in spec.methods:
         m, kv = parse_method(text)
+        if m == "full" and spec.dtype != "float32":
+            raise FusionRAGError(f"'full' is the float32 reference every cell is scored against: run it without "
+                                 f"--dtype {spec.dtype} (the other methods' cells are computed in {spec.dtype})")
         if m == "full":
             runs.append(Run("full", "none", 1.0, 0))
         elif m == "reuse":
@@ -146,6 +171,7 @@ def plan_runs(spec: QualitySpec) -> list[Run]:
                 runs.extend(Run(m, kind, r, n) for n in ns for r in ratios)
             else:
                 runs.extend(Run(m, kind, r, 0) for r in ratios)
+    runs = [replace(r, dtype=spec.dtype) for r in runs]
     seen, unique = set(), []
     for r in runs:
         if r.key not in seen:
@@ -164,7 +190,9 @@ def run_quality(spec: QualitySpec) -> list[dict]:
     rec_path = spec.out / "records.jsonl"
     kb_n = kb_size(spec)  # validates --kb-limit before anything is loaded
     runs = plan_runs(spec)
-    lm = load_model(spec.model)
+    lm = load_model(spec.model)  # float32: builds the stores and Full Attention
+    # The methods' cells compute in spec.dtype on the same (float32-built) stores.
+    online_lm = lm if spec.dtype == "float32" else load_model(spec.model, dtype=spec.dtype, device=lm.device)
     full_cache = FullCache(spec.cache_dir or spec.out / "cache", lm.name)
     full_ref = FullReference(spec.full_reference or spec.out / "full_reference", lm.name)
     compositions = _previous_compositions(spec.out)  # other runs into this folder read other stores
@@ -193,6 +221,7 @@ def run_quality(spec: QualitySpec) -> list[dict]:
         only = examples if spec.fuse_only_evaluated else None
         engines = {n: Engine(open_store(spec, dataset, kb_examples, n, lm, fused=n in needed, fuse_only=only), lm)
                    for n in sorted(needed or {spec.top_n[0]})} if todo else {}
+        online = engines if online_lm is lm else {n: Engine(e.store, online_lm) for n, e in engines.items()}
         for n in needed:
             compositions[store_name(spec, dataset, n)] = store_composition(spec, engines[n].store, kb_examples, n)
         print(
@@ -204,7 +233,10 @@ def run_quality(spec: QualitySpec) -> list[dict]:
         estimated = False
         cells_start = time.perf_counter()  # after the store is built: the estimate is for the cells only
         for ex, run in bar:
-            rec = run_cell(engines, full_ref, full_cache, spec, dataset, ex, run)
+            if online_lm is not lm:  # a missing reference is computed in float32, never in the cells' dtype
+                _ensure_full_reference(engines, full_ref, full_cache, spec, dataset, ex)
+            rec = run_cell(online, full_ref, full_cache, spec, dataset, ex, run)
+            rec.update(method=run.label, run=run.key, dtype=spec.dtype)
             append_record(rec_path, rec)
             done[(dataset, ex.id, run.key)] = rec
             if not estimated and bar.n >= min(len(runs), len(todo)) - 1 and bar.n > 0:
@@ -235,10 +267,22 @@ def run_quality(spec: QualitySpec) -> list[dict]:
             "decode": spec.decode,
             "max_new_tokens": spec.max_new_tokens,
             "torch_threads": torch.get_num_threads(),
+            "dtype": spec.dtype,
             **spec.extra_meta,
         },
     )
     return rows
+
+
+def _ensure_full_reference(engines, full_ref: FullReference, full_cache: FullCache, spec: QualitySpec,
+                           dataset: str, ex) -> None:
+    """Compute ``ex``'s Full Attention reference with a float32 engine if the reference lacks it."""
+    from fusionrag.bench.cells import full_attention, keep_full
+    from fusionrag.bench.records import example_sha
+
+    if full_ref.get(dataset, ex.id, spec.max_new_tokens, example_sha(ex)) is None:
+        full, prep = full_attention(next(iter(engines.values())), ex, spec.max_new_tokens)
+        keep_full(full_ref, full_cache, dataset, ex.id, spec.max_new_tokens, full, prep)
 
 
 def _previous_compositions(out: Path) -> dict[str, dict]:

@@ -15,7 +15,8 @@ A ``full`` entry serves any method (it is the better KV for the same work). Chun
 reuse (a context that shares only its first chunks) is the alternative-path prefix cache's job
 (:mod:`fusionrag.kvcache.prefix_cache`), not this one's.
 
-Values are opaque (``value.nbytes`` is read), keys are bytes, so the structure is testable alone.
+Values are opaque to the cache (``value.nbytes`` is read; the engine stores :class:`CachedContext`), keys
+are bytes, so the structure is testable alone.
 """
 
 from __future__ import annotations
@@ -27,6 +28,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import torch
+
+from fusionrag.kvcache.kv import KV
+
 
 def context_key(token_ids: Sequence[int], how: str) -> bytes:
     """The key of a context: its exact token ids (``S`` + chunks) and how its KV was computed (``how``)."""
@@ -34,6 +39,41 @@ def context_key(token_ids: Sequence[int], how: str) -> bytes:
     h.update(how.encode("utf-8") + b"\0")
     h.update(b"".join(int(t).to_bytes(4, "little", signed=False) for t in token_ids))
     return h.digest()
+
+
+def context_keys(cache: ContextCache, system_ids: Sequence[int], chunk_token_ids: Sequence[Sequence[int]],
+                 method: str, ratio: float, kv_kind: str, dtype: torch.dtype) -> list[bytes]:
+    """A context's keys, best first: computed as this request would compute it, then by Full Attention (the
+    better KV for the same work, so it serves any method); none when the cache is off or there are no chunks."""
+    if not cache.max_bytes or not chunk_token_ids:
+        return []
+    ids = [*system_ids, *(t for c in chunk_token_ids for t in c)]
+    name = str(dtype).removeprefix("torch.")
+    how = [f"{method}|{float(ratio):.6f}|{kv_kind}|{name}", f"full|1.000000|none|{name}"]
+    return [context_key(ids, h) for h in dict.fromkeys(how)]
+
+
+@dataclass(frozen=True)
+class CachedContext:
+    """A request's context KV (``S`` + chunks, positions ``0..T-1``) as its prefill left it, its token ids and
+    chunk spans. A view of the request's prompt KV, never written: a later prefill copies it into its own
+    buffer, and decoding appends elsewhere."""
+
+    kv: KV
+    ids: torch.Tensor
+    spans: list[tuple[int, int]]
+
+    @property
+    def nbytes(self) -> int:
+        return self.kv.nbytes
+
+    @classmethod
+    def of(cls, prompt_kv: KV, system_ids: Sequence[int], chunk_token_ids: Sequence[Sequence[int]],
+           spans: Sequence[tuple[int, int]]) -> CachedContext:
+        """The context part of a prompt's KV (its first ``len(S) + chunk tokens`` slots, as a view)."""
+        ids = torch.tensor([*system_ids, *(t for c in chunk_token_ids for t in c)], dtype=torch.long)
+        n = ids.numel()
+        return cls(KV(prompt_kv.keys[:, :, :n], prompt_kv.values[:, :, :n], 0), ids, list(spans))
 
 
 @dataclass

@@ -20,31 +20,29 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from fusionrag.errors import CacheIntegrityError, FusionRAGError
+from fusionrag.errors import FusionRAGError
 from fusionrag.execution.generate import TextStreamer, greedy_tokens
-from fusionrag.execution.segments import chunk_kv_plain
 from fusionrag.execution.segments import system_kv as compute_system_kv
-from fusionrag.kvcache.context_cache import ContextCache, context_key
+from fusionrag.kvcache.context_cache import CachedContext, ContextCache, context_keys
 from fusionrag.kvcache.device_tier import kv_tiers
 from fusionrag.kvcache.kv import KV
 from fusionrag.kvcache.prefix_cache import AlternativePathCache
 from fusionrag.kvcache.sources import Key, KVSource, NoStoredKV
-from fusionrag.kvcache.store import KVEntry
 from fusionrag.models.clock import StageClock
 from fusionrag.models.fingerprint import same_weights
 from fusionrag.models.registry import LoadedModel
+from fusionrag.online.kv_loading import ChunkKVLoader
 from fusionrag.online.methods import make_policy, method_info
 from fusionrag.online.policies import SelectionInput, select
-from fusionrag.online.prefill import Prefilled, assemble_context, prefill_full, prefill_reused
+from fusionrag.online.prefill import assemble_context, prefill_full, prefill_reused
 from fusionrag.online.request import DEFAULT_MAX_NEW_TOKENS, DEFAULT_TOP_K, ReuseRequest, resolved_kv
 from fusionrag.online.state import Request
-from fusionrag.prompt import PromptBuilder, passage_hash
+from fusionrag.prompt import PromptBuilder
 from fusionrag.retrieval.knowledge import KnowledgeStore
 from fusionrag.retrieval.matching import Piece, match_passages
 
@@ -64,27 +62,6 @@ def break_even_tokens(lm: LoadedModel) -> int:
     """The context length from which reuse is faster than a full prefill on ``lm``'s device."""
     return BREAK_EVEN_TOKENS.get(str(lm.device).split(":")[0], BREAK_EVEN_TOKENS["cuda"])
 
-
-
-@dataclass(frozen=True)
-class CachedContext:
-    """A request's context KV (``S`` + chunks, positions ``0..T-1``) as its prefill left it, for the next
-    question on the same context (:mod:`fusionrag.kvcache.context_cache`). A view of the request's prompt
-    KV, never written: later prefills copy it into their own buffer, decoding appends elsewhere."""
-
-    kv: KV
-    ids: torch.Tensor
-    spans: list[tuple[int, int]]
-
-    @property
-    def nbytes(self) -> int:
-        return self.kv.nbytes
-
-    @classmethod
-    def of(cls, pre: Prefilled, system_ids: Sequence[int], chunk_ids: Sequence[list[int]]) -> CachedContext:
-        ids = torch.tensor([*system_ids, *(t for c in chunk_ids for t in c)], dtype=torch.long)
-        n = ids.numel()
-        return cls(KV(pre.kv.keys[:, :, :n], pre.kv.values[:, :, :n], 0), ids, list(pre.spans))
 
 
 class Engine:
@@ -122,7 +99,7 @@ class Engine:
         self.prefix_cache = AlternativePathCache(max_bytes=adhoc_cache_bytes)
         self.context_cache = ContextCache(context_cache_bytes)
         self._lock = threading.RLock()  # the model runs one request at a time
-        self.damaged: set[Key] = set()  # stored entries that failed verification (answered around, not repaired)
+        self.loader = ChunkKVLoader(self)  # the load stage: stored entries, or computed through the prefix cache
         #: Makes the clock of each request's stage timings (synchronised with the model's device);
         #: replaceable, e.g. by a fake clock in tests.
         self.clock: Callable[[], StageClock] = lambda: StageClock(lm.device)
@@ -226,7 +203,9 @@ class Engine:
             kv_kind, ratio = "none", 1.0
 
         fallbacks, cached = 0, None
-        keys = self._context_keys(method, ratio, kv_kind, token_ids)
+        keys = [] if method_info(method).parallel is not None else \
+            context_keys(self.context_cache, self.prompt.system_token_ids, token_ids, method, ratio, kv_kind,
+                         self.lm.dtype)  # APE's parallel layout is read through its own rule: not cached
         if keys:
             cached = self.context_cache.get(keys)
         if cached is not None:  # the same S + chunks computed before: only the question is prefilled
@@ -239,7 +218,7 @@ class Engine:
             clock.skip("select")
             pre = prefill_full(self.lm, self.prompt.system_token_ids, token_ids, question_token_ids)
         else:
-            entries, fallbacks = self._load(chunk_ids, passages, token_ids, kv_kind)
+            entries, fallbacks = self.loader.load(chunk_ids, passages, token_ids, kv_kind)
             parallel = method_info(method).parallel  # APE: side by side, read through its rule
             ctx, ctx_ids, spans = assemble_context(self.lm, self.system_kv, [e.kv for e in entries],
                                                    self.prompt.system_token_ids, token_ids, parallel)
@@ -247,14 +226,15 @@ class Engine:
             if method == "reuse" or parallel is not None:
                 idx = None
             else:
-                scores = self._cachecraft_scores(chunk_ids, entries, kv_kind) if method == "cachecraft" else []
+                scores = self.loader.cachecraft_scores(chunk_ids, entries, kv_kind) if method == "cachecraft" else []
                 inp = SelectionInput(self.lm, ctx, ctx_ids, spans, torch.tensor(question_token_ids),
                                      chunk_scores=scores)
                 idx = select(make_policy(method), inp, float(ratio))
             clock.lap("select")
             pre = prefill_reused(self.lm, ctx, ctx_ids, spans, question_token_ids, idx)
         if keys and cached is None:
-            self.context_cache.put(keys[0], CachedContext.of(pre, self.prompt.system_token_ids, token_ids), chunk_ids)
+            self.context_cache.put(keys[0], CachedContext.of(pre.kv, self.prompt.system_token_ids, token_ids,
+                                                             pre.spans), chunk_ids)
         clock.lap("recompute")
         int(torch.argmax(pre.last_logits))  # the first token itself (part of TTFT)
         clock.lap("first_token")
@@ -264,17 +244,6 @@ class Engine:
                     "stored": p.chunk_id is not None} for p, score in zip(pieces, hit_scores, strict=True)]
         return Request(pre, method, kv_kind, float(ratio), chunk_ids, passages, token_ids, timings, fallbacks,
                        sources=sources, note=note, context_cache_hit=cached is not None)
-
-    def _context_keys(self, method: str, ratio: float, kv_kind: str, token_ids: Sequence[list[int]]) -> list[bytes]:
-        """The whole-context cache's keys of this context: computed as this request would compute it, then
-        by Full Attention (the better KV for the same work); none when the cache is off or cannot serve it
-        (no passages; APE's parallel layout, read through its own rule)."""
-        if not self.context_cache.max_bytes or not token_ids or method_info(method).parallel is not None:
-            return []
-        ids = [*self.prompt.system_token_ids, *(t for c in token_ids for t in c)]
-        dtype = str(self.lm.dtype).removeprefix("torch.")
-        how = [f"{method}|{float(ratio):.6f}|{kv_kind}|{dtype}", f"full|1.000000|none|{dtype}"]
-        return [context_key(ids, h) for h in dict.fromkeys(how)]
 
     def resolve_method(self, method: str, context_tokens: int) -> tuple[str, str]:
         """The method a request runs and, when that is not the one it named, why.
@@ -333,7 +302,7 @@ class Engine:
     def prefetch_chunks(self, chunk_ids: Sequence[int | None], kv: str = "plain-first") -> None:
         """Start loading these chunks' KV in the background (a no-op without a caching tier)."""
         kinds = self.kinds_for(chunk_ids, kv)
-        keys = (self._stored_key(c, k) for c, k in zip(chunk_ids, kinds, strict=True))
+        keys = (self.loader.stored_key(c, k) for c, k in zip(chunk_ids, kinds, strict=True))
         self.kv_source.prefetch([k for k in keys if k is not None])
 
     def invalidate(self, keys: Iterable[Key]) -> None:
@@ -350,7 +319,7 @@ class Engine:
         return {"tiers": dict(self.kv_source.stats()), "prefix_cache": self.prefix_cache.stats(),
                 "context_cache": self.context_cache.stats(),
                 "adhoc_entries": len(self.prefix_cache), "adhoc_bytes": self.prefix_cache.nbytes,
-                "adhoc_limit_bytes": self.adhoc_cache_bytes or 0, "damaged_entries": len(self.damaged)}
+                "adhoc_limit_bytes": self.adhoc_cache_bytes or 0, "damaged_entries": len(self.loader.damaged)}
 
     # -- internals --------------------------------------------------------------------
 
@@ -379,74 +348,5 @@ class Engine:
         return self.prompt.chunk_token_ids(passage["title"], passage["text"])
 
     def kinds_for(self, chunk_ids: Sequence[int | None], kind: str) -> list[str]:
-        """The stored KV each chunk reads. ``plain-first``: the first chunk plain, the rest fused; a
-        store that dropped its plain KV (``preprocess --drop-plain``) serves the first chunk fused too,
-        rather than computing it."""
-        if kind != "plain-first":
-            return [kind] * len(chunk_ids)
-        first = chunk_ids[0] if chunk_ids else None
-        plain = first is None or self.store.has_kv(first, "plain")
-        return [("plain" if plain else "fused") if i == 0 else "fused" for i in range(len(chunk_ids))]
-
-    def _stored_key(self, chunk_id: int | None, kind: str) -> Key | None:
-        if chunk_id is None:
-            return None
-        if self.store.has_kv(chunk_id, kind):
-            return (chunk_id, kind)
-        return (chunk_id, "plain") if self.store.has_kv(chunk_id, "plain") else None
-
-    def _load(self, chunk_ids: Sequence[int | None], passages: Sequence[dict], token_ids: Sequence[list[int]],
-              kind: str) -> tuple[list[KVEntry], int]:
-        """One entry per chunk: stored ones from the KV source, the rest through the prefix cache."""
-        kinds = self.kinds_for(chunk_ids, kind)
-        keys = [self._stored_key(cid, k) for cid, k in zip(chunk_ids, kinds, strict=True)]
-        stored = [k for k in keys if k is not None]
-        loaded = self._read_stored(stored)
-        keys = [k if k is None or k in loaded else None for k in keys]  # damaged entries: computed like new passages
-        missing = [(passage_hash(p.get("title", ""), p["text"]), ids)
-                   for key, p, ids in zip(keys, passages, token_ids, strict=True) if key is None]
-        adhoc = iter(self._adhoc_kvs(missing))
-        entries, fallbacks = [], 0
-        for key, k in zip(keys, kinds, strict=True):
-            entries.append(loaded[key] if key is not None else KVEntry(next(adhoc), None, {}))
-            fallbacks += k == "fused" and (key is None or key[1] != "fused")
-        return entries, fallbacks
-
-    def _read_stored(self, keys: list[Key]) -> dict[Key, KVEntry]:
-        """Stored entries by key; one that fails verification is left out (and reported once), so the
-        request is answered from freshly computed plain KV instead of failing."""
-        try:  # dequantized(): a no-op, unless a source handed out int8 codes (none of the engine's does)
-            return {k: e.dequantized() for k, e in zip(keys, self.kv_source.get_many(keys), strict=True)}
-        except CacheIntegrityError:
-            pass
-        out: dict[Key, KVEntry] = {}
-        for key in keys:
-            try:
-                out[key] = self.kv_source.get_many([key])[0].dequantized()
-            except CacheIntegrityError as exc:
-                if key not in self.damaged:
-                    log.error("stored %s KV of chunk %s failed verification (%s); computing it for this request. "
-                              "Run 'fusionrag store verify --repair'.", key[1], key[0], exc)
-                self.damaged.add(key)
-        return out
-
-    def _cachecraft_scores(self, chunk_ids: Sequence[int | None], entries: Sequence[KVEntry],
-                           kind: str) -> list[torch.Tensor | None]:
-        """Cache-Craft's scores are recorded with the fused entries: the ones just loaded when the
-        method runs on fused KV, otherwise read through the same source (so a memory tier serves them)."""
-        if kind == "fused":
-            return [e.scores for e in entries]
-        keys = [(c, "fused") for c in chunk_ids if c is not None and self.store.has_kv(c, "fused")]
-        fused = self._read_stored(keys)
-        return [fused[(c, "fused")].scores if (c, "fused") in fused else None for c in chunk_ids]
-
-    def _adhoc_kvs(self, items: list[tuple[str, list[int]]]) -> list[KV]:
-        """Plain KVs of passages the store does not hold (by content hash, in order), through the
-        alternative-path prefix cache."""
-        if not items:
-            return []
-        ids_of = dict(items)
-        result = self.prefix_cache.lookup(
-            self.prompt.system_hash, [h for h, _ in items],
-            lambda _system, _context, chunk: chunk_kv_plain(self.lm, self.system_kv, ids_of[chunk]))
-        return list(result.values)
+        """The stored KV each chunk reads (:meth:`ChunkKVLoader.kinds_for`)."""
+        return self.loader.kinds_for(chunk_ids, kind)

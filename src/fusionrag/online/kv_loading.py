@@ -1,0 +1,107 @@
+"""The load stage: a request's chunks as KV entries, stored ones verified, the rest computed once.
+
+Stored entries come through the engine's :class:`~fusionrag.kvcache.sources.KVSource` (verified on
+read; one that fails verification is answered around with freshly computed plain KV and reported
+once); passages the store does not hold get a plain ``S + chunk`` KV through the engine's
+alternative-path prefix cache, so each distinct passage is computed once whatever its position.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from fusionrag.errors import CacheIntegrityError
+from fusionrag.execution.segments import chunk_kv_plain
+from fusionrag.kvcache.kv import KV
+from fusionrag.kvcache.sources import Key
+from fusionrag.kvcache.store import KVEntry
+from fusionrag.prompt import passage_hash
+
+log = logging.getLogger(__name__)
+
+
+class ChunkKVLoader:
+    """Reads a request's chunk KV for one engine (its store, KV source, prefix cache, model and ``S``)."""
+
+    def __init__(self, engine: Any) -> None:
+        """``engine``: the :class:`~fusionrag.online.engine.Engine` it loads for (its parts are read when
+        used, so a replaced KV source or a recomputed ``S`` is what the next request sees)."""
+        self.engine = engine
+        self.damaged: set[Key] = set()  # stored entries that failed verification (answered around, not repaired)
+
+    def kinds_for(self, chunk_ids: Sequence[int | None], kind: str) -> list[str]:
+        """The stored KV each chunk reads. ``plain-first``: the first chunk plain, the rest fused; a
+        store that dropped its plain KV (``preprocess --drop-plain``) serves the first chunk fused too,
+        rather than computing it."""
+        if kind != "plain-first":
+            return [kind] * len(chunk_ids)
+        first = chunk_ids[0] if chunk_ids else None
+        plain = first is None or self.engine.store.has_kv(first, "plain")
+        return [("plain" if plain else "fused") if i == 0 else "fused" for i in range(len(chunk_ids))]
+
+    def stored_key(self, chunk_id: int | None, kind: str) -> Key | None:
+        if chunk_id is None:
+            return None
+        if self.engine.store.has_kv(chunk_id, kind):
+            return (chunk_id, kind)
+        return (chunk_id, "plain") if self.engine.store.has_kv(chunk_id, "plain") else None
+
+    def load(self, chunk_ids: Sequence[int | None], passages: Sequence[dict], token_ids: Sequence[list[int]],
+              kind: str) -> tuple[list[KVEntry], int]:
+        """One entry per chunk: stored ones from the KV source, the rest through the prefix cache."""
+        kinds = self.kinds_for(chunk_ids, kind)
+        keys = [self.stored_key(cid, k) for cid, k in zip(chunk_ids, kinds, strict=True)]
+        stored = [k for k in keys if k is not None]
+        loaded = self.read_stored(stored)
+        keys = [k if k is None or k in loaded else None for k in keys]  # damaged entries: computed like new passages
+        missing = [(passage_hash(p.get("title", ""), p["text"]), ids)
+                   for key, p, ids in zip(keys, passages, token_ids, strict=True) if key is None]
+        adhoc = iter(self.adhoc_kvs(missing))
+        entries, fallbacks = [], 0
+        for key, k in zip(keys, kinds, strict=True):
+            entries.append(loaded[key] if key is not None else KVEntry(next(adhoc), None, {}))
+            fallbacks += k == "fused" and (key is None or key[1] != "fused")
+        return entries, fallbacks
+
+    def read_stored(self, keys: list[Key]) -> dict[Key, KVEntry]:
+        """Stored entries by key; one that fails verification is left out (and reported once), so the
+        request is answered from freshly computed plain KV instead of failing."""
+        try:  # dequantized(): a no-op, unless a source handed out int8 codes (none of the engine's does)
+            return {k: e.dequantized() for k, e in zip(keys, self.engine.kv_source.get_many(keys), strict=True)}
+        except CacheIntegrityError:
+            pass
+        out: dict[Key, KVEntry] = {}
+        for key in keys:
+            try:
+                out[key] = self.engine.kv_source.get_many([key])[0].dequantized()
+            except CacheIntegrityError as exc:
+                if key not in self.damaged:
+                    log.error("stored %s KV of chunk %s failed verification (%s); computing it for this request. "
+                              "Run 'fusionrag store verify --repair'.", key[1], key[0], exc)
+                self.damaged.add(key)
+        return out
+
+    def cachecraft_scores(self, chunk_ids: Sequence[int | None], entries: Sequence[KVEntry],
+                           kind: str) -> list[torch.Tensor | None]:
+        """Cache-Craft's scores are recorded with the fused entries: the ones just loaded when the
+        method runs on fused KV, otherwise read through the same source (so a memory tier serves them)."""
+        if kind == "fused":
+            return [e.scores for e in entries]
+        keys = [(c, "fused") for c in chunk_ids if c is not None and self.engine.store.has_kv(c, "fused")]
+        fused = self.read_stored(keys)
+        return [fused[(c, "fused")].scores if (c, "fused") in fused else None for c in chunk_ids]
+
+    def adhoc_kvs(self, items: list[tuple[str, list[int]]]) -> list[KV]:
+        """Plain KVs of passages the store does not hold (by content hash, in order), through the
+        alternative-path prefix cache."""
+        if not items:
+            return []
+        ids_of = dict(items)
+        result = self.engine.prefix_cache.lookup(
+            self.engine.prompt.system_hash, [h for h, _ in items],
+            lambda _system, _context, chunk: chunk_kv_plain(self.engine.lm, self.engine.system_kv, ids_of[chunk]))
+        return list(result.values)
