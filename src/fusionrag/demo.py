@@ -5,7 +5,7 @@ similarity-guided preprocessing (fused KV), then answer each sample question wit
 Attention, Full Reuse and FusionRAG at 15% recompute, printing the answers, their TTFTs
 and the speed-up over Full Attention, all measured in this run.
 
-The timings are meant to be true on any machine (issue 37): every method is warmed up first,
+The timings are meant to be true on any machine: every method is warmed up first,
 each TTFT shown is the median of :data:`TIMINGS` prefills, the table says the compute dtype
 (and how ``auto`` chose it), and where a method's own timings spread by more than
 :data:`NOISY_SPREAD` (another process is using the CPU) the row says the timing is noisy instead

@@ -178,7 +178,7 @@ def test_the_store_keeps_its_database_index_and_kv_files_private():
 
 
 def test_a_store_built_in_one_compute_dtype_answers_in_another(tmp_path):
-    """Issue 37: chunk KV is stored in fp16/int8 whatever the model computed in, so a store built in float32
+    """Chunk KV is stored in fp16/int8 whatever the model computed in, so a store built in float32
     answers in bfloat16 and the reverse (before: refused, "use --dtype float32"). ``S``'s KV is kept when it
     was computed in float32 or in the engine's dtype, and recomputed by a float32 engine over a bf16-built
     store, so recomputing 100% there is still float32 Full Attention."""

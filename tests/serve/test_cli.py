@@ -6,7 +6,7 @@ from fusionrag.cli import main
 
 
 def test_doctor_on_tiny_model_prints_json(capsys, monkeypatch):
-    """Float32 (the exactness reference) and the dtype auto chooses, both checked (issue 37)."""
+    """Float32 (the exactness reference) and the dtype auto chooses, both checked."""
     monkeypatch.setattr("fusionrag.models.devices.cpu_bf16_feature", lambda: "AVX512-BF16")
     assert main(["doctor", "--model", "tiny-llama", "--compact"]) == 0
     report = json.loads(capsys.readouterr().out)

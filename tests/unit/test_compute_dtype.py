@@ -1,4 +1,4 @@
-"""``--dtype auto`` (issue 37): bf16 where the CPU has bf16 arithmetic, float32 elsewhere and on request."""
+"""``--dtype auto``: bf16 where the CPU has bf16 arithmetic, float32 elsewhere and on request."""
 
 from __future__ import annotations
 

@@ -133,7 +133,7 @@ def machine_probe(seconds: float = 0.25) -> dict[str, float]:
     and the two shift TTFT ratios differently (a short question pass is memory-bound, a long prefill
     compute-bound). Benchmarks record this at their start and end so runs can be compared.
     ``gemm_gflops``: fp32 ``[512, 896] x [896, 2048]``; ``gemm_gflops_bfloat16``: the same GEMM in bf16
-    (a CPU with AMX or AVX512-BF16 runs it 2-4x faster; issue 37. fp16 is left out: without AMX-FP16 it
+    (a CPU with AMX or AVX512-BF16 runs it 2-4x faster. fp16 is left out: without AMX-FP16 it
     is emulated, 0.6 GFLOP/s on an AVX512-BF16 EPYC); ``copy_gbs``: bytes read + written copying 64 MiB."""
     import time
 

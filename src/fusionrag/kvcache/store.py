@@ -298,7 +298,7 @@ def decode_entry(data: bytes, chunk_id: int | None, kind: str, fingerprint: str,
             f"{what}: checksum mismatch in {path} (the file was corrupted or modified); "
             "delete it and re-run ingest/preprocess"
         )
-    if not same_weights(str(meta.get("fingerprint")), fingerprint):  # the compute dtype may differ (issue 37)
+    if not same_weights(str(meta.get("fingerprint")), fingerprint):  # the compute dtype may differ (decision 052)
         raise CacheIntegrityError(
             f"{what} was computed by model {meta.get('fingerprint')}, not by the loaded model "
             f"{fingerprint}; refusing to reuse it"

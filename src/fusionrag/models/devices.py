@@ -1,7 +1,7 @@
 """Compute device and dtype: one spelling for every command (``--device``, ``--dtype``).
 
 The device defaults to CUDA when torch sees one (every real deployment runs on GPUs), else
-the CPU. The compute dtype defaults to ``auto`` (issue 37): bfloat16 on a CPU with bf16
+the CPU. The compute dtype defaults to ``auto`` (decision 052): bfloat16 on a CPU with bf16
 arithmetic (AMX-BF16 or AVX512-BF16, detected once from the CPU's flags), where a bf16 GEMM
 runs 2-4x faster than fp32 and what a CPU user runs instead (vLLM's CPU build) computes in
 bf16; float32 elsewhere (CPUs without it, GPUs until a GPU run measures bf16 there). float32

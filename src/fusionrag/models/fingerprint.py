@@ -4,7 +4,7 @@ Reusing KV computed by different weights silently gives wrong answers, so every
 stored cache carries this string and loaders compare its weights part
 (:func:`same_weights`). The compute dtype is recorded, not enforced: chunk KV is stored in
 fp16 or int8 whatever the model computed in, so a store built in fp32 answers in bf16 and the
-reverse (issue 37); only ``S``'s KV, kept at the building dtype, is recomputed by an engine that
+reverse (decision 052); only ``S``'s KV, kept at the building dtype, is recomputed by an engine that
 computes in another dtype, so that recomputing 100% still equals Full Attention.
 """
 

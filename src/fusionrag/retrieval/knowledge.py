@@ -189,7 +189,7 @@ class KnowledgeStore(IndexedChunks, StoredKV, StoredDocuments):
         settings = read_settings(db)
         if settings.get("format") != STORE_FORMAT:
             raise FusionRAGError(f"{path}: unsupported store format {settings.get('format')!r}")
-        if not same_weights(str(settings["fingerprint"]), lm.fingerprint):  # any compute dtype: issue 37
+        if not same_weights(str(settings["fingerprint"]), lm.fingerprint):  # any compute dtype: decision 052
             raise StoreMismatchError(
                 f"the knowledge base at {path} was built with model {settings['model']} ({settings['fingerprint']}); "
                 f"the loaded model {lm.name} ({lm.fingerprint}) cannot reuse its caches. Use --model "

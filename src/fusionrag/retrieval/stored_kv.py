@@ -44,7 +44,7 @@ class StoredKV:
         given) was computed in a dtype less precise than float32 and other than ``dtype``: ``S``
         prefixes every prompt, so an engine computing in float32 recomputes a bf16-built ``S`` (ratio 1
         stays Full Attention within 1e-4), while a bf16 engine keeps a float32-built one (closer to
-        the float32 reference than its own: issue 37)."""
+        the float32 reference than its own: decision 052)."""
         if not self._kv.exists(None, "system"):
             return None
         if dtype is not None:
