@@ -14,7 +14,7 @@ length and thread count:
   its repeated context (``prefix_hit``: a second question on the context it has just computed);
 - vLLM's CPU build, bfloat16, prefix caching on: ``full`` with the prefix cache emptied, then
   ``prefix_hit`` (the second question);
-- llama.cpp on each GGUF given (the packaged Q4_K_M; q8_0 and bf16 conversions): ``full`` cold, ``prefix_hit``.
+- llama.cpp on each GGUF given (the packaged Q4_K_M and a bf16 conversion): ``full`` cold, ``prefix_hit``.
 
 A peer whose environment is missing is skipped with one line saying what to run
 (``benchmarks/engines/setup_engines.sh``). Cells on one thread run on core 0, on two threads on cores 0-1;
@@ -64,13 +64,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--engines", default=",".join(ENGINES))
     ap.add_argument("--dtypes", default="float32,bfloat16", help="fusionrag's and transformers' compute dtypes")
     ap.add_argument("--gguf", action="append", default=None,
-                    help="llama.cpp model file (repeatable; default: the packaged Q4_K_M, and the q8_0 and bf16 "
-                         "conversions in $FUSIONRAG_HOME/engines: bf16 is llama.cpp's fastest file on an "
-                         "AVX512-BF16 CPU and the like-for-like dtype)")
+                    help="llama.cpp model file (repeatable; default: the packaged Q4_K_M and the bf16 conversion in "
+                         "$FUSIONRAG_HOME/engines: bf16 is llama.cpp's fastest file on an AVX512-BF16 CPU and "
+                         "the like-for-like dtype; q8_0 and f16 were slower, see README)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     home = fusionrag_home() / "engines"
-    args.gguf = [Path(g) for g in (args.gguf or [home / f"qwen2.5-0.5b-{q}.gguf" for q in ("q4_k_m", "q8_0", "bf16")])]
+    args.gguf = [Path(g) for g in (args.gguf or [home / f"qwen2.5-0.5b-{q}.gguf" for q in ("q4_k_m", "bf16")])]
     return args
 
 
