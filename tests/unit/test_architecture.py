@@ -27,7 +27,7 @@ LAYERS: dict[str, int] = {
     "kvcache": 3,
     "retrieval": 4, "execution": 4,
     "online": 5, "offline": 5,
-    "serve": 6, "integrations": 6,
+    "serve": 6, "integrations": 6, "vllm": 6,
     "bench": 7,
     "doctor": 8, "demo": 8, "cli_commands": 9, "cli": 10, "__init__": 10,
 }
