@@ -114,7 +114,8 @@ class BatchDecoder:
         parallel = attention_hook.DecodeParallel(tuple(self._rules), context) if any(self._rules) else None
         with attention_hook.decode_parallel(parallel):
             out = self.lm.model(input_ids=input_ids, position_ids=positions,
-                                attention_mask=additive_mask(valid[:, None, :], self.lm.model.dtype), cache=cache,
+                                attention_mask=additive_mask(valid[:, None, :], self.lm.model.dtype),
+                                **{attention_hook.cache_keyword(self.lm.model.forward): cache},
                                 use_cache=True, logits_to_keep=1)
         self._keys = [layer.keys for layer in cache.layers]
         self._values = [layer.values for layer in cache.layers]

@@ -18,15 +18,18 @@ Every fallback is counted by reason and logged once per reason.
 Options (``kv_connector_extra_config``): ``store`` (the store folder, required), ``ratio`` (0.15),
 ``method`` (``fusionrag``; ``reuse`` recomputes nothing), ``min_context_tokens`` (256: shorter contexts
 are prefilled by vLLM), ``max_loads_per_step`` (1: others wait a step, so one step never computes several
-contexts). Per request, ``kv_transfer_params={"fusionrag": {"ratio": r}}`` or ``{"fusionrag": "off"}``.
+contexts), ``debug_dir`` (a folder: one JSON per loaded request, with the tokens recomputed). Per request,
+``kv_transfer_params={"fusionrag": {"ratio": r}}`` or ``{"fusionrag": "off"}``.
 """
 
 from __future__ import annotations
 
 import gc
+import json
 import logging
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -229,6 +232,11 @@ class FusionRAGConnector(KVConnectorBase_V1):
         selected = select(vm, load, question, work, candidates)
         recompute(vm, ids[:end], selected, work)
         write_paged(vm, work, load.first, end, slot_mapping(load.block_ids, load.block_size, load.first, end))
+        if self.options.get("debug_dir"):  # what was loaded and recomputed, one JSON per request (tests, studies)
+            from fusionrag.files import atomic_write
+
+            atomic_write(Path(self.options["debug_dir"]) / f"{load.req_id}.json", json.dumps(
+                {"first": load.first, "end": end, "chunks": load.chunks, "selected": selected.tolist()}))
 
     def _system_kv(self, system_ids: tuple[int, ...]) -> KV:
         """``S``'s KV computed by vLLM's own layers (once per ``S``): ratio 1 then reproduces vLLM's prefill."""
