@@ -4,7 +4,8 @@ stdin: one JSON request a line; stdout: one JSON reply a line and nothing else. 
 is pointed at stderr for the rest of the process (Python prints, C libraries, child processes),
 so an engine's logs can never corrupt the protocol stream.
 
-Requests: {"op": "ttft", "ids": [int, ...], "cache": "cold" | "keep"} -> {"ttft_s", "first_token",
+Requests: {"op": "ttft", "ids": [int, ...], "cache": "cold" | "keep"[, "kv_transfer_params": {...}: vLLM only,
+passed to the request, e.g. fusionrag's connector cell]} -> {"ttft_s", "first_token",
 "prompt_tokens", ...}; {"op": "info"} -> versions and settings; {"op": "quit"} -> {"bye": true}.
 A failed request answers {"error": "..."} and the worker goes on.
 """
@@ -46,7 +47,7 @@ def check_ttft_request(req: dict[str, Any]) -> tuple[list[int], str]:
     return ids, cache
 
 
-def serve(proto, ttft: Callable[[list[int], str], dict[str, Any]], info: Callable[[], dict[str, Any]]) -> None:
+def serve(proto, ttft: Callable[..., dict[str, Any]], info: Callable[[], dict[str, Any]]) -> None:
     """Answer requests from stdin until quit or EOF."""
     for line in sys.stdin:
         line = line.strip()
@@ -62,7 +63,8 @@ def serve(proto, ttft: Callable[[list[int], str], dict[str, Any]], info: Callabl
                 send(proto, info())
             elif op == "ttft":
                 ids, cache = check_ttft_request(req)
-                send(proto, ttft(ids, cache))
+                extra = {"kv_transfer_params": req["kv_transfer_params"]} if "kv_transfer_params" in req else {}
+                send(proto, ttft(ids, cache, **extra))
             else:
                 send(proto, {"error": f"unknown op {op!r}"})
         except Exception as exc:  # one bad request must not kill the worker

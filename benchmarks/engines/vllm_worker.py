@@ -13,6 +13,7 @@ full blocks a request shares with earlier ones (the reply's "cached_tokens" says
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -30,6 +31,9 @@ def parse_args(argv=None):
     p.add_argument("--max-model-len", type=int, default=10240)
     p.add_argument("--kv-space-gib", type=int, default=3, help="VLLM_CPU_KVCACHE_SPACE")
     p.add_argument("--no-warmup", action="store_true", help="skip the short warm-up generate at load")
+    p.add_argument("--kv-transfer-config", default=None,
+                   help="JSON of vLLM's --kv-transfer-config (e.g. fusionrag's connector); a request then picks "
+                        "its cell with \"kv_transfer_params\"")
     return p.parse_args(argv)
 
 
@@ -46,15 +50,18 @@ def main(argv=None) -> None:
     t0 = time.perf_counter()
     import torch
     import transformers
-    import vllm
-    from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(model=args.model, dtype=args.dtype, enable_prefix_caching=True, enforce_eager=True,
-              max_model_len=args.max_model_len, seed=0)
-    greedy = SamplingParams(max_tokens=1, temperature=0.0)
+    import vllm
+    from vllm import LLM, SamplingParams
 
-    def generate(ids: list[int]):
+    extra = {} if args.kv_transfer_config is None else {"kv_transfer_config": json.loads(args.kv_transfer_config)}
+    llm = LLM(model=args.model, dtype=args.dtype, enable_prefix_caching=True, enforce_eager=True,
+              max_model_len=args.max_model_len, seed=0, **extra)
+
+    def generate(ids: list[int], kv_transfer_params: dict | None = None):
+        greedy = SamplingParams(max_tokens=1, temperature=0.0, extra_args=None if kv_transfer_params is None
+                                else {"kv_transfer_params": kv_transfer_params})
         return llm.generate(TokensPrompt(prompt_token_ids=ids), greedy, use_tqdm=False)[0]
 
     if not args.no_warmup:  # first-call costs (kernel creation, allocator) stay out of the first cold TTFT
@@ -62,11 +69,11 @@ def main(argv=None) -> None:
         llm.reset_prefix_cache()
     load_s = time.perf_counter() - t0
 
-    def ttft(ids: list[int], cache: str) -> dict:
+    def ttft(ids: list[int], cache: str, kv_transfer_params: dict | None = None) -> dict:
         if cache == "cold" and not llm.reset_prefix_cache():
             raise RuntimeError("reset_prefix_cache() refused (requests still running?)")
         start = time.perf_counter()
-        out = generate(ids)
+        out = generate(ids, kv_transfer_params)
         elapsed = time.perf_counter() - start
         return {"ttft_s": elapsed, "first_token": int(out.outputs[0].token_ids[0]),
                 "prompt_tokens": len(out.prompt_token_ids), "cached_tokens": out.num_cached_tokens,

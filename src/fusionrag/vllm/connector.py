@@ -27,6 +27,7 @@ from __future__ import annotations
 import gc
 import json
 import logging
+import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -286,8 +287,11 @@ def find_model(vllm_config: Any) -> Any:
     if not wanted:
         raise RuntimeError("vLLM registered no attention layers")
     found = []
-    for obj in gc.get_objects():
-        if isinstance(obj, torch.nn.Module) and hasattr(obj, "compute_logits") and hasattr(obj, "model"):
+    with warnings.catch_warnings():  # hasattr on every live object wakes deprecation warnings of unrelated modules
+        warnings.simplefilter("ignore")
+        candidates = [o for o in gc.get_objects() if isinstance(o, torch.nn.Module)]
+    for obj in candidates:
+        if hasattr(obj, "compute_logits") and hasattr(obj, "model"):
             try:
                 if wanted <= {id(m) for m in obj.modules()}:
                     found.append(obj)
