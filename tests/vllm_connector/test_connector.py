@@ -68,9 +68,8 @@ def prompt_ids(store, chunk_ids):
 
 def run(parts, ids, cell, max_tokens=1):
     """First-token log-probabilities over the whole vocabulary and the greedy tokens, for one cell."""
-    from vllm.inputs import TokensPrompt
-
     from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
 
     for old in parts["debug"].glob("*.json"):  # what the connector writes now is this request's
         old.unlink()
