@@ -206,9 +206,18 @@ def peer_cells(worker: Worker, engine: str, dtype: str, threads: int, label: str
             Cell(engine, "prefix_hit", dtype, threads, label=f"{label}prefix_hit" if label else "", run=hit)]
 
 
+def venv_python(name: str) -> Path:
+    """The interpreter of a peer's environment: vLLM's is the project's ``.venv-vllm`` (``scripts/setup.sh``
+    makes it, with fusionrag installed for the connector) where it exists, else ``.venvs/vllm``."""
+    project = HERE.parent.parent / ".venv-vllm" / "bin" / "python"
+    if name == "vllm" and project.exists():
+        return project
+    return VENVS / name / "bin" / "python"
+
+
 def missing_venv(name: str) -> str | None:
     """Why the peer ``name`` (``vllm``, ``llama``) cannot run here, in one line, or None."""
-    python = VENVS / name / "bin" / "python"
+    python = venv_python(name)
     if not python.exists():
         return (f"{name}: no environment at {python.parent.parent} "
                 f"(run: bash benchmarks/engines/setup_engines.sh {name})")
@@ -216,13 +225,13 @@ def missing_venv(name: str) -> str | None:
 
 
 def vllm_worker(model_dir: Path, threads: int, logs: Path, dtype: str = "bfloat16") -> Worker:
-    argv = [str(VENVS / "vllm" / "bin" / "python"), str(HERE / "vllm_worker.py"), "--model", str(model_dir),
+    argv = [str(venv_python("vllm")), str(HERE / "vllm_worker.py"), "--model", str(model_dir),
             "--threads", str(threads), "--dtype", dtype]
     return Worker(f"vllm-t{threads}", argv, list(range(threads)), logs / f"vllm-t{threads}.log")
 
 
 def llama_worker(gguf: Path, threads: int, logs: Path) -> Worker:
-    argv = [str(VENVS / "llama" / "bin" / "python"), str(HERE / "llama_worker.py"), "--gguf", str(gguf),
+    argv = [str(venv_python("llama")), str(HERE / "llama_worker.py"), "--gguf", str(gguf),
             "--threads", str(threads)]
     name = f"llama-{gguf.stem}-t{threads}"
     return Worker(name, argv, list(range(threads)), logs / f"{name}.log")

@@ -30,7 +30,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "engines"))
 
 from engine_cells import HERE as ENGINES  # noqa: E402
-from engine_cells import VENVS, Cell, Prompt, Worker, fusionrag_cells, missing_venv, use_threads  # noqa: E402
+from engine_cells import Cell, Prompt, Worker, fusionrag_cells, missing_venv, use_threads, venv_python  # noqa: E402
 from engines_bench import DATA, build_prompts  # noqa: E402
 from engines_report import cell_name, find, paired_ratio, plot  # noqa: E402
 
@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     lm = load_model(args.model, dtype="bfloat16", device="cpu")
     store, prompts = build_prompts(args, lm)
     folder = ensure_converted(PACKAGED[args.model]) if args.model in PACKAGED else Path(args.model)
-    argv_w = [str(VENVS / "vllm" / "bin" / "python"), str(ENGINES / "vllm_worker.py"), "--model", str(folder),
+    argv_w = [str(venv_python("vllm")), str(ENGINES / "vllm_worker.py"), "--model", str(folder),
               "--threads", str(args.threads), "--kv-transfer-config", json.dumps(connector_config(store.path, 0.15))]
     worker = Worker(f"vllm-connector-t{args.threads}", argv_w, list(range(args.threads)),
                     out / "logs" / "vllm-connector.log")
