@@ -12,3 +12,7 @@ _COMMAND_MODULES = ["fusionrag.offline.cli", "fusionrag.online.cli", "fusionrag.
 def register_commands(sub: argparse._SubParsersAction) -> None:
     for name in _COMMAND_MODULES:
         importlib.import_module(name).register(sub)
+    # `serve --engine vllm`: vLLM's server with the connector (fusionrag.vllm sits beside serve, not under it)
+    from fusionrag.vllm.launch import extend_serve
+
+    extend_serve(sub.choices["serve"])

@@ -1,0 +1,54 @@
+"""``fusionrag serve --engine vllm``: the ``vllm serve`` command line it becomes (no vLLM needed to check it)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fusionrag.cli import main
+from fusionrag.models import load_model
+from fusionrag.offline import build
+from fusionrag.retrieval.embedder import HashingEmbedder
+
+
+@pytest.fixture
+def store(tmp_path, fusionrag_home):
+    path = tmp_path / "kb"
+    build.create_store(path, load_model("tiny-llama"), embedder=HashingEmbedder(), model_source="tiny-llama").close()
+    return path
+
+
+def test_serve_engine_vllm_execs_vllm_serve_with_the_connector(store, tmp_path, monkeypatch, capsys):
+    fake = tmp_path / "vllm"
+    fake.write_text("#!/bin/sh\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("FUSIONRAG_VLLM", str(fake))
+    monkeypatch.setattr("fusionrag.vllm.launch.model_folder", lambda store, model: ("tiny", tmp_path))
+    ran = {}
+    monkeypatch.setattr("os.execvpe", lambda exe, cmd, env: ran.update(cmd=cmd, env=env))
+    assert main(["serve", "--engine", "vllm", "--store", str(store), "--port", "8123", "--ratio", "0.2",
+                 "--dtype", "float32", "--device", "cpu", "--", "--max-num-seqs", "8"]) == 0
+    cmd = ran["cmd"]
+    assert cmd[:3] == [str(fake), "serve", str(tmp_path)] and cmd[-2:] == ["--max-num-seqs", "8"]
+    assert cmd[cmd.index("--port") + 1] == "8123" and cmd[cmd.index("--host") + 1] == "127.0.0.1"
+    assert cmd[cmd.index("--dtype") + 1] == "float32" and cmd[cmd.index("--served-model-name") + 1] == "tiny"
+    config = json.loads(cmd[cmd.index("--kv-transfer-config") + 1])
+    assert config["kv_connector"] == "FusionRAGConnector" and config["kv_connector_module_path"] == "fusionrag.vllm"
+    assert config["kv_load_failure_policy"] == "recompute"
+    assert config["kv_connector_extra_config"] == {"store": str(store.resolve()), "ratio": 0.2}
+    assert "--kv-transfer-config" in capsys.readouterr().err  # the command is printed before it runs
+    assert ran["env"]["VLLM_CPU_KVCACHE_SPACE"]
+
+
+def test_without_vllm_or_a_store_it_says_so_in_one_line(store, monkeypatch, capsys, tmp_path):
+    monkeypatch.setenv("FUSIONRAG_VLLM", str(tmp_path / "none"))
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("fusionrag.vllm.launch.model_folder", lambda store, model: ("tiny", tmp_path))
+    assert main(["serve", "--engine", "vllm", "--store", str(store)]) == 2
+    assert "needs vLLM" in capsys.readouterr().err
+    assert main(["serve", "--engine", "vllm"]) == 2
+    assert "give --store" in capsys.readouterr().err
+    assert main(["serve", "--store", str(store), "--", "--max-num-seqs", "8"]) == 2
+    assert "vLLM flags go after --" in capsys.readouterr().err
