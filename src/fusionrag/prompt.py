@@ -97,6 +97,14 @@ def conversation_preamble(system: list[str], turns: list[tuple[str, str]]) -> st
     return "".join(f"{line}\n" for line in lines)
 
 
+def rag_messages(system_prompt: str, passages: list[dict], question: str) -> list[dict]:
+    """The chat messages whose rendering is exactly ``S + chunks + Q``: what a client of vLLM (with
+    fusionrag's connector) sends so that the stored chunks' KV is found in its prompt. ``passages``:
+    ``{title, text}`` dicts, in prompt order; ``system_prompt``: the store's (``fusionrag store info``)."""
+    content = "Passages:\n" + "".join(chunk_text(p.get("title", ""), p["text"]) for p in passages)
+    return [{"role": "system", "content": system_prompt}, {"role": "user", "content": content + question_text(question)}]
+
+
 @dataclass(frozen=True)
 class PromptBuilder:
     """Tokenises prompt segments for one tokenizer and system prompt."""

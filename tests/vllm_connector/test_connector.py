@@ -149,3 +149,19 @@ def test_a_missing_or_corrupted_entry_falls_back_to_vllms_prefill(parts):
     assert (missing - reference).abs().max() < 1e-3
     after, _ = run(parts, ids, {"ratio": 1.0})  # still up and serving
     assert (after - reference).abs().max() < 1e-3
+
+
+def test_a_chat_request_built_with_rag_messages_is_served_by_the_connector(parts):
+    """What an OpenAI client sends (chat messages, vLLM's chat template): the stored chunks are found."""
+    from vllm import SamplingParams
+
+    from fusionrag.prompt import rag_messages
+
+    store = parts["store"]
+    passages = [{"title": store.chunk(c).title, "text": store.chunk(c).text} for c in store.chunk_ids()[:3]]
+    messages = rag_messages(store.prompt.system_prompt, passages, QUESTION)
+    for old in parts["debug"].glob("*.json"):
+        old.unlink()
+    parts["llm"].chat(messages, SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
+    (loaded,) = [json.loads(p.read_text()) for p in parts["debug"].glob("*.json")]
+    assert [c[0] for c in loaded["chunks"]] == store.chunk_ids()[:3]
