@@ -102,7 +102,8 @@ def rag_messages(system_prompt: str, passages: list[dict], question: str) -> lis
     fusionrag's connector) sends so that the stored chunks' KV is found in its prompt. ``passages``:
     ``{title, text}`` dicts, in prompt order; ``system_prompt``: the store's (``fusionrag store info``)."""
     content = "Passages:\n" + "".join(chunk_text(p.get("title", ""), p["text"]) for p in passages)
-    return [{"role": "system", "content": system_prompt}, {"role": "user", "content": content + question_text(question)}]
+    return [{"role": "system", "content": system_prompt},
+            {"role": "user", "content": content + question_text(question)}]
 
 
 @dataclass(frozen=True)

@@ -52,6 +52,7 @@ def parts(tmp_path_factory):
     config = {"kv_connector": "FusionRAGConnector", "kv_connector_module_path": "fusionrag.vllm",
               "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
               "kv_connector_extra_config": {"store": str(root / "kb"), "ratio": 0.15, "min_context_tokens": 16,
+                                            "memory_budget_mb": 0,  # every read from the files: the fault tests
                                             "debug_dir": str(debug)}}
     llm = LLM(model=str(folder), dtype="float32", enforce_eager=True, enable_prefix_caching=False, block_size=32,
               max_model_len=4096, max_logprobs=VOCAB, kv_transfer_config=config, seed=0)

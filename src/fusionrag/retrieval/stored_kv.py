@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from fusionrag.errors import CacheIntegrityError
+from fusionrag.errors import CacheIntegrityError, FusionRAGError
 from fusionrag.kvcache.kv import KV
 from fusionrag.kvcache.sources import ColdDiskSource, DiskSource
 from fusionrag.kvcache.store import CHUNK_KINDS, KVEntry, KVStore, canonical_dtype, tokens_hash
@@ -91,6 +91,18 @@ class StoredKV:
     def cold_kv_source(self) -> ColdDiskSource:
         """The same, dropping each file from the page cache before reading it (cold-disk benchmarks)."""
         return ColdDiskSource(self._kv, self._token_ids)
+
+    def shared_kv_source(self, url: str) -> Any:
+        """A KV tier shared by servers over this store's files (``redis://HOST:PORT[/DB]``, ``rediss://``,
+        ``unix:///PATH.sock``): entries verified like the files, Redis down = disk reads. Namespaced by the
+        model's weights, ``S`` and this store, so servers of other stores never read each other's entries."""
+        from fusionrag.kvcache.redis_source import RedisSource, namespace
+
+        if not url.startswith(("redis://", "rediss://", "unix://")):
+            raise FusionRAGError(f"--kv-tier {url!r}: expected redis://HOST:PORT or unix:///PATH")
+        store_id = f"{self.path.name}|{self.settings.get('created')}"
+        prefix = namespace(self._kv.fingerprint, self.prompt.system_hash, store_id)
+        return RedisSource(url, self._kv, self._token_ids, prefix=prefix)
 
     def kv_files_for(self, source_factory: Any) -> Any:
         """``source_factory(kv_files, token_ids_of)``: another tier over the same verified files (Redis)."""

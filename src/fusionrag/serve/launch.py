@@ -90,14 +90,8 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
 
 
 def kv_tier_source(url: str, store: Any) -> Any:
-    """The shared tier named by ``--kv-tier`` over ``store``'s files (a ``KnowledgeStore``)."""
-    from fusionrag.kvcache.redis_source import RedisSource, namespace
-
-    if not url.startswith(("redis://", "rediss://", "unix://")):
-        raise FusionRAGError(f"--kv-tier {url!r}: expected redis://HOST:PORT or unix:///PATH")
-    store_id = f"{store.path.name}|{store.settings.get('created')}"
-    prefix = namespace(store.fingerprint, store.prompt.system_hash, store_id)
-    return store.kv_files_for(lambda files, token_ids_of: RedisSource(url, files, token_ids_of, prefix=prefix))
+    """The shared tier named by ``--kv-tier`` over ``store``'s files (:meth:`KnowledgeStore.shared_kv_source`)."""
+    return store.shared_kv_source(url)
 
 
 def engine_factory(store: str | None, model: str | None, memory_budget_mb: int = 0,

@@ -13,12 +13,15 @@ decodes with its own scheduler, sampler and server.
 A request that cannot be served this way is never lost: on the scheduler side it simply gets no external
 tokens; a failure on the worker side (a missing or corrupted entry, an unreachable tier, anything) marks
 its first external block invalid, and vLLM (``"kv_load_failure_policy": "recompute"``) prefills it itself.
-Every fallback is counted by reason and logged once per reason.
+Every fallback is counted by reason (:class:`FusionRAGStats`, in vLLM's periodic KV-connector metrics log) and
+logged once per reason.
 
 Options (``kv_connector_extra_config``): ``store`` (the store folder, required), ``ratio`` (0.15),
 ``method`` (``fusionrag``; ``reuse`` recomputes nothing), ``min_context_tokens`` (256: shorter contexts
 are prefilled by vLLM), ``max_loads_per_step`` (1: others wait a step, so one step never computes several
-contexts), ``debug_dir`` (a folder: one JSON per loaded request, with the tokens recomputed). Per request,
+contexts), ``memory_budget_mb`` (1024: chunk KV kept in host memory, heat-based), ``kv_tier`` (a Redis tier
+shared by servers, ``redis://HOST:PORT``: Redis down = disk reads), ``debug_dir`` (a folder: one JSON per
+loaded request, with the tokens recomputed). Per request,
 ``kv_transfer_params={"fusionrag": {"ratio": r}}`` or ``{"fusionrag": "off"}``.
 """
 
@@ -39,6 +42,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from fusionrag.kvcache.kv import KV, assemble
 from fusionrag.vllm.matching import ChunkMatcher, ContextMatch
@@ -46,7 +50,8 @@ from fusionrag.vllm.passes import VLLMModel, prefill_into, question_scores, reco
 
 log = logging.getLogger("fusionrag.vllm")
 
-DEFAULTS = {"ratio": 0.15, "method": "fusionrag", "min_context_tokens": 256, "max_loads_per_step": 1}
+DEFAULTS = {"ratio": 0.15, "method": "fusionrag", "min_context_tokens": 256, "max_loads_per_step": 1,
+            "memory_budget_mb": 1024}
 
 
 @dataclass
@@ -68,6 +73,25 @@ class ReqLoad:
 @dataclass
 class FusionRAGMetadata(KVConnectorMetadata):
     loads: list[ReqLoad] = field(default_factory=list)
+
+
+@dataclass
+class FusionRAGStats(KVConnectorStats):
+    """Counts: requests loaded by the connector, and fallbacks to vLLM's own prefill by reason."""
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for key, value in (other.data or {}).items():
+            self.data[key] = self.data.get(key, 0) + value
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return dict(self.data)
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
 
 
 @dataclass
@@ -104,8 +128,12 @@ class FusionRAGConnector(KVConnectorBase_V1):
             self._ready: dict[str, tuple[Any, _Plan]] = {}
             self._loads_this_step = 0
         else:
+            from fusionrag.kvcache.device_tier import kv_tiers
+
             self.model: VLLMModel | None = None
-            self.kv_source = self.store.kv_source()
+            lower = self.store.shared_kv_source(self.options["kv_tier"]) if self.options.get("kv_tier") \
+                else self.store.kv_source()
+            self.kv_source = kv_tiers(lower, "cpu", int(self.options["memory_budget_mb"]) << 20)
             self._system: dict[tuple[int, ...], KV] = {}
             self._errors: set[int] = set()
 
@@ -255,7 +283,15 @@ class FusionRAGConnector(KVConnectorBase_V1):
             log.warning("fusionrag connector: %s (%s); such requests are prefilled by vLLM", reason, exc)
 
     def get_kv_connector_stats(self) -> Any:
-        return None
+        """Loads and fallbacks (by reason) since the last call: vLLM aggregates and logs them with its metrics."""
+        counts = {"loaded": self.loaded, **{f"fallback: {k}": v for k, v in self.fallbacks.items()}}
+        self.loaded, self.fallbacks = 0, Counter()
+        stats = FusionRAGStats({k: v for k, v in counts.items() if v})
+        return None if stats.is_empty() else stats
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> Any:
+        return FusionRAGStats(dict(data or {}))
 
 
 def select(vm: VLLMModel, load: ReqLoad, question: list[int], work: KV, candidates: torch.Tensor) -> torch.Tensor:
