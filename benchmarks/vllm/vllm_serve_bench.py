@@ -1,0 +1,223 @@
+"""Serving: ``vllm serve`` with and without fusionrag's connector under 8 concurrent clients, passages shuffled.
+
+    .venv/bin/python benchmarks/vllm/vllm_serve_bench.py --out benchmarks/vllm/results/serve \\
+        [--clients 8] [--duration 300] [--max-requests 200] [--threads 1]
+
+Each server runs on 127.0.0.1 (vLLM's OpenAI server from ``.venv-vllm``, bf16, prefix caching on), one
+after the other on the same cores: first vLLM alone, then vLLM with the connector over ``bench ttft``'s
+store (``fusionrag serve --engine vllm`` builds the same command). Every request is an ordinary streamed
+chat completion (``rag_messages``: the store's system prompt, a question's passages, the question) whose
+passages come **in a different order each time**, so vLLM's prefix cache cannot reuse them (the
+connector finds the chunks wherever they are). Closed loop: ``--clients`` clients each send the next
+request when the last one ends, for ``--duration`` seconds or ``--max-requests`` requests. Per server:
+TTFT p50/p99 (the first streamed token), requests/s, failures. Then one LangChain ``ChatOpenAI``
+request through the connector's server. Writes ``serve.json`` and ``README.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent.parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "engines"))
+
+from engine_cells import venv_python  # noqa: E402
+from vllm_bench import connector_config  # noqa: E402
+
+
+def requests_for(store, examples, n: int, seed: int = 0) -> list[list[dict]]:
+    """``n`` chat requests: questions whose passages the store holds, each with its passages shuffled."""
+    from fusionrag.prompt import chunk_text, rag_messages
+
+    held = {store.chunk(c).text: store.chunk(c) for c in store.chunk_ids()}
+    pool = []
+    for ex in examples:
+        passages = [{"title": p.title, "text": p.text} for p in ex.passages]
+        if passages and all(chunk_text("", p["text"]).strip() and p["text"].strip() in held for p in passages):
+            pool.append((ex.question, passages))
+    if not pool:
+        raise SystemExit("no question has all its passages in the store")
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        question, passages = pool[i % len(pool)]
+        shuffled = passages[:]
+        rng.shuffle(shuffled)
+        out.append(rag_messages(store.prompt.system_prompt, shuffled, question))
+    return out
+
+
+def start_server(folder: Path, port: int, threads: int, log: Path, config: dict | None) -> subprocess.Popen:
+    vllm = venv_python("vllm").parent / "vllm"
+    cmd = [str(vllm), "serve", str(folder), "--dtype", "bfloat16", "--host", "127.0.0.1", "--port", str(port),
+           "--served-model-name", "m", "--enable-prefix-caching", "--enforce-eager", "--max-model-len", "10240"]
+    if config:
+        cmd += ["--kv-transfer-config", json.dumps(config)]
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+           "OMP_NUM_THREADS": str(threads)}
+    log.parent.mkdir(parents=True, exist_ok=True)
+    cores = ",".join(map(str, range(threads)))
+    return subprocess.Popen(["taskset", "-c", cores, *cmd], stdout=log.open("ab"), stderr=subprocess.STDOUT, env=env)
+
+
+def wait_ready(port: int, proc: subprocess.Popen, timeout_s: float = 600) -> None:
+    import httpx
+
+    t0 = time.time()
+    while time.time() - t0 < timeout_s:
+        if proc.poll() is not None:
+            raise RuntimeError(f"vllm serve exited with {proc.returncode}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(2)
+    raise RuntimeError("vllm serve did not become ready")
+
+
+async def closed_loop(port: int, requests: list[list[dict]], clients: int, duration_s: float,
+                      max_tokens: int) -> tuple[list[dict], float]:
+    import httpx
+
+    queue = list(enumerate(requests))
+    results: list[dict] = []
+    deadline = time.perf_counter() + duration_s
+    start = time.perf_counter()
+
+    async def one(client: httpx.AsyncClient, i: int, messages: list[dict]) -> dict:
+        t0 = time.perf_counter()
+        first = None
+        body = {"model": "m", "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+        try:
+            async with client.stream("POST", f"http://127.0.0.1:{port}/v1/chat/completions", json=body) as r:
+                if r.status_code != 200:
+                    return {"i": i, "ok": False, "error": f"HTTP {r.status_code}"}
+                async for line in r.aiter_lines():
+                    if line.startswith("data: ") and line != "data: [DONE]" and first is None:
+                        chunk = json.loads(line[6:])
+                        if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
+                            first = time.perf_counter() - t0
+            return {"i": i, "ok": first is not None, "ttft_s": first, "latency_s": time.perf_counter() - t0}
+        except httpx.HTTPError as exc:
+            return {"i": i, "ok": False, "error": type(exc).__name__}
+
+    async def client_loop(client: httpx.AsyncClient) -> None:
+        while queue and time.perf_counter() < deadline:
+            i, messages = queue.pop(0)
+            results.append(await one(client, i, messages))
+
+    async with httpx.AsyncClient(timeout=httpx.Timeout(1800.0)) as client:
+        await asyncio.gather(*(client_loop(client) for _ in range(clients)))
+    return results, time.perf_counter() - start
+
+
+def summary(results: list[dict], wall: float) -> dict:
+    ok = [r for r in results if r["ok"]]
+    ttft = sorted(r["ttft_s"] for r in ok)
+
+    def pct(q: float) -> float | None:
+        return ttft[min(len(ttft) - 1, round(q * (len(ttft) - 1)))] if ttft else None
+
+    return {"requests": len(results), "ok": len(ok), "failed": len(results) - len(ok),
+            "ttft_p50_s": pct(0.5), "ttft_p99_s": pct(0.99), "ttft_mean_s": statistics.fmean(ttft) if ttft else None,
+            "requests_per_s": len(ok) / wall if wall else None, "wall_s": wall}
+
+
+def langchain_check(port: int, messages: list[dict]) -> dict:
+    """One LangChain ``ChatOpenAI`` request against the connector's server (what a pipeline sends)."""
+    from langchain_openai import ChatOpenAI
+
+    llm = ChatOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", model="m", max_tokens=16,
+                     temperature=0)
+    t0 = time.perf_counter()
+    reply = llm.invoke([(m["role"], m["content"]) for m in messages])
+    return {"answer": reply.content, "latency_s": time.perf_counter() - t0}
+
+
+def main(argv: list[str] | None = None) -> int:
+    from fusionrag.bench.datasets import load_questions
+    from fusionrag.bench.provenance import build_meta
+    from fusionrag.bench.ttft import ttft_workload
+    from fusionrag.files import atomic_write
+    from fusionrag.models import load_model
+    from fusionrag.models.gguf import ensure_converted
+    from fusionrag.models.registry import PACKAGED
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--data", default="../shared/data/2wikimqa/2wikimqa_dev_bm25_hipporag.jsonl")
+    ap.add_argument("--clients", type=int, default=8)
+    ap.add_argument("--duration", type=float, default=300.0)
+    ap.add_argument("--max-requests", type=int, default=200)
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--port", type=int, default=8610)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    lm = load_model("qwen2.5-0.5b", dtype="bfloat16", device="cpu")
+    store, _, _ = ttft_workload(lm, args.data, [8192], top_n=2, model_source="qwen2.5-0.5b")
+    # Fused KV for every chunk a request can name (the contexts bench ttft fuses cover only its prompts).
+    from fusionrag.offline import build
+
+    build.fuse(store, lm, top_n=2)
+    requests = requests_for(store, load_questions(args.data), args.max_requests)
+    folder = ensure_converted(PACKAGED["qwen2.5-0.5b"])
+    cells = {}
+    for name, config in (("vllm", None), ("vllm+fusionrag", connector_config(store.path, 0.15))):
+        proc = start_server(folder, args.port, args.threads, out / "logs" / f"{name}.log", config)
+        try:
+            wait_ready(args.port, proc)
+            results, wall = asyncio.run(closed_loop(args.port, requests, args.clients, args.duration,
+                                                    args.max_tokens))
+            cells[name] = {"summary": summary(results, wall), "results": results}
+            if config:
+                cells[name]["langchain"] = langchain_check(args.port, requests[0])
+            print(f"[serve] {name}: {json.dumps(cells[name]['summary'])}", file=sys.stderr, flush=True)
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    base, ours = cells["vllm"]["summary"], cells["vllm+fusionrag"]["summary"]
+    ratios = {"ttft_p50_x": base["ttft_p50_s"] / ours["ttft_p50_s"] if base["ttft_p50_s"] and ours["ttft_p50_s"]
+              else None,
+              "requests_per_s_x": ours["requests_per_s"] / base["requests_per_s"] if base["requests_per_s"] else None}
+    meta = build_meta(command=shlex.join(["benchmarks/vllm/vllm_serve_bench.py", *sys.argv[1:]]),
+                      model="qwen2.5-0.5b", data_files=[args.data],
+                      extra={"clients": args.clients, "duration_s": args.duration, "max_requests": args.max_requests,
+                             "threads": args.threads, "max_tokens": args.max_tokens})
+    doc = {"meta": meta, "cells": cells, "ratios": ratios}
+    atomic_write(out / "serve.json", json.dumps(doc, indent=1))
+    lines = ["# vLLM serving with and without fusionrag's connector (passages shuffled per request)", "",
+             f"Command: `{meta['command']}`  ", f"{args.clients} clients, closed loop, at most {args.duration:.0f} s "
+             f"or {args.max_requests} requests per server, {args.max_tokens} tokens per answer, bf16, "
+             f"{args.threads} thread(s), {meta['machine'].get('cpu_model')}.", "",
+             "| server | requests ok / failed | TTFT p50 s | TTFT p99 s | requests/s |", "|---|---|---|---|---|"]
+    for name, cell in cells.items():
+        s = cell["summary"]
+        lines.append(f"| {name} | {s['ok']} / {s['failed']} | {s['ttft_p50_s']} | {s['ttft_p99_s']} | "
+                     f"{s['requests_per_s']} |")
+    lines += ["", f"p50 TTFT {ratios['ttft_p50_x']}x lower, requests/s {ratios['requests_per_s_x']}x higher with "
+              "the connector.", "", f"LangChain ChatOpenAI through the connector: "
+              f"{json.dumps(cells['vllm+fusionrag'].get('langchain'))}", ""]
+    atomic_write(out / "README.md", "\n".join(lines))
+    print(json.dumps(ratios))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
