@@ -60,8 +60,8 @@ def requests_for(store, examples, n: int, seed: int = 0) -> list[list[dict]]:
 
 
 def start_server(folder: Path, port: int, threads: int, log: Path, config: dict | None) -> subprocess.Popen:
-    vllm = venv_python("vllm").parent / "vllm"
-    cmd = [str(vllm), "serve", str(folder), "--dtype", "bfloat16", "--host", "127.0.0.1", "--port", str(port),
+    cmd = [str(venv_python("vllm")), "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
+           "--dtype", "bfloat16", "--host", "127.0.0.1", "--port", str(port),
            "--served-model-name", "m", "--enable-prefix-caching", "--enforce-eager", "--max-model-len", "10240"]
     if config:
         cmd += ["--kv-transfer-config", json.dumps(config)]

@@ -1,4 +1,4 @@
-"""``fusionrag serve --engine vllm``: the ``vllm serve`` command line it becomes (no vLLM needed to check it)."""
+"""``fusionrag serve --engine vllm``: the vLLM server command line it becomes (no vLLM needed to check it)."""
 
 from __future__ import annotations
 
@@ -20,17 +20,18 @@ def store(tmp_path, fusionrag_home):
 
 
 def test_serve_engine_vllm_execs_vllm_serve_with_the_connector(store, tmp_path, monkeypatch, capsys):
-    fake = tmp_path / "vllm"
+    fake = tmp_path / "python"
     fake.write_text("#!/bin/sh\n")
     fake.chmod(0o755)
-    monkeypatch.setenv("FUSIONRAG_VLLM", str(fake))
+    monkeypatch.setenv("FUSIONRAG_VLLM_PYTHON", str(fake))
     monkeypatch.setattr("fusionrag.vllm.launch.model_folder", lambda store, model: ("tiny", tmp_path))
     ran = {}
     monkeypatch.setattr("os.execvpe", lambda exe, cmd, env: ran.update(cmd=cmd, env=env))
     assert main(["serve", "--engine", "vllm", "--store", str(store), "--port", "8123", "--ratio", "0.2",
                  "--dtype", "float32", "--device", "cpu", "--", "--max-num-seqs", "8"]) == 0
     cmd = ran["cmd"]
-    assert cmd[:3] == [str(fake), "serve", str(tmp_path)] and cmd[-2:] == ["--max-num-seqs", "8"]
+    assert cmd[:5] == [str(fake), "-m", "vllm.entrypoints.openai.api_server", "--model", str(tmp_path)]
+    assert cmd[-2:] == ["--max-num-seqs", "8"]
     assert cmd[cmd.index("--port") + 1] == "8123" and cmd[cmd.index("--host") + 1] == "127.0.0.1"
     assert cmd[cmd.index("--dtype") + 1] == "float32" and cmd[cmd.index("--served-model-name") + 1] == "tiny"
     config = json.loads(cmd[cmd.index("--kv-transfer-config") + 1])
@@ -42,8 +43,8 @@ def test_serve_engine_vllm_execs_vllm_serve_with_the_connector(store, tmp_path, 
 
 
 def test_without_vllm_or_a_store_it_says_so_in_one_line(store, monkeypatch, capsys, tmp_path):
-    monkeypatch.setenv("FUSIONRAG_VLLM", str(tmp_path / "none"))
-    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setenv("FUSIONRAG_VLLM_PYTHON", str(tmp_path / "none"))
+    monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: None)
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr("fusionrag.vllm.launch.model_folder", lambda store, model: ("tiny", tmp_path))
     assert main(["serve", "--engine", "vllm", "--store", str(store)]) == 2

@@ -4,7 +4,9 @@
         "kv_connector_module_path": "fusionrag.vllm", "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute", "kv_connector_extra_config": {"store": "kb/", "ratio": 0.15}}'
 
-or ``fusionrag serve --engine vllm --store kb/`` (:mod:`fusionrag.vllm.launch`). See
+(on the CPU build: ``python -m vllm.entrypoints.openai.api_server --model MODEL_FOLDER ...``, its ``vllm``
+command fails to find its own version), or ``fusionrag serve --engine vllm --store kb/``
+(:mod:`fusionrag.vllm.launch`). See
 :mod:`fusionrag.vllm.connector`. Importing this package imports vLLM only when the connector is asked for,
 so the matching and the launcher are usable (and tested) without it.
 """

@@ -1,20 +1,22 @@
 """``fusionrag serve --engine vllm --store kb/ [-- VLLM FLAGS]``: vLLM's own OpenAI server with the connector.
 
 Resolves what vLLM needs from the store (the model folder its caches were built with: a packaged model's
-converted safetensors folder, or the local checkpoint), builds the ``vllm serve`` command line with
-``--kv-transfer-config`` naming :class:`~fusionrag.vllm.connector.FusionRAGConnector` over the store,
-prints it (so it can be copied into a deployment) and replaces this process with it. vLLM flags after
-``--`` are passed through. vLLM runs from its own environment (it pins an older transformers):
-``$FUSIONRAG_VLLM`` (the ``vllm`` executable), else ``vllm`` on the PATH, else ``.venv-vllm/bin/vllm``.
+converted safetensors folder, or the local checkpoint), builds the command line of vLLM's OpenAI server
+(``python -m vllm.entrypoints.openai.api_server``: what ``vllm serve`` runs; the CPU build's ``vllm``
+command looks its version up under the name ``vllm`` and fails) with ``--kv-transfer-config`` naming
+:class:`~fusionrag.vllm.connector.FusionRAGConnector` over the store, prints it (so it can be copied into
+a deployment) and replaces this process with it. vLLM flags after ``--`` are passed through. vLLM runs
+from its own environment (it pins an older transformers): ``$FUSIONRAG_VLLM_PYTHON``, else this
+interpreter if it has vLLM, else ``.venv-vllm/bin/python``.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import shlex
-import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -22,13 +24,15 @@ from typing import Any
 from fusionrag.errors import FusionRAGError
 
 
-def vllm_executable() -> str:
-    """The ``vllm`` command to run, or a one-line error saying how to get one."""
-    for candidate in (os.environ.get("FUSIONRAG_VLLM"), shutil.which("vllm"), ".venv-vllm/bin/vllm"):
+def vllm_python() -> str:
+    """The Python interpreter that has vLLM, or a one-line error saying how to get one."""
+    here = sys.executable if importlib.util.find_spec("vllm") is not None else None
+    for candidate in (os.environ.get("FUSIONRAG_VLLM_PYTHON"), here, ".venv-vllm/bin/python"):
         if candidate and Path(candidate).exists() and os.access(candidate, os.X_OK):
             return str(candidate)
-    raise FusionRAGError("--engine vllm needs vLLM: set FUSIONRAG_VLLM to its 'vllm' executable, put it on the PATH, "
-                         "or make .venv-vllm here (bash scripts/setup_vllm.sh; pip install 'fusionrag[vllm]' on CUDA)")
+    raise FusionRAGError("--engine vllm needs vLLM: set FUSIONRAG_VLLM_PYTHON to the python of an environment with "
+                         "vLLM, or make .venv-vllm here (bash scripts/setup_vllm.sh; pip install 'fusionrag[vllm]' "
+                         "on CUDA)")
 
 
 def model_folder(store: Path, model: str | None) -> tuple[str, Path]:
@@ -49,7 +53,7 @@ def model_folder(store: Path, model: str | None) -> tuple[str, Path]:
 
 
 def vllm_command(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
-    """``vllm serve ...`` for ``args`` (``fusionrag serve``'s options) and the environment to run it in."""
+    """vLLM's OpenAI server for ``args`` (``fusionrag serve``'s options) and the environment to run it in."""
     from fusionrag.models.devices import resolve_device, resolve_dtype
 
     if not args.store:
@@ -67,7 +71,8 @@ def vllm_command(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
     config = {"kv_connector": "FusionRAGConnector", "kv_connector_module_path": "fusionrag.vllm",
               "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
     served = getattr(args, "served_model_name", None) or [name]
-    cmd = [vllm_executable(), "serve", str(folder), "--dtype", dtype, "--host", args.host or "127.0.0.1",
+    cmd = [vllm_python(), "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder), "--dtype", dtype,
+           "--host", args.host or "127.0.0.1",
            "--port", str(args.port or 8000), "--served-model-name", *served,
            "--kv-transfer-config", json.dumps(config)]
     if getattr(args, "api_key", None):
