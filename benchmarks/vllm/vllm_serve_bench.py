@@ -147,6 +147,10 @@ def langchain_check(port: int, messages: list[dict]) -> dict:
     return {"answer": reply.content, "latency_s": time.perf_counter() - t0}
 
 
+def _f(value: float | None, digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
 def main(argv: list[str] | None = None) -> int:
     from fusionrag.bench.datasets import load_questions
     from fusionrag.bench.provenance import build_meta
@@ -209,10 +213,10 @@ def main(argv: list[str] | None = None) -> int:
              "| server | requests ok / failed | TTFT p50 s | TTFT p99 s | requests/s |", "|---|---|---|---|---|"]
     for name, cell in cells.items():
         s = cell["summary"]
-        lines.append(f"| {name} | {s['ok']} / {s['failed']} | {s['ttft_p50_s']} | {s['ttft_p99_s']} | "
-                     f"{s['requests_per_s']} |")
-    lines += ["", f"p50 TTFT {ratios['ttft_p50_x']}x lower, requests/s {ratios['requests_per_s_x']}x higher with "
-              "the connector.", "", f"LangChain ChatOpenAI through the connector: "
+        lines.append(f"| {name} | {s['ok']} / {s['failed']} | {_f(s['ttft_p50_s'])} | {_f(s['ttft_p99_s'])} | "
+                     f"{_f(s['requests_per_s'], 3)} |")
+    lines += ["", f"With the connector: p50 TTFT {_f(ratios['ttft_p50_x'], 2)}x lower, requests/s "
+              f"{_f(ratios['requests_per_s_x'], 2)}x higher.", "", "LangChain ChatOpenAI through the connector: "
               f"{json.dumps(cells['vllm+fusionrag'].get('langchain'))}", ""]
     atomic_write(out / "README.md", "\n".join(lines))
     print(json.dumps(ratios))
