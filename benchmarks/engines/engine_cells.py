@@ -240,7 +240,7 @@ def llama_worker(gguf: Path, threads: int, logs: Path) -> Worker:
 def gguf_dtype(path: Path) -> str:
     """The cell's dtype name of a GGUF file, from its name (``...-q8_0.gguf`` -> ``q8_0``)."""
     stem = path.stem.lower()
-    for name in ("q4_k_m", "q8_0", "f16", "bf16", "f32"):
+    for name in ("q4_k_m", "q8_0", "bf16", "f16", "f32"):  # bf16 before f16: "-bf16" ends with "f16" too
         if stem.endswith(name):
             return name
     return "q4_k_m" if "qwen2.5-0.5b" in stem else stem
