@@ -189,7 +189,8 @@ def plot(rows: Sequence[dict], path: Path, meta: dict) -> Path:
         ax.set_ylabel("time to first token, s (log)")
         ax.set_title(f"{t} thread{'s' if t > 1 else ''}: median of {meta.get('rounds')} interleaved rounds")
         ax.grid(axis="y", which="both", alpha=0.3)
-    axes[0].legend(fontsize=7, ncol=3, loc="upper left")
+    handles, labels = axes[0].get_legend_handles_labels()  # below the panels: inside, it hides the ~4K bars
+    fig.legend(handles, labels, fontsize=8, ncol=4, loc="outside lower center")
     machine = meta.get("machine", {})
     fig.suptitle(f"{meta.get('model')} on {machine.get('cpu_model')} ({machine.get('cpu_bf16')}): the same token ids "
                  "in every engine; hatched = a repeated context (prefix-cache hit)")

@@ -50,10 +50,9 @@ def main(argv=None) -> None:
     t0 = time.perf_counter()
     import torch
     import transformers
-    from vllm.inputs import TokensPrompt
-
     import vllm
     from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
 
     extra = {} if args.kv_transfer_config is None else {"kv_transfer_config": json.loads(args.kv_transfer_config)}
     llm = LLM(model=args.model, dtype=args.dtype, enable_prefix_caching=True, enforce_eager=True,
