@@ -6,7 +6,10 @@ It takes every ``bench quality`` option and adds:
 - the selection variants of :mod:`studies.selection.variants` (``query``, ``fusionrag-authors``, ...);
 - APE's sweep settings ``ape-t{T}-s{S}`` (:mod:`studies.peers`);
 - ``--neighbours corpus|question|preceding|other-questions`` (:mod:`studies.neighbours.sources`);
-- ``--kv both``: the baseline policies on fused KV as well (the offline stage on/off ablation).
+- ``--kv both``: the baseline policies on fused KV as well (the offline stage on/off ablation);
+- ``--dtype bfloat16``: the methods' cells computed in bfloat16 (``studies/bf16``); the stores are built and
+  Full Attention (the KL reference) computed in float32 as always, and the records name the method
+  ``METHOD@bf16`` (run key ``fusionrag@bf16|fused|...``), so a summary never mixes the two dtypes.
 
 The studies' records predate ``fusionrag``'s product default (plain-first), so here the name
 ``fusionrag`` keeps the studies' meaning, query-guided selection on **fused** KV (record key
@@ -51,9 +54,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="'both' also runs the baseline policies on fused KV")
     p.add_argument("--neighbours", choices=NEIGHBOUR_SOURCES, default="corpus",
                    help="offline: where a chunk's neighbours come from")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="compute dtype of the methods' cells (default float32, as every committed study); stores "
+                        "and Full Attention stay float32, and other dtypes' records are named METHOD@bf16")
     args = p.parse_args(argv)
     spec = quality_spec(args, methods=study_methods(args.methods, args.kv),
-                        neighbours=None if args.neighbours == "corpus" else NeighbourSource(args.neighbours))
+                        neighbours=None if args.neighbours == "corpus" else NeighbourSource(args.neighbours),
+                        dtype=args.dtype)
     spec.command = "python -m studies.quality_cli " + " ".join(sys.argv[1:] if argv is None else argv)
     plan_runs(spec)
     run_quality(spec)

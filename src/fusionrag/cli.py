@@ -39,11 +39,21 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("fusionrag")
+    except PackageNotFoundError:
+        return "(not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fusionrag",
         description="Fast RAG prefill by reusing precomputed, similarity-fused chunk KV caches.",
     )
+    parser.add_argument("--version", action="version", version=f"fusionrag {_version()}")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores)")
     parser.add_argument("--debug", action="store_true", help="on an error, print the traceback too")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -83,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
         return func(args)
     except FusionRAGError as exc:
         return _fail(args, exc)
+    except BrokenPipeError:  # the reader of our output went away (`fusionrag documents | head -1`): as other CLIs
+        return _quiet_broken_pipe()
     except OSError as exc:  # a disk fault no layer named: still one line, with what it is
         return _fail(args, storage_error(exc, f"running 'fusionrag {args.command}'"), exc)
     except sqlite3.Error as exc:  # the store's SQLite refused: space, permission, I/O or a damaged file
@@ -93,6 +105,17 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("fusionrag: interrupted", file=sys.stderr)
         return 130
+
+
+def _quiet_broken_pipe() -> int:
+    """Stop without a word when stdout's reader closed the pipe (not a disk fault): stdout is pointed at
+    /dev/null so the interpreter's final flush cannot fail again; exit 141 (128 + SIGPIPE), as a shell's."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
+    return 141
 
 
 def _fail(args: argparse.Namespace, exc: FusionRAGError, cause: BaseException | None = None) -> int:

@@ -15,6 +15,7 @@ never list them. What each measured is in ``docs/decisions/`` (none beat the pro
 | ``fusionrag-plainfirst`` | FusionRAG's, under the name the studies' records carry | plain-first |
 | ``random`` | uniform (a control) | plain |
 | ``fusionrag-layer{K}`` | FusionRAG's, layer K's attention (the pre-pass stops there; K in 12, 15) | fused |
+| ``fusionrag-otherq`` | FusionRAG's, scored by another question of the set (a whole-context cache hit) | plain-first |
 """
 
 from __future__ import annotations
@@ -77,6 +78,35 @@ class RandomTokens:
         return torch.rand(inp.candidates.numel(), generator=gen)
 
 
+@dataclass
+class OtherQuestion:
+    """FusionRAG's selection made by another question over the same context: the tokens an earlier request's
+    question refreshed, then this question prefilled over them (one pass here: the refreshed tokens precede
+    the question and never read it, so it equals the whole-context cache's hit). The other question is
+    drawn, deterministically, from ``$FUSIONRAG_OTHER_QUESTIONS`` (a data file: its questions), never this one."""
+
+    name: str = "fusionrag-otherq"
+
+    def scores(self, inp: SelectionInput) -> torch.Tensor:
+        import dataclasses
+        import os
+        import zlib
+
+        from fusionrag.bench.datasets import load_questions
+        from fusionrag.online.policies import question_attention
+        from fusionrag.prompt import PromptBuilder
+
+        questions = [ex.question for ex in load_questions(os.environ["FUSIONRAG_OTHER_QUESTIONS"])]
+        pb = PromptBuilder(inp.lm.tokenizer)
+        own = inp.question_token_ids.tolist()
+        start = zlib.crc32(repr(own).encode()) % len(questions)
+        for k in range(len(questions)):
+            other = torch.tensor(pb.question_token_ids(questions[(start + k) % len(questions)]))
+            if other.tolist() != own:
+                return question_attention(dataclasses.replace(inp, question_token_ids=other))
+        raise ValueError("no other question to score with")
+
+
 #: Earlier scoring layers measured against the last one (Qwen2.5-0.5B has 24 layers).
 SCORING_LAYERS = (12, 15)
 
@@ -95,6 +125,8 @@ def register() -> None:
     register_policy("fusionrag-plainfirst", lambda: QueryGuided("fusionrag-plainfirst"), kv="plain-first",
                     description="FusionRAG under the studies' earlier name")
     register_policy("random", RandomTokens, kv="plain", description="control: random tokens")
+    register_policy("fusionrag-otherq", OtherQuestion, kv="plain-first",
+                    description="FusionRAG, selection by another question (a whole-context cache hit)")
     for layer in SCORING_LAYERS:  # issue 30 item 3 / decision 048: an earlier scoring layer, a cheaper pre-pass
         register_policy(f"fusionrag-layer{layer}", lambda k=layer: QueryGuided(f"fusionrag-layer{k}", layer=k),
                         kv="fused", description=f"FusionRAG's selection from layer {layer}'s attention")

@@ -64,3 +64,77 @@ def test_an_input_with_nothing_to_ingest_is_an_error(tmp_path, capsys, fusionrag
                  "--embedder", "hashing-64", "--quiet"])
     err = capsys.readouterr().err
     assert code == 2 and "nothing was ingested" in err and "Traceback" not in err
+
+
+def test_document_ids_and_sources_follow_one_set_of_limits_at_every_door(tmp_path, capsys):
+    """Before: the CLI's --id took newlines and 10,000 characters the API refused; the API took NUL and newline
+    ids the CLI could not name. Now both refuse the same values, in one line."""
+    from fusionrag.cli import main
+    from fusionrag.retrieval.stored_docs import MAX_ID_CHARS, identity_problem
+
+    for bad in ("a\nb", "x\x00y", "tab\there", "x" * (MAX_ID_CHARS + 1), "   "):
+        assert identity_problem("id", bad)
+    assert identity_problem("id", "docs/a.md") is None and identity_problem("source", "/srv/a b/c.pdf") is None
+    (tmp_path / "a.txt").write_text("some text")
+    assert main(["ingest", str(tmp_path / "a.txt"), "--store", str(tmp_path / "kb"), "--id", "a\nb"]) == 2
+    err = capsys.readouterr().err
+    assert "control characters" in err and not (tmp_path / "kb").exists()
+
+
+def test_a_title_too_long_for_a_chunk_is_shortened_never_an_empty_document():
+    """Before: a 10 KB title made the document's text vanish (job ready, 0 chunks)."""
+    from fusionrag.models.tiny import byte_tokenizer
+    from fusionrag.prompt import PromptBuilder
+    from fusionrag.retrieval.chunking import make_chunks
+    from fusionrag.retrieval.passages import Passage
+
+    problems = []
+    chunks = make_chunks(PromptBuilder(byte_tokenizer()), [Passage("T" * 10_000, "the body text " * 20, "d")], 256,
+                         problems)
+    assert chunks and all("the body text" in c.text for c in chunks)
+    assert all(len(c.token_ids) <= 256 for c in chunks) and chunks[0].title.endswith("...")
+    assert any("shortened" in p.message for p in problems)
+
+
+def test_readers_are_bounded_in_time_and_memory(tmp_path, monkeypatch):
+    """Before: a 2 GiB sparse .txt was read whole (2.7 GB RSS), a FIFO in a folder was skipped without a word,
+    and 8,000 nested <div>s took 68 s."""
+    import time
+
+    from fusionrag.retrieval import readers
+
+    sparse = tmp_path / "big.txt"
+    with sparse.open("wb") as f:
+        f.truncate(3 << 30)  # 3 GiB of holes: nothing is read to find out
+    monkeypatch.setattr(readers, "MAX_FILE_BYTES", 1 << 30)
+    problems = []
+    assert readers.load_bytes(sparse, problems) is None and "limit of one file" in problems[-1].message
+    small_binary = tmp_path / "b.txt"
+    small_binary.write_bytes(b"\x00" * 100 + b"text" * 10)
+    assert readers.load_bytes(small_binary, problems) is None and "binary" in problems[-1].message
+    folder = tmp_path / "docs"
+    folder.mkdir()
+    os.mkfifo(folder / "pipe.txt")
+    (folder / "ok.txt").write_text("fine")
+    found = readers.expand_paths([folder], problems)
+    assert found == [folder / "ok.txt"] and "FIFO" in problems[-1].message
+    deep = tmp_path / "deep.html"
+    deep.write_text("<html><body>" + "<div>" * 20_000 + "deep text" + "</div>" * 20_000 + "</body></html>")
+    t0 = time.perf_counter()
+    passages = readers.read_passages(deep, problems)
+    # A complexity guard, not a speed measurement: the quadratic reader needed ~400 s at this depth.
+    assert time.perf_counter() - t0 < 60 and passages and "deep text" in passages[0].text
+
+
+def test_a_closed_stdout_pipe_is_a_quiet_exit_not_a_disk_fault(tmp_path):
+    """Before: `fusionrag documents | head -c1` reported a disk I/O error and exited 3."""
+    import subprocess
+    import sys
+
+    code = ("import fusionrag.offline.cli as c\n"
+            "def closed(args):\n    raise BrokenPipeError(32, 'Broken pipe')\n"
+            "c.cmd_documents = closed\n"
+            "from fusionrag.cli import main\n"
+            f"raise SystemExit(main(['documents', '--store', {str(tmp_path)!r}]))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 141 and "error" not in done.stderr

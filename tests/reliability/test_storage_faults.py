@@ -118,3 +118,21 @@ def test_the_server_on_a_read_only_store_answers_chats_and_refuses_documents(tmp
     with TestClient(app, raise_server_exceptions=False) as client:
         assert client.post("/v1/chat/completions", json={"messages": USER}).status_code == 200
         error_of(client.post("/v1/documents", json=[{"text": "new"}]), 409, "read_only_store")
+
+
+def test_no_os_or_sqlite_error_reaches_a_client_as_a_500():
+    """A disk fault no layer named (ENOSPC, EACCES, EIO, SQLite's full disk) is the status of what it is."""
+    import errno
+    import sqlite3
+
+    from fusionrag.serve.protocol import as_api_error
+
+    where = "/srv/private/kb/chunks.sqlite"  # a server path is not the client's business
+    cases = {OSError(errno.ENOSPC, "No space left on device", where): (507, "insufficient_storage"),
+             OSError(errno.EACCES, "Permission denied", where): (409, "store_read_only"),
+             OSError(errno.EIO, "Input/output error", where): (503, "storage_io_error"),
+             sqlite3.OperationalError("database or disk is full"): (507, "insufficient_storage")}
+    for exc, (status, code) in cases.items():
+        err = as_api_error(exc)
+        assert (err.status, err.code) == (status, code)
+        assert "/srv/private" not in str(err) and "\n" not in str(err)

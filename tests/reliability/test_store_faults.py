@@ -202,3 +202,72 @@ def test_a_kv_path_that_is_not_an_entry_is_never_read(tmp_path, lm, what):
     grown_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before
     assert grown_kib < 512 * 1024  # nothing near the file's claimed size was read into memory
     store.close()
+
+
+def test_a_damaged_instruction_kv_is_found_by_verify_mended_by_repair_and_answered_around(tmp_path, lm):
+    """Before: 1 MB appended to kv/system.safetensors: verify said ok, ask exited 4, verify --repair exited 4 too."""
+    from fusionrag.online.engine import Engine
+
+    store = _store(tmp_path / "kb", lm, fuse=True)
+    system = store.kv_path(None, "system")
+    assert system.exists()
+    store.close()
+    with system.open("ab") as f:
+        f.write(b"\x00junk" * 200_000)
+    store = _reopen(tmp_path / "kb", lm)
+    report = verify_store(store)
+    assert not report.ok and [p.what for p in report.problems] == ["system prompt KV"]
+    answer = Engine(store, lm).answer("topic 3?", method="fusionrag", top_k=3, max_new_tokens=2)  # answered around
+    assert answer.context_tokens > 0
+    repaired = verify_store(store, lm, repair=True)
+    assert repaired.ok and repaired.problems[0].repaired == "recomputed"
+    assert verify_store(_reopen(tmp_path / "kb", lm)).ok and store.load_system_kv() is not None
+
+
+def test_a_delete_whose_re_fuse_never_ran_is_found_by_verify_and_finished_by_repair(tmp_path, lm):
+    """Before: kill -9 of `fusionrag delete` after its commit left the neighbours' fused KV built on the deleted
+    text forever: the rerun said "no document" and verify said ok."""
+    store = _store(tmp_path / "kb", lm, fuse=True)
+    extra = [{"title": f"X{i}", "text": f"passage number {i} talks about topic {i % 4} and more item {i}."}
+             for i in range(6)]
+    build.add_passages(store, lm, extra, doc="extra")
+    build.fuse(store, lm, progress=False)
+    assert verify_store(store).ok
+    build.delete_document(store, "extra")  # committed; the re-fuse that follows in `delete` never runs
+    report = verify_store(store)
+    stale = [p for p in report.problems if "stale" in p.why]
+    assert stale and not report.ok
+    assert verify_store(store, lm, repair=True).ok and verify_store(store).ok
+
+
+def test_deleting_a_document_through_the_api_re_fuses_its_neighbours(tmp_path, lm):
+    """Before: DELETE /v1/documents/{id} left the neighbours' fused KV built on the deleted text."""
+    from fusionrag.online.engine import Engine
+    from fusionrag.serve.documents import delete_stored_document
+
+    store = _store(tmp_path / "kb", lm, fuse=True)
+    build.add_passages(store, lm, [{"title": "X", "text": "passage number 3 talks about topic 3, an extra."}],
+                       doc="extra")
+    build.fuse(store, lm, progress=False)
+    result = delete_stored_document(Engine(store, lm), "extra")
+    assert result["deleted"] and result["fused_kv_recomputed"] > 0
+    assert verify_store(store).ok
+
+
+def test_verify_checks_the_documents_table_against_the_chunks(tmp_path, lm):
+    """A chunk no document uses and a reference to a missing chunk (a run stopped between its steps) are named,
+    and repaired."""
+    import sqlite3
+
+    store = _store(tmp_path / "kb", lm)
+    store.close()
+    db = sqlite3.connect(tmp_path / "kb" / "store.sqlite")
+    first = db.execute("SELECT MIN(chunk_id) FROM chunk_refs").fetchone()[0]
+    db.execute("DELETE FROM chunk_refs WHERE chunk_id = ?", (first,))
+    db.execute("INSERT INTO chunk_refs(chunk_id, doc) VALUES (999999, 'corpus')")
+    db.commit()
+    db.close()
+    store = _reopen(tmp_path / "kb", lm)
+    report = verify_store(store)
+    assert {p.kind for p in report.problems} == {"documents"} and len(report.problems) == 2
+    assert verify_store(store, lm, repair=True).ok and verify_store(_reopen(tmp_path / "kb", lm)).ok

@@ -51,7 +51,7 @@ def test_the_same_id_replaces_the_document_and_a_document_id_can_be_deleted(serv
     assert client.get("/v1/documents/zebra-facts").json()["chunks"] == 1
     r = client.delete("/v1/documents/zebra-facts")
     assert r.status_code == 200 and r.json() == {"id": "zebra-facts", "object": "document", "deleted": True,
-                                                 "chunks_removed": 1}
+                                                 "chunks_removed": 1, "fused_kv_recomputed": 0}
     assert "zebra-facts" not in _listed(client) and second["chunk_ids"][0] not in store.chunk_ids()
     for method in (client.get, client.delete):
         r = method("/v1/documents/zebra-facts")

@@ -49,6 +49,46 @@ class RedisStats:
         return asdict(self)
 
 
+def check_tier_url(url: str) -> str:
+    """``url`` if it names a Redis tier fusionrag can use (``redis://HOST:PORT[/DB]``, ``rediss://...``,
+    ``unix:///PATH.sock``), else a one-line :class:`FusionRAGError` saying what is wrong: checked when the
+    settings are read, before a model loads."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(url)
+        port = parts.port  # a port outside 0-65535 raises here
+    except ValueError as exc:
+        raise FusionRAGError(f"--kv-tier {url!r}: not a valid URL ({exc})") from None
+    if parts.scheme in ("redis", "rediss"):
+        if not parts.hostname:
+            raise FusionRAGError(f"--kv-tier {url!r}: no host (expected {parts.scheme}://HOST:PORT)")
+        if port == 0:
+            raise FusionRAGError(f"--kv-tier {url!r}: port 0")
+        db = parts.path.strip("/")
+        if db and not db.isdigit():
+            raise FusionRAGError(f"--kv-tier {url!r}: the database is a number (redis://HOST:PORT/0)")
+    elif parts.scheme == "unix":
+        if not parts.path:
+            raise FusionRAGError(f"--kv-tier {url!r}: no socket path (expected unix:///PATH.sock)")
+    else:
+        raise FusionRAGError(f"--kv-tier {url!r}: expected redis://HOST:PORT, rediss://HOST:PORT or "
+                             "unix:///PATH.sock")
+    return url
+
+
+def tier_unreachable(url: str, timeout_s: float = 1.0) -> str | None:
+    """Why the Redis tier at ``url`` does not answer a PING now (one line), or None when it does."""
+    try:
+        import redis
+
+        client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        client.ping()
+        return None
+    except Exception as exc:  # redis' connection, timeout and auth errors alike
+        return f"{type(exc).__name__}: {exc}"
+
+
 def namespace(fingerprint: str, system_hash: str, store_id: str) -> str:
     """Key prefix: one model's weights (whatever dtype each server computes in), one ``S``, one store
     (``store_id``: e.g. the store's creation stamp and name)."""

@@ -48,6 +48,11 @@ def _record_model_path(store, model: str | None) -> None:
 
 
 def cmd_ingest(args: argparse.Namespace) -> int:
+    from fusionrag.retrieval.stored_docs import identity_problem
+
+    why = identity_problem("id", args.id) if args.id is not None else None
+    if why:  # before any model loads, and the same rule the API applies
+        raise FusionRAGError(f"--id: {why}")
     from fusionrag.models import DEFAULT_MODEL, load_model
     from fusionrag.offline import build
     from fusionrag.prompt import read_system_prompt

@@ -2,14 +2,16 @@
 
 What is checked (SQLite itself is checked when the store opens: ``PRAGMA quick_check``):
 - the FAISS index against the digest and vector count recorded in SQLite;
+- the instruction's KV (``kv/system.safetensors``: ``S``, which every prompt starts with), fully verified;
 - every chunk's plain and fused KV entry, fully verified (checksum, model, ``S``, tokens);
   a missing plain entry is a problem (every chunk needs one), a missing fused entry only
   in a fused store;
+- the documents table against the chunks (every chunk used by a document, every reference to a chunk);
 - orphan KV files (no chunk with that id in SQLite) and temp files of interrupted writers.
 
 ``repair`` removes what cannot be trusted (bad entries, orphans, temp files), rebuilds the
-index from SQLite if it does not match, recomputes the plain KV that is missing and, in a
-fused store, re-fuses with the recorded settings: afterwards a second ``verify`` is clean.
+index from SQLite if it does not match, recomputes ``S``'s KV and the plain KV that is missing and,
+in a fused store, re-fuses with the recorded settings: afterwards a second ``verify`` is clean.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ _ENTRY = re.compile(r"(\d+)\.(plain|fused)\.safetensors")
 
 @dataclass
 class Problem:
-    kind: str  # "index" | "kv" | "orphan" | "temp"
+    kind: str  # "index" | "kv" | "documents" | "orphan" | "temp"
     what: str  # which file or entry
     why: str
     repaired: str | None = None
@@ -66,10 +68,15 @@ def verify_store(store: KnowledgeStore, lm: LoadedModel | None = None, repair: b
     report.chunks = len(ids)
     fused_store = build.recorded_fuse_settings(store) is not None
     with store.writer() if repair else contextlib.nullcontext():
+        _check_system(store, report, repair)
+        _check_documents(store, report, repair)
         _check_index(store, report, repair)
         _check_entries(store, ids, fused_store, report, repair)
         _check_files(store, set(ids), report, repair)
+        if fused_store:  # after the files: an entry already reported broken is not reported stale too
+            _check_stale(store, report)
         if repair and lm is not None:
+            build.ensure_system_kv(store, lm)  # recomputed if it was removed above (or never stored)
             if keeps_plain(store):  # a fused-only store re-creates plain KV only where a fuse needs it
                 compute_plain(store, lm, build.ensure_system_kv(store, lm), progress=progress)
             if fused_store:
@@ -79,6 +86,41 @@ def verify_store(store: KnowledgeStore, lm: LoadedModel | None = None, repair: b
                     p.repaired = "recomputed"
             report.repaired = True
     return report
+
+
+def _check_system(store: KnowledgeStore, report: VerifyReport, repair: bool) -> None:
+    """``S``'s KV: every prompt starts with it, so a damaged copy makes the store unable to answer."""
+    path = store.kv_path(None, "system")
+    if not path.exists():
+        return  # computed when needed (and stored by the next build step)
+    report.entries_checked += 1
+    try:
+        store.load_system_kv()
+    except CacheIntegrityError as exc:
+        problem = Problem("kv", "system prompt KV", _short(str(exc)))
+        if repair:
+            path.unlink(missing_ok=True)
+            problem.repaired = "recomputed"
+        report.problems.append(problem)
+
+
+def _check_documents(store: KnowledgeStore, report: VerifyReport, repair: bool) -> None:
+    """The documents table against the chunks: every chunk used by some document, every reference to a chunk
+    that exists (``repair``: unused chunks removed, dangling references dropped)."""
+    unused, dangling = store.reference_problems()
+    if unused:
+        problem = Problem("documents", f"{len(unused)} chunk(s)", "used by no document (a run stopped between its "
+                          "steps)")
+        if repair:
+            store.remove_unreferenced()
+            problem.repaired = "removed"
+        report.problems.append(problem)
+    if dangling:
+        problem = Problem("documents", f"{len(dangling)} reference(s)", "to chunks that do not exist")
+        if repair:
+            store.drop_dangling_references()
+            problem.repaired = "dropped"
+        report.problems.append(problem)
 
 
 def _check_index(store: KnowledgeStore, report: VerifyReport, repair: bool) -> None:
@@ -115,6 +157,19 @@ def _check_entries(store: KnowledgeStore, ids: list[int], fused_store: bool, rep
                 report.problems.append(Problem("kv", f"{kind} KV of chunk {cid}", _short(str(exc))))
                 if repair:
                     path.unlink(missing_ok=True)
+
+
+def _check_stale(store: KnowledgeStore, report: VerifyReport) -> None:
+    """Fused entries built on neighbours the store no longer has (a delete whose re-fuse did not finish:
+    the process was killed after its commit). ``repair``'s fuse recomputes them."""
+    recorded = build.recorded_fuse_settings(store)
+    if recorded is None:
+        return
+    reported = {p.what for p in report.problems}
+    for cid in build.stale_fused(store, recorded, verify=False):
+        if store.kv_path(cid, "fused").exists() and f"fused KV of chunk {cid}" not in reported:
+            report.problems.append(Problem("kv", f"fused KV of chunk {cid}", "stale: its neighbours changed since "
+                                                                             "it was computed"))
 
 
 def _check_files(store: KnowledgeStore, ids: set[int], report: VerifyReport, repair: bool) -> None:

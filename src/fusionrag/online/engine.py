@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from fusionrag.errors import FusionRAGError
+from fusionrag.errors import CacheIntegrityError, FusionRAGError
 from fusionrag.execution.generate import TextStreamer, greedy_tokens
 from fusionrag.execution.segments import system_kv as compute_system_kv
 from fusionrag.kvcache.context_cache import CachedContext, ContextCache, context_keys
@@ -139,7 +139,12 @@ class Engine:
         computed here (not stored: building is offline's job), so that recomputing 100% is Full Attention."""
         if self._system_kv is None:
             dtype = str(self.lm.dtype).removeprefix("torch.")
-            kv = self.store.load_system_kv(dtype) if self.store is not None else None
+            try:
+                kv = self.store.load_system_kv(dtype) if self.store is not None else None
+            except CacheIntegrityError as exc:  # answered around, like a damaged chunk entry
+                log.error("the stored system prompt KV failed verification (%s); computing it. Run "
+                          "'fusionrag store verify --repair'.", exc)
+                kv = None
             if kv is None:
                 kv = compute_system_kv(self.lm, self.prompt.system_token_ids)
             self._system_kv = kv.to(torch.float32)
@@ -188,9 +193,7 @@ class Engine:
         req = req.validated()
         question, ratio, kv_kind, preamble = req.question, req.ratio, str(req.kv), req.preamble
         clock = self.clock()
-        if self.store is not None and self.store.refresh():  # another process wrote to the store
-            self.kv_source.invalidate(None)
-            self.context_cache.invalidate(None)
+        self.follow_store()
         pieces, hit_scores, note = self._passages(req)
         chunk_ids = [p.chunk_id for p in pieces]
         passages = [p.as_passage() for p in pieces]
@@ -304,6 +307,16 @@ class Engine:
         kinds = self.kinds_for(chunk_ids, kv)
         keys = (self.loader.stored_key(c, k) for c, k in zip(chunk_ids, kinds, strict=True))
         self.kv_source.prefetch([k for k in keys if k is not None])
+
+    def follow_store(self) -> bool:
+        """Take in what another process changed in the store since this engine last looked (its index,
+        chunks and KV: every cached copy is dropped); True if there was anything. Every request starts here,
+        so a running server never retrieves, matches or reuses a chunk another process deleted."""
+        if self.store is None or not self.store.refresh():
+            return False
+        self.kv_source.invalidate(None)
+        self.context_cache.invalidate(None)
+        return True
 
     def invalidate(self, keys: Iterable[Key]) -> None:
         """Forget cached copies of entries a store change rewrote or removed (every tier down to disk), and

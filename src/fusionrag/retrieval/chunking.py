@@ -12,6 +12,7 @@ importable from here too.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -129,11 +130,36 @@ def _split_long(prompt: PromptBuilder, title: str, text: str, span: tuple[int, i
         a = lo
 
 
+def fit_title(prompt: PromptBuilder, title: str, max_tokens: int) -> str:
+    """``title``, shortened (at a word where it can) until it takes at most half of a chunk's tokens, so
+    the passage's text always has room: a title never makes its document's text vanish."""
+    budget = max_tokens // 2
+    if len(prompt.chunk_token_ids(title, "")) <= budget:
+        return title
+    lo, hi = 0, len(title)
+    while lo < hi:  # the longest prefix that fits
+        mid = (lo + hi + 1) // 2
+        if len(prompt.chunk_token_ids(title[:mid] + "...", "")) <= budget:
+            lo = mid
+        else:
+            hi = mid - 1
+    cut = title[:lo]
+    word = cut.rfind(" ")
+    return (cut[:word] if word > lo // 2 else cut).rstrip() + "..."
+
+
 def make_chunks(prompt: PromptBuilder, passages: Iterable[Passage], max_tokens: int = DEFAULT_CHUNK_TOKENS,
                 problems: list[Problem] | None = None) -> list[Chunk]:
-    """Split passages into chunks (token ids included), in input order, duplicates kept."""
+    """Split passages into chunks (token ids included), in input order, duplicates kept. A title longer
+    than half a chunk is shortened (:func:`fit_title`) and the shortening reported in ``problems``."""
     out: list[Chunk] = []
     for p in passages:
+        title = fit_title(prompt, p.title, max_tokens)
+        if title != p.title:
+            if problems is not None:
+                problems.append(Problem(p.doc, None, f"title of '{p.title[:40]}...' ({len(p.title)} characters) "
+                                                     f"shortened to {len(title)} to leave room for its text"))
+            p = dataclasses.replace(p, title=title)
         try:
             pieces = split_passage(prompt, p.title, p.text, max_tokens)
         except ValueError as exc:

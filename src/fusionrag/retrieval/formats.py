@@ -89,20 +89,23 @@ def html_passages(doc: str, stem: str, markup: str | bytes, title: str | None) -
     for tag in soup.find_all(lambda t: t.has_attr("hidden") or t.get("aria-hidden") == "true"):
         tag.decompose()
     root = soup.find("main") or soup.find("article") or soup.body or soup
+    # Every step below is one walk of the tree (never a walk up a node's parents per node: a page of
+    # 100,000 nested elements took minutes that way), so a page is read in time linear in its size.
+    outer_pre = [tag for tag in root.find_all("pre") if tag.find_parent("pre") is None]
+    in_pre = {id(s) for tag in outer_pre for s in tag.find_all(string=True)}
     for s in list(root.find_all(string=True)):
-        if type(s) is NavigableString and not any(p.name == "pre" for p in s.parents):
+        if type(s) is NavigableString and id(s) not in in_pre:
             s.replace_with(NavigableString(re.sub(r"\s+", " ", str(s))))
     for br in root.find_all("br"):
         br.replace_with("\n")
-    for tag in root.find_all("pre"):  # code and aligned text: every line keeps its leading whitespace
-        if not any(p.name == "pre" for p in tag.parents):
-            lines = tag.get_text("").replace("\r", "").strip("\n").split("\n")
-            tag.replace_with("\n\n" + "\n".join(_PRE + line for line in lines) + "\n\n")
+    for tag in outer_pre:  # code and aligned text: every line keeps its leading whitespace
+        lines = tag.get_text("").replace("\r", "").strip("\n").split("\n")
+        tag.replace_with("\n\n" + "\n".join(_PRE + line for line in lines) + "\n\n")
     for tag in root.find_all(_HEADINGS):
         tag.replace_with(f"\n{_MARK}{' '.join(tag.get_text(' ').split())}\n")
-    for tag in root.find_all(_HTML_BLOCKS):
-        tag.insert_before("\n\n")
-        tag.insert_after("\n\n")
+    for tag in root.find_all(_HTML_BLOCKS):  # a break at the block's start and end, inside it: no sibling scan
+        tag.insert(0, "\n\n")
+        tag.append("\n\n")
     flat = root.get_text("")
     items = ((True, line[1:].strip()) if line.startswith(_MARK) else
              (False, line[1:].rstrip()) if line.startswith(_PRE) else (False, line.strip())

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,20 +65,23 @@ def expand_paths(paths: Iterable[Path | str], problems: list[Problem]) -> list[P
     for raw in paths:
         p = Path(raw)
         if p.is_dir():
-            out.extend(_walk(p))
+            out.extend(_walk(p, problems))
         elif p.is_file():
             if p.suffix.lower() in READERS:
                 out.append(p)
             else:
                 problems.append(Problem(str(p), None, f"unsupported file type '{p.suffix}' "
                                         f"(supported: {', '.join(READERS)})", file_skipped=True))
+        elif p.exists():
+            problems.append(Problem(str(p), None, f"not a regular file ({_file_kind(p)}); skipped", file_skipped=True))
         else:
             problems.append(Problem(str(p), None, "no such file or folder", file_skipped=True))
     return out
 
 
-def _walk(root: Path) -> list[Path]:
-    """Supported files under ``root``, following symlinked folders (each real folder once: no loops)."""
+def _walk(root: Path, problems: list[Problem]) -> list[Path]:
+    """Supported files under ``root``, following symlinked folders (each real folder once: no loops); a FIFO,
+    device or socket with a supported suffix is named in ``problems`` (reading one could block forever)."""
     found: list[Path] = []
     seen: set[str] = set()
     for folder, dirs, files in os.walk(root, followlinks=True):
@@ -87,15 +91,51 @@ def _walk(root: Path) -> list[Path]:
             continue
         seen.add(real)
         dirs.sort()
-        found.extend(Path(folder) / f for f in sorted(files) if Path(f).suffix.lower() in READERS
-                     and (Path(folder) / f).is_file())
+        for f in sorted(files):
+            path = Path(folder) / f
+            if path.suffix.lower() not in READERS:
+                continue
+            if path.is_file():
+                found.append(path)
+            elif path.exists():
+                problems.append(Problem(str(path), None, f"not a regular file ({_file_kind(path)}); skipped",
+                                        file_skipped=True))
     return found
 
 
+def _file_kind(path: Path) -> str:
+    mode = path.stat().st_mode
+    return ("FIFO" if stat.S_ISFIFO(mode) else "socket" if stat.S_ISSOCK(mode) else
+            "device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "special file")
+
+
+#: The largest file a reader takes (it holds the file in memory); ``FUSIONRAG_MAX_FILE_MB`` changes it.
+MAX_FILE_BYTES = int(os.environ.get("FUSIONRAG_MAX_FILE_MB", "256")) << 20
+
+
 def load_bytes(path: Path, problems: list[Problem]) -> bytes | None:
-    """The file's bytes, or None with the reason in ``problems``."""
+    """The file's bytes, or None with the reason in ``problems``. Checked before anything is read: a regular
+    file, at most :data:`MAX_FILE_BYTES`; a text format's first 8 KB hold no NUL byte (a binary file is
+    refused after 8 KB, not after reading gigabytes of it)."""
     try:
-        return path.read_bytes()
+        st = path.stat()
+        if not stat.S_ISREG(st.st_mode):
+            problems.append(Problem(str(path), None, f"not a regular file ({_file_kind(path)}); skipped",
+                                    file_skipped=True))
+            return None
+        if st.st_size > MAX_FILE_BYTES:
+            problems.append(Problem(str(path), None, f"{st.st_size / 2**20:,.0f} MiB is over the "
+                                    f"{MAX_FILE_BYTES >> 20} MiB limit of one file (FUSIONRAG_MAX_FILE_MB); skipped",
+                                    file_skipped=True))
+            return None
+        fmt = READERS.get(path.suffix.lower())
+        with path.open("rb") as f:
+            head = f.read(8192)
+            if fmt is not None and fmt.text and b"\x00" in head:
+                problems.append(Problem(str(path), None, "binary file (contains NUL bytes); skipped",
+                                        file_skipped=True))
+                return None
+            return head + f.read(MAX_FILE_BYTES + 1 - len(head))
     except OSError as exc:
         problems.append(Problem(str(path), None, f"cannot read: {exc.strerror or exc}", file_skipped=True))
         return None

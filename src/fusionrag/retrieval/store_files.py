@@ -207,10 +207,17 @@ def writer_lock(folder: Path, timeout_s: float = 30.0) -> Iterator[None]:
             "(wait for it to finish, or stop it)"
         ) from None
     try:
-        path.write_text(f"pid {os.getpid()}")
+        _note_holder(path, f"pid {os.getpid()}")
         yield
     finally:
         try:
-            path.write_text("")
+            _note_holder(path, "")
         finally:
             lock.release()
+
+
+def _note_holder(path: Path, text: str) -> None:
+    """Who holds the lock, for a waiter's message: best effort. On a full disk (or any write fault) the
+    lock is held all the same; the operation itself then meets the fault and names it."""
+    with contextlib.suppress(OSError):
+        path.write_text(text)

@@ -28,6 +28,25 @@ from fusionrag.retrieval.index import VectorIndex
 
 _COLUMNS = "id, origin, source, content_hash, mtime, size, title, ingested"
 
+#: The one set of limits on a document's identity, for every door (CLI ``--id`` and targets, the API's
+#: posted ``id``/``source``, ``DELETE /v1/documents/{id}``): what one door accepts the others can name.
+MAX_ID_CHARS = 1024
+MAX_SOURCE_CHARS = 4096
+
+
+def identity_problem(field: str, value: object) -> str | None:
+    """Why ``value`` cannot be a document's ``id`` or ``source`` (one phrase), or None. Non-empty text,
+    bounded in length, no control characters (a NUL, a newline or a tab cannot be typed back as an id)."""
+    limit = MAX_ID_CHARS if field == "id" else MAX_SOURCE_CHARS
+    if not isinstance(value, str) or not value.strip():
+        return f"a document {field} must be non-empty text"
+    if len(value) > limit:
+        return f"a document {field} has at most {limit} characters (this one has {len(value)})"
+    bad = next((c for c in value if ord(c) < 32 or ord(c) == 127), None)
+    if bad is not None:
+        return f"a document {field} cannot contain control characters ({bad!r})"
+    return None
+
 
 @dataclass(frozen=True)
 class DocumentRecord:
@@ -114,6 +133,24 @@ class StoredDocuments:
             return [r[0] for r in self._db.execute(
                 f"SELECT DISTINCT doc FROM chunk_refs WHERE chunk_id IN ({','.join('?' * len(ids))}) ORDER BY doc",
                 ids)]
+
+    def reference_problems(self) -> tuple[list[int], list[tuple[str, int]]]:
+        """The documents table against the chunks: chunks no document uses (a run stopped between changing
+        references and removing chunks) and references to chunks that do not exist."""
+        with self._lock:
+            unused = [int(r[0]) for r in self._db.execute(
+                "SELECT id FROM chunks c WHERE NOT EXISTS (SELECT 1 FROM chunk_refs r WHERE r.chunk_id = c.id) "
+                "ORDER BY id")]
+            dangling = [(str(r[0]), int(r[1])) for r in self._db.execute(
+                "SELECT doc, chunk_id FROM chunk_refs r WHERE NOT EXISTS (SELECT 1 FROM chunks c WHERE c.id = "
+                "r.chunk_id) ORDER BY doc, chunk_id")]
+        return unused, dangling
+
+    def drop_dangling_references(self) -> int:
+        """Remove references to chunks that do not exist; how many."""
+        with self._lock, self._db:
+            return self._db.execute("DELETE FROM chunk_refs WHERE NOT EXISTS (SELECT 1 FROM chunks c WHERE c.id = "
+                                    "chunk_refs.chunk_id)").rowcount
 
     # -- writing (under the store's writer) --------------------------------------------------
 

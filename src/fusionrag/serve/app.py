@@ -213,7 +213,7 @@ def create_app(engine: Any, settings: ServerSettings | None = None,
             req = parse_retrieve(body, s)
             ensure_ready()
             has_store()
-            hits = await asyncio.to_thread(sched.engine.store.retrieve, req.query, req.top_k)
+            hits = await asyncio.to_thread(_retrieve, sched.engine, req.query, req.top_k)
         except Exception as exc:
             return as_api_error(exc).response()
         return JSONResponse({"object": "list", "data": hits})
@@ -362,3 +362,9 @@ def create_app(engine: Any, settings: ServerSettings | None = None,
 
     app.openapi = openapi  # type: ignore[method-assign]
     return app
+
+
+def _retrieve(engine: Any, query: str, top_k: int | None) -> list[dict]:
+    """The store's chunks for ``query``, after taking in another process's changes (a CLI ingest or delete)."""
+    engine.follow_store()
+    return engine.store.retrieve(query, top_k)

@@ -43,7 +43,7 @@ from fusionrag.files import content_hash
 from fusionrag.offline import build
 from fusionrag.online.engine import Engine
 from fusionrag.retrieval.store_files import sqlite_fault
-from fusionrag.serve.protocol import APIError
+from fusionrag.serve.api_errors import APIError
 from fusionrag.serve.settings import ServerSettings
 
 log = logging.getLogger(__name__)
@@ -162,16 +162,35 @@ def fault_message(exc: BaseException, store_path: Path, doing: str) -> str:
 
 
 def delete_document_job(engine: Engine, job: DocumentJob) -> None:
-    """Remove a finished job's documents from the store and their KV from the engine's tiers (model thread)."""
+    """Remove a finished job's documents from the store and their KV from the engine's tiers (model thread),
+    then re-fuse the neighbours whose fused KV was built on them (as ``fusionrag delete`` does)."""
     for doc in job_documents(job) or [f"api:{job.id}"]:
         engine.invalidate(build.delete_document(engine.store, doc))
+    refuse_stale(engine)
 
 
 def delete_stored_document(engine: Engine, doc_id: str) -> dict[str, Any]:
-    """Remove one document (any origin) and the chunks only it used; tiers invalidated (model thread)."""
+    """Remove one document (any origin) and the chunks only it used; tiers invalidated; the neighbours
+    whose fused KV was built on them re-fused (model thread)."""
     keys = build.delete_document(engine.store, doc_id)
     engine.invalidate(keys)
-    return {"id": doc_id, "object": "document", "deleted": True, "chunks_removed": len({c for c, _ in keys})}
+    refused = refuse_stale(engine)
+    return {"id": doc_id, "object": "document", "deleted": True, "chunks_removed": len({c for c, _ in keys}),
+            "fused_kv_recomputed": refused}
+
+
+def refuse_stale(engine: Engine) -> int:
+    """In a fused store, re-fuse every chunk whose fused KV no longer matches its neighbours (a deleted
+    document was one of them); the tiers drop the old copies. How many were re-fused."""
+    recorded = build.recorded_fuse_settings(engine.store)
+    if recorded is None:
+        return 0
+    todo = build.stale_fused(engine.store, recorded, verify=False)
+    if not todo:
+        return 0
+    report = build.fuse(engine.store, engine.lm, chunk_ids=todo, progress=False, verify=False)
+    engine.invalidate(report.changed_keys)
+    return len(todo)
 
 
 def document_json(record: Any) -> dict[str, Any]:

@@ -106,6 +106,13 @@ def engine_factory(store: str | None, model: str | None, memory_budget_mb: int =
                              f"'fusionrag ingest FILES --store {store}'")
     if store is None and kv_tier:
         raise FusionRAGError("--kv-tier shares a store's KV between servers: it needs --store")
+    if kv_tier:  # said now, before minutes of model loading; the server still starts (disk reads until it answers)
+        from fusionrag.kvcache.redis_source import tier_unreachable
+
+        why = tier_unreachable(kv_tier)
+        if why:
+            print(f"fusionrag: warning: the KV tier {kv_tier.rpartition('@')[2]} does not answer ({why}); reading the "
+                  "store's files until it does", file=sys.stderr)
     if store is not None and model is not None:
         from fusionrag.retrieval.store_info import check_model_matches
 

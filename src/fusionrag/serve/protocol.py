@@ -1,9 +1,10 @@
-"""The OpenAI-shaped wire protocol: errors, request validation, response bodies and the SSE stream.
+"""The OpenAI-shaped wire protocol: request validation, response bodies and the SSE stream.
 
 Kept apart from the routes so that what a client may send is in one place, testable
 without a model (the bodies are :mod:`fusionrag.serve.schemas`; what goes back is
-:mod:`fusionrag.serve.responses`). Every error is JSON in OpenAI's shape
-``{"error": {"message", "type", "code", "param"}}``; bad input is a 4xx, never a crash.
+:mod:`fusionrag.serve.responses`; errors and their statuses :mod:`fusionrag.serve.api_errors`).
+Every error is JSON in OpenAI's shape ``{"error": {"message", "type", "code", "param"}}``; bad input is
+a 4xx, never a crash.
 """
 
 from __future__ import annotations
@@ -17,19 +18,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 
-from fusionrag.errors import CacheIntegrityError, FusionRAGError
 from fusionrag.online.request import DEFAULT_TOP_K, InvalidRequest, ReuseRequest
 from fusionrag.prompt import conversation_preamble, is_valid_text
-from fusionrag.retrieval.store_files import StoreBusyError, StoreCorruptedError
-from fusionrag.serve.requests import (
-    PromptTooLongError,
-    QueueFullError,
-    RequestCancelledError,
-    SchedulerClosedError,
-)
+from fusionrag.retrieval.stored_docs import identity_problem
+from fusionrag.serve.api_errors import APIError, as_api_error, error_response  # noqa: F401 (re-exported)
 from fusionrag.serve.sampling import SamplingParams
 from fusionrag.serve.schemas import (
     ChatCompletionRequest,
@@ -41,59 +35,6 @@ from fusionrag.serve.schemas import (
 from fusionrag.serve.settings import ServerSettings
 
 log = logging.getLogger(__name__)
-
-
-# ---------------------------------------------------------------------------------- errors
-
-
-class APIError(Exception):
-    """An error answered as OpenAI-shaped JSON with an HTTP status."""
-
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", code: str | None = None,
-                 param: str | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type_
-        self.code = code
-        self.param = param
-
-    def response(self) -> JSONResponse:
-        return error_response(self.status, self.message, self.type, self.code, self.param)
-
-
-def error_response(status: int, message: str, type_: str = "invalid_request_error", code: str | None = None,
-                   param: str | None = None) -> JSONResponse:
-    """The JSON error body (401 also says which scheme to use, as HTTP asks)."""
-    body = {"error": {"message": message, "type": type_, "code": code, "param": param}}
-    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
-    return JSONResponse(body, status_code=status, headers=headers)
-
-
-def as_api_error(exc: BaseException) -> APIError:
-    """Map engine/scheduler errors to statuses: the caller's fault is 4xx, ours is 5xx."""
-    if isinstance(exc, APIError):
-        return exc
-    if isinstance(exc, QueueFullError):
-        return APIError(429, str(exc), "rate_limit_error", "queue_full")
-    if isinstance(exc, PromptTooLongError):
-        return APIError(400, str(exc), "invalid_request_error", "context_length_exceeded")
-    if isinstance(exc, SchedulerClosedError):
-        return APIError(503, str(exc), "server_error", "unavailable")
-    if isinstance(exc, RequestCancelledError):
-        return APIError(499, str(exc), "invalid_request_error", "cancelled")
-    if isinstance(exc, CacheIntegrityError | StoreCorruptedError | StoreBusyError):
-        # the server's own data, not the request: 503, and no file paths in what the client sees
-        log.error("store fault: %s", exc)
-        return APIError(503, "the knowledge store has a damaged or busy file; the operator has been told "
-                             "(server log); retry later", "server_error", "store_unavailable")
-    if isinstance(exc, FusionRAGError):
-        return APIError(400, str(exc), "invalid_request_error", "invalid_request")
-    if isinstance(exc, TimeoutError):
-        return APIError(504, f"the request did not finish in time: {exc}", "server_error", "timeout")
-    log.error("internal error", exc_info=(type(exc), exc, exc.__traceback__))
-    return APIError(500, f"internal error ({type(exc).__name__}); see the server log", "server_error",
-                    "internal_error")
 
 
 # ---------------------------------------------------------------------------------- requests
@@ -186,9 +127,9 @@ def parse_documents(items: Any, s: ServerSettings, param: str, allow_empty: bool
             raise APIError(413, f"{param}[{i}] has {len(d['text']) + len(title)} characters "
                                 f"(limit {s.max_document_chars})", code="document_too_large", param=param)
         for key in ("source", "id"):
-            if d.get(key) is not None and (not isinstance(d[key], str) or not d[key].strip() or len(d[key]) > 4096):
-                raise APIError(400, f"{param}[{i}].{key} must be a non-empty string of at most 4096 characters",
-                               code="invalid_value", param=param)
+            why = identity_problem(key, d[key]) if d.get(key) is not None else None
+            if why:
+                raise APIError(400, f"{param}[{i}].{key}: {why}", code="invalid_value", param=param)
         if (title, d["text"]) in seen:
             continue
         seen.add((title, d["text"]))

@@ -13,7 +13,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from fusionrag.serve.protocol import GenerateRequest, as_api_error
+from fusionrag.serve.api_errors import as_api_error
+from fusionrag.serve.protocol import GenerateRequest
 from fusionrag.serve.requests import DecodeRequest, Event
 
 

@@ -88,6 +88,19 @@ class ServerSettings(BaseModel):
             raise ValueError("served model names must be non-empty strings")
         return value
 
+    @field_validator("kv_tier")
+    @classmethod
+    def _tier_url(cls, value: str | None) -> str | None:
+        """A malformed tier URL is one line now, not a traceback after the model has loaded."""
+        from fusionrag.kvcache.redis_source import check_tier_url
+
+        if value is None:
+            return None
+        try:
+            return check_tier_url(value)
+        except FusionRAGError as exc:
+            raise ValueError(str(exc)) from None
+
     @field_validator("default_method")
     @classmethod
     def _known_method(cls, value: str) -> str:

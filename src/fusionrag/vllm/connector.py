@@ -160,6 +160,8 @@ class FusionRAGConnector(KVConnectorBase_V1):
         params = (getattr(request, "kv_transfer_params", None) or {}).get("fusionrag", {})
         if params == "off" or (isinstance(params, dict) and params.get("off")):
             return None
+        if self.store.refresh():  # another process (ingest, delete) changed the store: match its chunks now
+            self.matcher = ChunkMatcher.from_store(self.store, kind=_kind(self.options["method"]))
         ids = list(request.prompt_token_ids or [])
         match = self.matcher.match(ids)
         if match is None or not match.chunks:
@@ -248,6 +250,8 @@ class FusionRAGConnector(KVConnectorBase_V1):
     def _load(self, load: ReqLoad) -> None:
         vm = self.model
         assert vm is not None
+        if self.store.refresh():  # another process rewrote entries: no cached copy of the old ones is read
+            self.kv_source.invalidate(None)
         ids, end = load.token_ids, load.end
         system = self._system_kv(tuple(ids[: load.system_len]))
         keys = [(chunk_id, kind) for chunk_id, kind, _, _ in load.chunks]
