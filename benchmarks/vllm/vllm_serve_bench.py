@@ -12,6 +12,12 @@ connector finds the chunks wherever they are). Closed loop: ``--clients`` client
 request when the last one ends, for ``--duration`` seconds or ``--max-requests`` requests. Per server:
 TTFT p50/p99 (the first streamed token), requests/s, failures. Then one LangChain ``ChatOpenAI``
 request through the connector's server. Writes ``serve.json`` and ``README.md``.
+
+Faults (issue 38's item 4, on by default; ``--faults 0`` turns them off): the connector's server reads a
+copy of the store in which ``--faults`` chunks' KV files are truncated and as many overwritten with noise,
+and every 10th request carries one passage the store does not hold. Both servers get the same requests;
+the connector must answer every one of them (falling back to vLLM's prefill where it cannot reuse), and
+its log's fallback warnings are counted by reason.
 """
 
 from __future__ import annotations
@@ -57,6 +63,48 @@ def requests_for(store, examples, n: int, seed: int = 0) -> list[list[dict]]:
         rng.shuffle(shuffled)
         out.append(rag_messages(store.prompt.system_prompt, shuffled, question))
     return out
+
+
+UNSTORED = "This passage was written for the benchmark and is in no store: {}."
+
+
+def with_unstored(requests: list[list[dict]], every: int = 10) -> int:
+    """Every ``every``-th request gets one passage the store does not hold (in place); how many did."""
+    from fusionrag.prompt import chunk_text
+
+    n = 0
+    for i in range(0, len(requests), every):
+        user = requests[i][-1]
+        user["content"] = user["content"].replace("Passages:\n", "Passages:\n" + chunk_text("", UNSTORED.format(i)), 1)
+        n += 1
+    return n
+
+
+def faulty_copy(store_path: Path, dest: Path, n: int, seed: int = 0) -> list[str]:
+    """A copy of the store with ``n`` chunks' KV files truncated and ``n`` overwritten with noise."""
+    import shutil
+
+    if dest.exists():
+        shutil.rmtree(dest)
+    shutil.copytree(store_path, dest, ignore=shutil.ignore_patterns("store.lock", "*.lock"))
+    files = sorted(p for p in (dest / "kv").rglob("*.safetensors") if "system" not in p.name)
+    rng = random.Random(seed)
+    broken = rng.sample(files, min(2 * n, len(files)))
+    for k, path in enumerate(broken):
+        data = path.read_bytes()
+        if k < n:
+            path.write_bytes(data[: len(data) // 2])
+        else:
+            path.write_bytes(data[:64] + rng.randbytes(len(data) - 64))
+    return [str(p.relative_to(dest)) for p in broken]
+
+
+def fallback_warnings(log: Path) -> list[str]:
+    """The connector's fallback warnings in a server log (the first of each reason is logged)."""
+    if not log.exists():
+        return []
+    return [line.split("fusionrag connector: ", 1)[1].strip()[:200]
+            for line in log.read_text(errors="replace").splitlines() if "such requests are prefilled by vLLM" in line]
 
 
 def start_server(folder: Path, port: int, threads: int, log: Path, config: dict | None) -> subprocess.Popen:
@@ -159,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     from fusionrag.models import load_model
     from fusionrag.models.gguf import ensure_converted
     from fusionrag.models.registry import PACKAGED
+    from fusionrag.paths import fusionrag_home
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data", default="../shared/data/2wikimqa/2wikimqa_dev_bm25_hipporag.jsonl")
@@ -168,6 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--port", type=int, default=8610)
+    ap.add_argument("--faults", type=int, default=2,
+                    help="chunks whose KV is truncated (and as many corrupted) in the connector's store; 0 = none")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     out = Path(args.out)
@@ -178,9 +229,15 @@ def main(argv: list[str] | None = None) -> int:
 
     build.fuse(store, lm, top_n=2)
     requests = requests_for(store, load_questions(args.data), args.max_requests)
+    unstored = with_unstored(requests) if args.faults else 0
+    served_store = store.path
+    broken: list[str] = []
+    if args.faults:
+        served_store = fusionrag_home() / "bench" / "serve-faulty-store"
+        broken = faulty_copy(store.path, served_store, args.faults)
     folder = ensure_converted(PACKAGED["qwen2.5-0.5b"])
     cells = {}
-    for name, config in (("vllm", None), ("vllm+fusionrag", connector_config(store.path, 0.15))):
+    for name, config in (("vllm", None), ("vllm+fusionrag", connector_config(served_store, 0.15))):
         proc = start_server(folder, args.port, args.threads, out / "logs" / f"{name}.log", config)
         try:
             wait_ready(args.port, proc)
@@ -188,7 +245,8 @@ def main(argv: list[str] | None = None) -> int:
                                                     args.max_tokens))
             cells[name] = {"summary": summary(results, wall), "results": results}
             if config:
-                cells[name]["langchain"] = langchain_check(args.port, requests[0])
+                cells[name]["langchain"] = langchain_check(args.port, requests[1])
+                cells[name]["fallback_warnings"] = fallback_warnings(out / "logs" / f"{name}.log")
             print(f"[serve] {name}: {json.dumps(cells[name]['summary'])}", file=sys.stderr, flush=True)
         finally:
             proc.terminate()
@@ -203,7 +261,8 @@ def main(argv: list[str] | None = None) -> int:
     meta = build_meta(command=shlex.join(["benchmarks/vllm/vllm_serve_bench.py", *sys.argv[1:]]),
                       model="qwen2.5-0.5b", data_files=[args.data],
                       extra={"clients": args.clients, "duration_s": args.duration, "max_requests": args.max_requests,
-                             "threads": args.threads, "max_tokens": args.max_tokens})
+                             "threads": args.threads, "max_tokens": args.max_tokens,
+                             "faults": {"kv_files_broken": broken, "requests_with_an_unstored_passage": unstored}})
     doc = {"meta": meta, "cells": cells, "ratios": ratios}
     atomic_write(out / "serve.json", json.dumps(doc, indent=1))
     lines = ["# vLLM serving with and without fusionrag's connector (passages shuffled per request)", "",
@@ -215,6 +274,11 @@ def main(argv: list[str] | None = None) -> int:
         s = cell["summary"]
         lines.append(f"| {name} | {s['ok']} / {s['failed']} | {_f(s['ttft_p50_s'])} | {_f(s['ttft_p99_s'])} | "
                      f"{_f(s['requests_per_s'], 3)} |")
+    if args.faults:
+        lines += ["", f"Faults: the connector's store copy has {len(broken)} broken chunk KV files ({args.faults} "
+                  f"truncated, {len(broken) - args.faults} overwritten with noise); {unstored} requests carry a "
+                  "passage no store holds. The connector's fallback warnings (the first of each reason): "
+                  f"{json.dumps(cells['vllm+fusionrag'].get('fallback_warnings'))}."]
     lines += ["", f"With the connector: p50 TTFT {_f(ratios['ttft_p50_x'], 2)}x lower, requests/s "
               f"{_f(ratios['requests_per_s_x'], 2)}x higher.", "", "LangChain ChatOpenAI through the connector: "
               f"{json.dumps(cells['vllm+fusionrag'].get('langchain'))}", ""]

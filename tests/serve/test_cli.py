@@ -19,7 +19,8 @@ def test_doctor_on_tiny_model_prints_json(capsys, monkeypatch):
 def test_doctor_in_float32_alone(capsys):
     assert main(["doctor", "--model", "tiny-llama", "--dtype", "float32", "--compact"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["compute_dtype"] == "float32 (asked for)" and set(report) == {"compute_dtype", "ok", "float32"}
+    assert report["compute_dtype"] == "float32 (asked for)"
+    assert set(report) == {"model", "device", "compute_dtype", "ok", "float32"}
 
 
 def test_unknown_model_is_one_line_error(capsys, fusionrag_home):
