@@ -22,6 +22,6 @@ for pkg in torchvision torchaudio torchcodec; do
   fi
 done
 # fusionrag itself (its dependencies at the lock's versions where vLLM has them; transformers stays vLLM's)
-"$V/bin/python" -m pip install --quiet -c "$LOCK" -e ".[models]" pytest hypothesis "filelock==4.3.2" "scipy==1.17.1" \
+"$V/bin/python" -m pip install --quiet -c "$LOCK" -e ".[models]" pytest hypothesis "filelock==4.3.2" "scipy==1.17.1" "redis==8.2.0" \
     "sentence-transformers==6.3.0"
 "$V/bin/python" -c "import vllm, transformers, fusionrag.vllm; print('setup: .venv-vllm ready (vllm', vllm.__version__, 'transformers', transformers.__version__ + ')')"

