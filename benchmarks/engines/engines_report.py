@@ -21,8 +21,11 @@ ORDER = ("transformers", "vllm", "llama.cpp", "fusionrag")
 
 
 def cell_name(row: dict) -> str:
+    """``engine method[ ratio] (dtype)``; vLLM's cells with fusionrag's connector say so."""
     ratio = f" {row['ratio']:.0%}" if row["method"] == "fusionrag" else ""
-    return f"{row['engine']} {row['method']}{ratio} ({row['dtype']})"
+    engine = "vllm + connector" if row["engine"] == "vllm" and row["method"] in ("fusionrag", "reuse") \
+        else row["engine"]
+    return f"{engine} {row['method']}{ratio} ({row['dtype']})"
 
 
 def find(rows: Sequence[dict], **match: Any) -> dict | None:

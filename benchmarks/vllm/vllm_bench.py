@@ -70,7 +70,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--report", action="store_true", help="only rebuild README.md and the plot from vllm.json")
     args = ap.parse_args(argv)
+    if args.report:
+        out = Path(args.out)
+        doc = json.loads((out / "vllm.json").read_text())
+        atomic_write(out / "README.md", markdown(doc))
+        plot(doc["rows"], out / "vllm.png", doc["meta"])
+        return 0
     why = missing_venv("vllm")
     if why:
         print(f"vllm_bench: {why}", file=sys.stderr)
@@ -168,7 +175,15 @@ def markdown(doc: dict) -> str:
             ratio = paired_ratio(find(rows, engine="vllm", method="full", target_tokens=n), r)
             ratios.append(f"{ratio['median']:.2f}x" if ratio else "-")
         lines.append(f"| {name} | " + " | ".join(cells) + " | " + " | ".join(ratios) + " |")
-    lines += ["", "First tokens (every round) per cell and length: `vllm.json` (`first_tokens`).", ""]
+    lines += ["", "## First tokens", "", "The greedy first token of each cell (the set over rounds); vLLM + connector "
+              "at 100% must be vLLM's own, at 15% our engine's:", "",
+              "| cell | " + " | ".join(f"~{n // 1024}K" for n in lengths) + " |", "|---|" + "---|" * len(lengths)]
+    for name in dict.fromkeys(cell_name(r) for r in rows):
+        firsts = [sorted(set(next(x for x in rows if cell_name(x) == name and x["target_tokens"] == n)
+                             ["first_tokens"])) for n in lengths]
+        lines.append(f"| {name} | " + " | ".join(", ".join(map(str, f)) for f in firsts) + " |")
+    lines += ["", "A prefix hit answers another question (its first token differs by design). Every sample: "
+              "`vllm.json`.", ""]
     return "\n".join(lines)
 
 

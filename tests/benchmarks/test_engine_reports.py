@@ -1,0 +1,58 @@
+"""The side-by-side reports (``benchmarks/engines``, ``benchmarks/vllm``) on synthetic rows: targets with
+their paired ratios, the tables, the first-token table and a real PNG, with no engine run."""
+
+from __future__ import annotations
+
+import json
+
+from bench_helpers import assert_png, load_script
+
+META = {"command": "engines_bench.py --out x", "model": "qwen2.5-0.5b", "rounds": 3, "threads": [1],
+        "machine": {"cpu_model": "test CPU", "cpu_bf16": "AVX512-BF16"}, "machine_probe": {}, "workers": {},
+        "data_files": [{"path": "d.jsonl", "sha256": "0"}]}
+
+
+def row(engine, method, ttft, n, ratio=None, dtype="bfloat16", first=785, **extra):
+    return {"engine": engine, "method": method, "ratio": ratio, "dtype": dtype, "threads": 1, "target_tokens": n,
+            "prompt_tokens": n + 100, "ttft_s": list(ttft), "first_tokens": [first] * len(ttft), **extra}
+
+
+def test_engines_report_states_each_target_with_its_paired_ratio(tmp_path):
+    report = load_script("benchmarks/engines/engines_report.py")
+    stages = [{"load": 40.0, "select": 400.0, "total": 5000.0}] * 3
+    rows = [row("vllm", "full", [27.0, 26.0, 28.0], 4096), row("vllm", "prefix_hit", [0.4, 0.4, 0.4], 4096),
+            row("fusionrag", "fusionrag", [5.0, 5.2, 5.6], 4096, ratio=0.15, stages_ms=stages),
+            row("fusionrag", "prefix_hit", [0.35, 0.36, 0.37], 4096),
+            row("fusionrag", "full", [28.0, 27.0, 29.0], 4096),
+            row("llama.cpp", "full", [35.0] * 3, 4096, dtype="bf16")]
+    found = {t["target"].split(" at ")[0]: t for t in report.targets(rows, "bfloat16")}
+    fr = found["FusionRAG 15% (bfloat16) >= 5x sooner than vLLM-CPU cold full prefill"]
+    assert fr["measured"]["per_round"] == [27.0 / 5.0, 26.0 / 5.2, 28.0 / 5.6] and fr["met"] is True
+    assert found["fusionrag full (bf16) no slower than vLLM-CPU's full prefill"]["met"] is False  # 28 > 27 s
+    share = next(t for t in found.values() if t.get("share"))
+    assert abs(share["measured"]["median"] - 0.088) < 1e-9 and share["met"] is True
+    report.write_report({"meta": META, "rows": rows}, tmp_path)
+    text = (tmp_path / "README.md").read_text()
+    assert "| llama.cpp full (bf16) |" in text and "| 5.00x [5.00, 5.40] |" in text  # per-round ratios' median
+    assert json.loads((tmp_path / "engines.json").read_text())["targets"]
+    assert_png(tmp_path / "engines.png")
+
+
+def test_the_vllm_report_names_the_connector_and_lists_first_tokens(tmp_path):
+    bench = load_script("benchmarks/vllm/vllm_bench.py")
+    rows = []
+    for n, full in ((4096, 26.0), (8192, 67.0)):
+        rows += [row("vllm", "full", [full] * 3, n, first=3564), row("vllm", "prefix_hit", [0.4] * 3, n, first=42),
+                 row("vllm", "reuse", [0.36] * 3, n, ratio=0.0),
+                 row("vllm", "fusionrag", [full / 5.5] * 3, n, ratio=0.15),
+                 row("vllm", "fusionrag", [full * 1.1] * 3, n, ratio=1.0, first=3564),
+                 row("fusionrag", "fusionrag", [full / 5.3] * 3, n, ratio=0.15)]
+    targets = bench.targets(rows)
+    assert [t["met"] for t in targets if "sooner" in t["target"]] == [True, False]  # 5.5x: >= 5 but < 6
+    doc = {"meta": {**META, "worker": {"vllm": "0.32.0"}}, "rows": rows, "targets": targets}
+    (tmp_path / "vllm.json").write_text(json.dumps(doc))
+    assert bench.main(["--out", str(tmp_path), "--report"]) == 0
+    text = (tmp_path / "README.md").read_text()
+    assert "| vllm + connector fusionrag 15% (bfloat16) | 785 | 785 |" in text
+    assert "| vllm + connector fusionrag 100% (bfloat16) | 3564 | 3564 |" in text
+    assert_png(tmp_path / "vllm.png")
