@@ -82,3 +82,45 @@ def test_a_posted_source_is_split_like_ingest_split_that_file(served):
     _finished(client, [{"id": store_path_id, "text": "A path-like id."}])
     assert client.get(f"/v1/documents/{store_path_id}").json()["id"] == store_path_id
     assert client.delete(f"/v1/documents/{store_path_id}").status_code == 200
+
+
+def test_a_job_waits_while_another_process_writes_and_chats_are_served_meanwhile(served):
+    """Another writer (a CLI ingest: the store's lock held from another file handle) makes the job wait,
+    saying so, without holding the model thread: a chat is answered meanwhile; the job finishes after."""
+    import threading
+
+    from fusionrag.retrieval.store_files import writer_lock
+
+    app, client = served
+    store = app.state.scheduler.engine.store
+    held, release = threading.Event(), threading.Event()
+
+    def other_writer():
+        with writer_lock(store.path, timeout_s=10):
+            held.set()
+            release.wait(30)
+
+    thread = threading.Thread(target=other_writer, daemon=True)
+    thread.start()
+    assert held.wait(10)
+    try:
+        r = client.post("/v1/documents", json=[{"id": "okapi", "text": "Okapis are relatives of giraffes."}])
+        assert r.status_code == 202
+        job_id = r.json()["id"]
+        deadline = time.monotonic() + 20
+        job = client.get(f"/v1/documents/{job_id}").json()
+        while not job["waiting"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+            job = client.get(f"/v1/documents/{job_id}").json()
+        assert job["status"] == "running" and "another process is writing" in job["waiting"]
+        chat = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi?"}]})
+        assert chat.status_code == 200  # the model thread is free while the job waits
+        assert client.get(f"/v1/documents/{job_id}").json()["status"] == "running"
+    finally:
+        release.set()
+        thread.join(10)
+    deadline = time.monotonic() + 60
+    while job["status"] == "running" and time.monotonic() < deadline:
+        time.sleep(0.05)
+        job = client.get(f"/v1/documents/{job_id}").json()
+    assert job["status"] == "ready" and job["waiting"] is None and job["chunk_ids"], job

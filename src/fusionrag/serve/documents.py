@@ -13,6 +13,9 @@ A job is answered at once (202); clients poll ``GET /v1/documents/{id}``. Three 
   one slice, however large the job (``tests/reliability/test_server_faults.py``).
 - **Bounded**: a job is refused with 413 before anything is queued if its passages would
   make more than ``max_job_chunks`` chunks or ``max_job_tokens`` tokens.
+- **Patient with other writers**: while another process (a CLI ``ingest``) holds the store's writer
+  lock, a slice does not block the model thread: it is retried a second later, the job saying it
+  waits (``waiting``), for up to ``job_lock_wait_s`` before it fails naming the holder.
 - **Documents with identity**: passages posted with an ``id`` form the document of that id; if
   the store has one already, the job replaces it (chunks only it used are removed and dropped
   from the tiers). Passages without an ``id`` form the job's own document ``api:JOB``.
@@ -42,8 +45,9 @@ from fusionrag.errors import FusionRAGError, storage_error
 from fusionrag.files import content_hash
 from fusionrag.offline import build
 from fusionrag.online.engine import Engine
-from fusionrag.retrieval.store_files import sqlite_fault
+from fusionrag.retrieval.store_files import StoreBusyError, sqlite_fault
 from fusionrag.serve.api_errors import APIError
+from fusionrag.serve.requests import SchedulerClosedError
 from fusionrag.serve.settings import ServerSettings
 
 log = logging.getLogger(__name__)
@@ -52,6 +56,12 @@ log = logging.getLogger(__name__)
 PASSAGES_PER_SLICE = 8
 CHUNKS_PER_PLAIN_SLICE = 8
 CHUNKS_PER_FUSE_SLICE = 4
+#: What a slice yields when another process holds the writer lock: run me again later.
+BUSY = "busy"
+#: How long a slice tries for the writer lock on the model thread (chats wait behind it), and the pause
+#: before the next try.
+LOCK_TRY_S = 0.2
+LOCK_RETRY_S = 1.0
 
 
 @dataclass
@@ -67,6 +77,7 @@ class DocumentJob:
     finished: float | None = None
     preprocess: dict[str, Any] | None = None
     slices: int = 0  # scheduler tasks this job has run so far
+    waiting: str | None = None  # why the job is not progressing (another process holds the writer lock)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -79,6 +90,7 @@ class DocumentJob:
             "created": int(self.created),
             "finished": None if self.finished is None else int(self.finished),
             "preprocess": self.preprocess,
+            "waiting": self.waiting,
         }
 
 
@@ -104,26 +116,50 @@ def job_documents(job: DocumentJob) -> dict[str, list[dict]]:
     return groups
 
 
-def job_slices(engine: Engine, job: DocumentJob, settings: ServerSettings) -> Iterator[None]:
-    """The job as a sequence of small steps (one per ``next``); records the outcome on ``job``."""
+def _locked(job: DocumentJob, store: Any, step: Any, wait_s: float) -> Iterator[str | None]:
+    """Run ``step()`` holding the writer lock, trying only briefly: while another process holds it, yield
+    :data:`BUSY` (the caller comes back later) for up to ``wait_s``; ``step``'s result is the return value."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            with store.writer(timeout_s=LOCK_TRY_S):
+                result = step()
+            job.waiting = None
+            return result
+        except StoreBusyError as exc:
+            if time.monotonic() >= deadline:
+                raise StoreBusyError(f"{exc} (the job waited {wait_s:.0f} s for it)") from None
+            job.waiting = f"another process is writing to the store: {exc}"
+            yield BUSY
+
+
+def job_slices(engine: Engine, job: DocumentJob, settings: ServerSettings) -> Iterator[str | None]:
+    """The job as a sequence of small steps (one per ``next``; :data:`BUSY`: the writer lock is another
+    process's, try again later); records the outcome on ``job``."""
     store, lm = engine.store, engine.lm
+    wait = settings.job_lock_wait_s
     try:
         ids: list[int] = []
         for doc, items in job_documents(job).items():
             used: list[int] = []
             for i in range(0, len(items), PASSAGES_PER_SLICE):
-                used += build.add_passages(store, lm, items[i:i + PASSAGES_PER_SLICE], doc=doc, plain_kv=False)
-                yield
+                part = items[i:i + PASSAGES_PER_SLICE]
+                used += yield from _locked(job, store, lambda part=part, doc=doc: build.add_passages(
+                    store, lm, part, doc=doc, plain_kv=False), wait)
+                yield None
             # the document is now exactly these chunks: an earlier version's own chunks go, tiers included
-            engine.invalidate(build.set_document(store, doc, used, source=items[0].get("source"),
-                                                 title=str(items[0].get("title") or ""),
-                                                 digest=content_hash(json.dumps(items, sort_keys=True))))
+            digest = content_hash(json.dumps(items, sort_keys=True))
+            engine.invalidate((yield from _locked(job, store, lambda doc=doc, used=used, items=items, digest=digest:
+                                                  build.set_document(store, doc, used, source=items[0].get("source"),
+                                                                     title=str(items[0].get("title") or ""),
+                                                                     digest=digest), wait)))
             ids += used
         job.chunk_ids = [int(c) for c in ids]
         unique = list(dict.fromkeys(job.chunk_ids))
         for i in range(0, len(unique), CHUNKS_PER_PLAIN_SLICE):
-            build.compute_plain_kv(store, lm, unique[i:i + CHUNKS_PER_PLAIN_SLICE])
-            yield
+            batch = unique[i:i + CHUNKS_PER_PLAIN_SLICE]
+            yield from _locked(job, store, lambda batch=batch: build.compute_plain_kv(store, lm, batch), wait)
+            yield None
         recorded = build.recorded_fuse_settings(store)
         if recorded is not None:  # incremental over the whole store, with its own settings
             fuse_args: dict[str, Any] = {}
@@ -136,12 +172,13 @@ def job_slices(engine: Engine, job: DocumentJob, settings: ServerSettings) -> It
             todo = []
         total: Counter[str] = Counter()
         for i in range(0, len(todo), CHUNKS_PER_FUSE_SLICE):
-            report = build.fuse(store, lm, chunk_ids=todo[i:i + CHUNKS_PER_FUSE_SLICE], progress=False,
-                                verify=False, **fuse_args)
+            batch = todo[i:i + CHUNKS_PER_FUSE_SLICE]
+            report = yield from _locked(job, store, lambda batch=batch: build.fuse(
+                store, lm, chunk_ids=batch, progress=False, verify=False, **fuse_args), wait)
             engine.invalidate(report.changed_keys)
             total.update({k: v for k, v in report.to_dict().items() if k in ("computed", "new", "replaced")})
             job.preprocess = {**report.to_dict(), **total, "chunks": len(todo)}
-            yield
+            yield None
         job.status = "ready"
     except Exception as exc:
         log.warning("document job %s failed: %s", job.id, exc)
@@ -275,9 +312,9 @@ class DocumentJobs:
         job.status = "running"
         self._run_slice(scheduler, job, job_slices(scheduler.engine, job, self.settings))
 
-    def _run_slice(self, scheduler: Any, job: DocumentJob, steps: Iterator[None]) -> None:
+    def _run_slice(self, scheduler: Any, job: DocumentJob, steps: Iterator[str | None]) -> None:
         try:
-            next(steps)
+            step = next(steps)
         except StopIteration:
             self.save(scheduler.engine, job)
             return
@@ -285,7 +322,18 @@ class DocumentJobs:
         if not self.save(scheduler.engine, job):
             steps.close()  # the job ended 'failed'; a DELETE removes what it had added
             return
+        if step == BUSY:  # another process writes: come back later, the model thread serves chats meanwhile
+            timer = threading.Timer(LOCK_RETRY_S, self._later, (scheduler, job, steps))
+            timer.daemon = True
+            timer.start()
+            return
         scheduler.run_task(self._run_slice, scheduler, job, steps)  # the next slice queues behind waiting chats
+
+    def _later(self, scheduler: Any, job: DocumentJob, steps: Iterator[str | None]) -> None:
+        try:
+            scheduler.run_task(self._run_slice, scheduler, job, steps)
+        except SchedulerClosedError:  # shutting down: the saved job resumes with the next server
+            steps.close()
 
     def _resume(self, scheduler: Any) -> None:
         if getattr(scheduler.engine.store, "read_only", False):

@@ -48,6 +48,8 @@ class ServerSettings(BaseModel):
     max_document_jobs: int = Field(16, ge=1, description="document jobs pending at once before 429")
     max_job_chunks: int = Field(512, ge=1, description="chunks one document job may add (413 beyond)")
     max_job_tokens: int = Field(131_072, ge=1, description="tokens one document job may add (413 beyond)")
+    job_lock_wait_s: float = Field(600.0, ge=0, description="how long a document job waits while another process "
+                                                            "(a CLI ingest) holds the store's writer lock")
     default_method: str = Field("auto", description="method of requests that name none (auto: fusionrag where "
                                                     "reuse pays, full below the break-even context length)")
     default_ratio: float = Field(0.15, ge=0.0, le=1.0, description="recompute ratio of requests that name none")
