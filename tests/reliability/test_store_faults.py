@@ -271,3 +271,34 @@ def test_verify_checks_the_documents_table_against_the_chunks(tmp_path, lm):
     report = verify_store(store)
     assert {p.kind for p in report.problems} == {"documents"} and len(report.problems) == 2
     assert verify_store(store, lm, repair=True).ok and verify_store(_reopen(tmp_path / "kb", lm)).ok
+
+
+def test_the_next_delete_or_server_start_finishes_a_re_fuse_a_killed_delete_left(tmp_path, lm, capsys):
+    """Before: the rerun of a `delete` killed after its commit said "no document" and left the neighbours' fused
+    KV stale; now the next writer (a CLI delete, a starting server) finishes that work first."""
+    from fastapi.testclient import TestClient
+
+    from fusionrag.online.engine import Engine
+    from fusionrag.serve.app import create_app
+    from fusionrag.serve.settings import ServerSettings
+
+    extra = [{"title": f"X{i}", "text": f"passage number {i} talks about topic {i % 4} and more item {i}."}
+             for i in range(6)]
+    for name, finish in (("cli", "delete"), ("server", "start")):
+        store = _store(tmp_path / name, lm, fuse=True)
+        build.add_passages(store, lm, extra, doc="extra")
+        build.fuse(store, lm, progress=False)
+        build.delete_document(store, "extra")  # committed; the process dies before its re-fuse
+        assert not verify_store(store).ok
+        store.close()
+        if finish == "delete":
+            code = main(["delete", "--store", str(tmp_path / name), "extra", "--model", "tiny-llama", "--quiet"])
+            err = capsys.readouterr().err
+            assert code == 2 and "finished a re-fuse an earlier change left undone" in err and "no document" in err
+        else:
+            app = create_app(Engine(_reopen(tmp_path / name, lm), lm), ServerSettings(default_max_tokens=2))
+            with TestClient(app, raise_server_exceptions=False) as client:
+                app.state.scheduler.wait_ready(60)
+                app.state.scheduler.run_task(lambda: None).result(timeout=60)  # after the start's tasks (FIFO)
+                assert client.get("/v1/documents").status_code == 200
+        assert verify_store(_reopen(tmp_path / name, lm)).ok, name

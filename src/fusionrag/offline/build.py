@@ -354,6 +354,19 @@ class DeleteReport:
 
 
 @_writes
+def finish_pending_fuse(store: KnowledgeStore, lm: LoadedModel, progress: bool = False) -> PreprocessReport | None:
+    """Re-fuse the chunks of a fused store whose fused KV no longer matches their neighbours: the work a
+    delete or replace committed but did not finish (a process killed between its commit and its re-fuse).
+    Every writer that can (``delete``, the server at start) runs this first; None when nothing was pending."""
+    settings = recorded_fuse_settings(store)
+    if settings is None:
+        return None
+    todo = stale_fused(store, settings, verify=False)
+    if not todo:
+        return None
+    return fuse(store, lm, chunk_ids=todo, progress=progress, verify=False)
+
+
 def delete_documents(store: KnowledgeStore, lm: LoadedModel, docs: Sequence[str], progress: bool = False,
                      runner: LocalRunner | None = None) -> DeleteReport:
     """Remove these documents and the chunks no other document uses; a fused store is then re-fused

@@ -181,6 +181,10 @@ def cmd_delete(args: argparse.Namespace) -> int:
     store_dir = Path(args.store)
     store, lm = _open(store_dir, args.model, devices=device_options(args))
     try:
+        pending = build.finish_pending_fuse(store, lm, progress=not args.quiet)  # an earlier delete killed early
+        if pending is not None:
+            print(f"fusionrag: finished a re-fuse an earlier change left undone ({pending.computed} chunk(s))",
+                  file=sys.stderr)
         docs = list(dict.fromkeys(_document_id(store, store_dir, t) for t in args.targets))
         report = build.delete_documents(store, lm, docs, progress=not args.quiet)
     finally:

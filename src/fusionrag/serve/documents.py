@@ -219,15 +219,11 @@ def delete_stored_document(engine: Engine, doc_id: str) -> dict[str, Any]:
 def refuse_stale(engine: Engine) -> int:
     """In a fused store, re-fuse every chunk whose fused KV no longer matches its neighbours (a deleted
     document was one of them); the tiers drop the old copies. How many were re-fused."""
-    recorded = build.recorded_fuse_settings(engine.store)
-    if recorded is None:
+    report = build.finish_pending_fuse(engine.store, engine.lm)
+    if report is None:
         return 0
-    todo = build.stale_fused(engine.store, recorded, verify=False)
-    if not todo:
-        return 0
-    report = build.fuse(engine.store, engine.lm, chunk_ids=todo, progress=False, verify=False)
     engine.invalidate(report.changed_keys)
-    return len(todo)
+    return int(report.computed)
 
 
 def document_json(record: Any) -> dict[str, Any]:
@@ -339,6 +335,12 @@ class DocumentJobs:
         if getattr(scheduler.engine.store, "read_only", False):
             log.warning("the store is read-only: unfinished document jobs are not resumed")
             return
+        try:  # a change another process committed but did not finish (killed before its re-fuse)
+            if n := refuse_stale(scheduler.engine):
+                log.info("finished a re-fuse an earlier change left undone (%d chunks)", n)
+        except Exception as exc:
+            log.warning("could not finish an earlier change's re-fuse (%s); 'fusionrag store verify --repair' "
+                        "will", exc)
         for job_id, status, data in scheduler.engine.store.jobs.all():
             job = DocumentJob(job_id, data.pop("documents"), status, **{k: data[k] for k in data if k != "slices"})
             if status in ("pending", "running"):
