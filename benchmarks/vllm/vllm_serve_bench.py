@@ -199,6 +199,36 @@ def _f(value: float | None, digits: int = 2) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
+def markdown(doc: dict) -> str:
+    """The serving run's README: both servers, the faults and what the connector said of them, the ratios."""
+    from collections import Counter
+
+    meta, cells, ratios = doc["meta"], doc["cells"], doc["ratios"]
+    faults = meta.get("faults") or {}
+    lines = ["# vLLM serving with and without fusionrag's connector (passages shuffled per request)", "",
+             f"Command: `{meta['command']}`  ", f"{meta['clients']} clients, closed loop, at most "
+             f"{meta['duration_s']:.0f} s or {meta['max_requests']} requests per server, {meta['max_tokens']} tokens "
+             f"per answer, bf16, {meta['threads']} thread(s), {meta['machine'].get('cpu_model')}.", "",
+             "| server | requests ok / failed | TTFT p50 s | TTFT p99 s | requests/s |", "|---|---|---|---|---|"]
+    for name, cell in cells.items():
+        s = cell["summary"]
+        lines.append(f"| {name} | {s['ok']} / {s['failed']} | {_f(s['ttft_p50_s'])} | {_f(s['ttft_p99_s'])} | "
+                     f"{_f(s['requests_per_s'], 3)} |")
+    if faults.get("kv_files_broken"):
+        said = Counter(w.split(";")[0] for w in cells["vllm+fusionrag"].get("fallback_warnings") or [])
+        lines += ["", f"Faults: the connector's store copy has {len(faults['kv_files_broken'])} broken chunk KV files "
+                  f"(half truncated, half overwritten with noise: {', '.join(faults['kv_files_broken'])}); "
+                  f"{faults['requests_with_an_unstored_passage']} requests carry a passage no store holds, first (the "
+                  "connector matches stored chunks up to the first unknown passage: vLLM prefills those requests "
+                  "itself). The connector's fallback "
+                  "warnings (logged once per reason and stats interval), with how often they were logged:", ""]
+        lines += [f"- {n}x {w}" for w, n in said.most_common()] or ["- none"]
+    lines += ["", f"With the connector: p50 TTFT {_f(ratios['ttft_p50_x'], 2)}x lower, requests/s "
+              f"{_f(ratios['requests_per_s_x'], 2)}x higher.", "", "LangChain ChatOpenAI through the connector: "
+              f"{json.dumps(cells['vllm+fusionrag'].get('langchain'))}", ""]
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     from fusionrag.bench.datasets import load_questions
     from fusionrag.bench.provenance import build_meta
@@ -220,8 +250,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--faults", type=int, default=2,
                     help="chunks whose KV is truncated (and as many corrupted) in the connector's store; 0 = none")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--report", action="store_true", help="only rebuild README.md from serve.json")
     args = ap.parse_args(argv)
     out = Path(args.out)
+    if args.report:
+        atomic_write(out / "README.md", markdown(json.loads((out / "serve.json").read_text())))
+        return 0
     lm = load_model("qwen2.5-0.5b", dtype="bfloat16", device="cpu")
     store, _, _ = ttft_workload(lm, args.data, [8192], top_n=2, model_source="qwen2.5-0.5b")
     # Fused KV for every chunk a request can name (the contexts bench ttft fuses cover only its prompts).
@@ -265,24 +299,7 @@ def main(argv: list[str] | None = None) -> int:
                              "faults": {"kv_files_broken": broken, "requests_with_an_unstored_passage": unstored}})
     doc = {"meta": meta, "cells": cells, "ratios": ratios}
     atomic_write(out / "serve.json", json.dumps(doc, indent=1))
-    lines = ["# vLLM serving with and without fusionrag's connector (passages shuffled per request)", "",
-             f"Command: `{meta['command']}`  ", f"{args.clients} clients, closed loop, at most {args.duration:.0f} s "
-             f"or {args.max_requests} requests per server, {args.max_tokens} tokens per answer, bf16, "
-             f"{args.threads} thread(s), {meta['machine'].get('cpu_model')}.", "",
-             "| server | requests ok / failed | TTFT p50 s | TTFT p99 s | requests/s |", "|---|---|---|---|---|"]
-    for name, cell in cells.items():
-        s = cell["summary"]
-        lines.append(f"| {name} | {s['ok']} / {s['failed']} | {_f(s['ttft_p50_s'])} | {_f(s['ttft_p99_s'])} | "
-                     f"{_f(s['requests_per_s'], 3)} |")
-    if args.faults:
-        lines += ["", f"Faults: the connector's store copy has {len(broken)} broken chunk KV files ({args.faults} "
-                  f"truncated, {len(broken) - args.faults} overwritten with noise); {unstored} requests carry a "
-                  "passage no store holds. The connector's fallback warnings (the first of each reason): "
-                  f"{json.dumps(cells['vllm+fusionrag'].get('fallback_warnings'))}."]
-    lines += ["", f"With the connector: p50 TTFT {_f(ratios['ttft_p50_x'], 2)}x lower, requests/s "
-              f"{_f(ratios['requests_per_s_x'], 2)}x higher.", "", "LangChain ChatOpenAI through the connector: "
-              f"{json.dumps(cells['vllm+fusionrag'].get('langchain'))}", ""]
-    atomic_write(out / "README.md", "\n".join(lines))
+    atomic_write(out / "README.md", markdown(doc))
     print(json.dumps(ratios))
     return 0
 
