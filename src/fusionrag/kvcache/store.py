@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import stat
 from dataclasses import dataclass
 from pathlib import Path
@@ -137,6 +138,10 @@ class KVEntry:
         return json.loads(self.metadata.get("extra", "{}"))
 
 
+#: A chunk entry's file name: ``<chunk id>.<kind>.safetensors``.
+ENTRY_NAME = re.compile(r"(\d+)\.(plain|fused)\.safetensors")
+
+
 class KVStore:
     """The ``kv/`` folder of a knowledge base, bound to one model and one system prompt."""
 
@@ -165,6 +170,13 @@ class KVStore:
 
     def entries(self, kind: str) -> list[Path]:
         return sorted(self.root.glob(f"*/*.{kind}.safetensors")) if self.root.is_dir() else []
+
+    def orphans(self, chunk_ids: set[int]) -> list[Path]:
+        """Entry files of chunks not in ``chunk_ids`` (a removal killed between its commit and its unlinks)."""
+        if not self.root.is_dir():
+            return []
+        return [p for p in sorted(self.root.glob("*/*.safetensors"))
+                if (m := ENTRY_NAME.fullmatch(p.name)) and int(m[1]) not in chunk_ids]
 
     def remove_temp_files(self) -> int:
         """Delete temp files left by an interrupted writer (never valid entries)."""

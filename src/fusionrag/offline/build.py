@@ -353,20 +353,33 @@ class DeleteReport:
                 "removed_ids": _capped(self.removed_ids), "fuse": self.fuse}
 
 
+@dataclass
+class Finished:
+    """What :func:`finish_interrupted` did: counts, and the KV keys it removed or rewrote (for the tiers)."""
+
+    counts: dict[str, int]
+    keys: list[Key]
+
+    def __bool__(self) -> bool:
+        return any(self.counts.values())
+
+
+def finish_interrupted(store: KnowledgeStore, lm: LoadedModel, progress: bool = False) -> Finished:
+    """Finish what a change killed midway left undone: chunks no document uses, KV files and index vectors
+    of removed chunks, and (a fused store) the re-fuse of the chunks whose neighbours changed. Every writer
+    that can (``delete``, the server at start, an API delete) runs this."""
+    with store.writer():
+        before = set(store.chunk_ids())
+        counts = store.sweep_interrupted()
+        keys = _keys(sorted(before - set(store.chunk_ids())))
+        settings = recorded_fuse_settings(store)
+        todo = stale_fused(store, settings, verify=False) if settings is not None else []
+        if todo:
+            keys += fuse(store, lm, chunk_ids=todo, progress=progress, verify=False).changed_keys
+    return Finished({**counts, "refused": len(todo)}, keys)
+
+
 @_writes
-def finish_pending_fuse(store: KnowledgeStore, lm: LoadedModel, progress: bool = False) -> PreprocessReport | None:
-    """Re-fuse the chunks of a fused store whose fused KV no longer matches their neighbours: the work a
-    delete or replace committed but did not finish (a process killed between its commit and its re-fuse).
-    Every writer that can (``delete``, the server at start) runs this first; None when nothing was pending."""
-    settings = recorded_fuse_settings(store)
-    if settings is None:
-        return None
-    todo = stale_fused(store, settings, verify=False)
-    if not todo:
-        return None
-    return fuse(store, lm, chunk_ids=todo, progress=progress, verify=False)
-
-
 def delete_documents(store: KnowledgeStore, lm: LoadedModel, docs: Sequence[str], progress: bool = False,
                      runner: LocalRunner | None = None) -> DeleteReport:
     """Remove these documents and the chunks no other document uses; a fused store is then re-fused

@@ -181,9 +181,9 @@ def cmd_delete(args: argparse.Namespace) -> int:
     store_dir = Path(args.store)
     store, lm = _open(store_dir, args.model, devices=device_options(args))
     try:
-        pending = build.finish_pending_fuse(store, lm, progress=not args.quiet)  # an earlier delete killed early
-        if pending is not None:
-            print(f"fusionrag: finished a re-fuse an earlier change left undone ({pending.computed} chunk(s))",
+        pending = build.finish_interrupted(store, lm, progress=not args.quiet)  # an earlier change killed midway
+        if pending:
+            print(f"fusionrag: finished what an earlier, interrupted change left undone ({json.dumps(pending.counts)})",
                   file=sys.stderr)
         docs = list(dict.fromkeys(_document_id(store, store_dir, t) for t in args.targets))
         report = build.delete_documents(store, lm, docs, progress=not args.quiet)

@@ -23,7 +23,7 @@ from typing import Any
 
 from fusionrag.errors import CacheIntegrityError
 from fusionrag.files import remove_temp_files
-from fusionrag.kvcache.store import CHUNK_KINDS
+from fusionrag.kvcache.store import CHUNK_KINDS, ENTRY_NAME
 from fusionrag.models.registry import LoadedModel
 from fusionrag.offline import build
 from fusionrag.offline.compact import keeps_plain
@@ -31,8 +31,6 @@ from fusionrag.offline.preprocess import compute_plain
 from fusionrag.retrieval.knowledge import KnowledgeStore
 from fusionrag.retrieval.store_files import index_digest
 from fusionrag.retrieval.store_info import INDEX_NAME
-
-_ENTRY = re.compile(r"(\d+)\.(plain|fused)\.safetensors")
 
 
 @dataclass
@@ -177,7 +175,7 @@ def _check_files(store: KnowledgeStore, ids: set[int], report: VerifyReport, rep
     if not root.is_dir():
         return
     for path in sorted(root.glob("*/*.safetensors")):
-        m = _ENTRY.fullmatch(path.name)
+        m = ENTRY_NAME.fullmatch(path.name)
         if m is None or int(m.group(1)) not in ids:
             problem = Problem("orphan", str(path.relative_to(store.path)), "no chunk with this id in the metadata")
             if repair:

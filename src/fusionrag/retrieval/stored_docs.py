@@ -196,6 +196,18 @@ class StoredDocuments:
         """
         return self.drop_documents([doc]) if self.document_chunks(doc) or self.document(doc) else []
 
+    def sweep_interrupted(self) -> dict[str, int]:
+        """Finish what a removal killed midway left (the caller holds the writer lock): chunks no document
+        uses, KV files of chunks that are gone, an index that no longer counts the chunks. Counts of each."""
+        removed = self.remove_unreferenced()
+        orphans = self._kv.orphans(set(self.chunk_ids()))
+        for path in orphans:
+            path.unlink(missing_ok=True)
+        stale_index = self.recorded_settings().get("index_count") != len(self.chunk_ids())
+        if stale_index:
+            self.rebuild_index()
+        return {"chunks_removed": len(removed), "kv_files_removed": len(orphans), "index_rebuilt": int(stale_index)}
+
     def remove_unreferenced(self) -> list[int]:
         """Remove every chunk no document uses (metadata, vectors, KV files); returns their ids. Also mends
         a run stopped between changing references and removing chunks."""

@@ -219,11 +219,9 @@ def delete_stored_document(engine: Engine, doc_id: str) -> dict[str, Any]:
 def refuse_stale(engine: Engine) -> int:
     """In a fused store, re-fuse every chunk whose fused KV no longer matches its neighbours (a deleted
     document was one of them); the tiers drop the old copies. How many were re-fused."""
-    report = build.finish_pending_fuse(engine.store, engine.lm)
-    if report is None:
-        return 0
-    engine.invalidate(report.changed_keys)
-    return int(report.computed)
+    done = build.finish_interrupted(engine.store, engine.lm)
+    engine.invalidate(done.keys)
+    return done.counts["refused"]
 
 
 def document_json(record: Any) -> dict[str, Any]:
@@ -335,18 +333,19 @@ class DocumentJobs:
         if getattr(scheduler.engine.store, "read_only", False):
             log.warning("the store is read-only: unfinished document jobs are not resumed")
             return
-        try:  # a change another process committed but did not finish (killed before its re-fuse)
-            if n := refuse_stale(scheduler.engine):
-                log.info("finished a re-fuse an earlier change left undone (%d chunks)", n)
-        except Exception as exc:
-            log.warning("could not finish an earlier change's re-fuse (%s); 'fusionrag store verify --repair' "
-                        "will", exc)
+        unfinished = []
         for job_id, status, data in scheduler.engine.store.jobs.all():
             job = DocumentJob(job_id, data.pop("documents"), status, **{k: data[k] for k in data if k != "slices"})
             if status in ("pending", "running"):
                 log.info("resuming document job %s (%s when the server stopped)", job_id, status)
                 job.status, job.error, job.finished = "pending", None, None
-                self.remember(job)
-                self._begin(scheduler, job)
-            else:
-                self.remember(job)
+                unfinished.append(job)
+            self.remember(job)  # visible to GET before anything below runs
+        try:  # a change another process committed but did not finish (killed before its re-fuse)
+            if n := refuse_stale(scheduler.engine):
+                log.info("finished what an earlier, interrupted change left undone (%d chunks re-fused)", n)
+        except Exception as exc:
+            log.warning("could not finish an earlier change's re-fuse (%s); 'fusionrag store verify --repair' "
+                        "will", exc)
+        for job in unfinished:
+            self._begin(scheduler, job)
