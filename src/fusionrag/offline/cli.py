@@ -74,6 +74,7 @@ def cmd_ingest(args: argparse.Namespace) -> int:
         if args.system_prompt is not None and read_system_prompt(args.system_prompt) != store.prompt.system_prompt:
             raise FusionRAGError(f"the store at {store_dir} was made with another --system-prompt; every cached KV "
                                  "was computed after it, so it cannot change (use a new --store)")
+        _finish_interrupted(store, lm, args.quiet)
     else:
         model = args.model or DEFAULT_MODEL
         embedder = get_embedder(args.embedder) if args.embedder else None
@@ -105,6 +106,16 @@ def cmd_ingest(args: argparse.Namespace) -> int:
     return 0
 
 
+def _finish_interrupted(store, lm, quiet: bool) -> None:
+    """What an earlier change killed midway left undone, finished before this command's own work."""
+    from fusionrag.offline import build
+
+    done = build.finish_interrupted(store, lm, progress=not quiet)
+    if done:
+        print(f"fusionrag: finished what an earlier, interrupted change left undone ({json.dumps(done.counts)})",
+              file=sys.stderr)
+
+
 def _same_dtype(a: str, b: str) -> bool:
     from fusionrag.kvcache.store import canonical_dtype
 
@@ -118,6 +129,7 @@ def cmd_preprocess(args: argparse.Namespace) -> int:
     runner = _ray_runner(args, store)
     try:
         with store.writer():  # one writer for the whole run (re-entrant: build.fuse takes it too)
+            _finish_interrupted(store, lm, args.quiet)
             converted = compact.convert_kv_dtype(store, args.kv_dtype) if args.kv_dtype else []
             if args.plain_kv == "keep":
                 compact.set_plain_kv(store, "keep")
@@ -181,10 +193,7 @@ def cmd_delete(args: argparse.Namespace) -> int:
     store_dir = Path(args.store)
     store, lm = _open(store_dir, args.model, devices=device_options(args))
     try:
-        pending = build.finish_interrupted(store, lm, progress=not args.quiet)  # an earlier change killed midway
-        if pending:
-            print(f"fusionrag: finished what an earlier, interrupted change left undone ({json.dumps(pending.counts)})",
-                  file=sys.stderr)
+        _finish_interrupted(store, lm, args.quiet)
         docs = list(dict.fromkeys(_document_id(store, store_dir, t) for t in args.targets))
         report = build.delete_documents(store, lm, docs, progress=not args.quiet)
     finally:

@@ -13,6 +13,7 @@ import re
 import zipfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any
 from xml.etree import ElementTree
 
 from fusionrag.retrieval.passages import ParsedFile, Passage, Problem, sections, skipped_file
@@ -103,15 +104,35 @@ def html_passages(doc: str, stem: str, markup: str | bytes, title: str | None) -
         tag.replace_with("\n\n" + "\n".join(_PRE + line for line in lines) + "\n\n")
     for tag in root.find_all(_HEADINGS):
         tag.replace_with(f"\n{_MARK}{' '.join(tag.get_text(' ').split())}\n")
-    for tag in root.find_all(_HTML_BLOCKS):  # a break at the block's start and end, inside it: no sibling scan
-        tag.insert(0, "\n\n")
-        tag.append("\n\n")
-    flat = root.get_text("")
+    flat = _block_text(root)
     items = ((True, line[1:].strip()) if line.startswith(_MARK) else
              (False, line[1:].rstrip()) if line.startswith(_PRE) else (False, line.strip())
              for line in flat.replace("\r", "").split("\n"))
     passages = sections(doc, name, _squeeze(items))
     return name, passages
+
+
+def _block_text(root: Any) -> str:
+    """The text under ``root`` (what ``get_text("")`` gives) with a break at each block's start and end, in
+    one iterative walk: inserting the breaks into the tree costs a walk to the last descendant per block,
+    quadratic in the nesting depth (8,000 nested blocks took 2.8 s, 30,000 over 30 s)."""
+    from bs4 import CData, NavigableString, Tag
+
+    blocks = frozenset(_HTML_BLOCKS)
+    parts: list[str] = []
+    stack: list[tuple[Any, bool]] = [(root, False)]
+    while stack:
+        node, closing = stack.pop()
+        if closing:
+            parts.append("\n\n")
+        elif isinstance(node, Tag):
+            if node.name in blocks:
+                parts.append("\n\n")
+                stack.append((node, True))
+            stack.extend((child, False) for child in reversed(node.contents))
+        elif type(node) in (NavigableString, CData):  # comments, doctypes and the like are not text
+            parts.append(str(node))
+    return "".join(parts)
 
 
 def _squeeze(items: Iterable[tuple[bool, str]]) -> Iterator[tuple[bool, str]]:
