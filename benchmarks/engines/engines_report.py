@@ -83,10 +83,9 @@ def targets(rows: Sequence[dict], default_dtype: str) -> list[dict]:
 
 def write_report(doc: dict, out: Path) -> None:
     """``engines.json``, ``README.md`` and ``engines.png`` under ``out``."""
-    from fusionrag.models.devices import auto_dtype
-
     rows, meta = doc["rows"], doc["meta"]
-    default_dtype = str(auto_dtype("cpu")[0]).removeprefix("torch.")
+    # --dtype auto on the machine that ran it (its recorded bf16 feature), not on the one rebuilding the report
+    default_dtype = "bfloat16" if meta.get("machine", {}).get("cpu_bf16") else "float32"
     doc["targets"] = targets(rows, default_dtype)
     atomic_write(out / "engines.json", json.dumps(doc, indent=1))
     atomic_write(out / "README.md", markdown(doc, default_dtype))
