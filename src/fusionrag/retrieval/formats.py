@@ -79,32 +79,16 @@ def read_html(path: Path, data: bytes, problems: list[Problem]) -> ParsedFile:
 
 
 def html_passages(doc: str, stem: str, markup: str | bytes, title: str | None) -> tuple[str, list[Passage]]:
-    """The page's title and its main text as heading sections (navigation, scripts and styles removed)."""
-    from bs4 import BeautifulSoup, NavigableString
+    """The page's title and its main text as heading sections (navigation, scripts, styles and hidden
+    elements left out). The tree is parsed once and read in one walk, never changed: every change to a
+    bs4 tree searches the parent's children or the last descendant, quadratic on wide or deep pages."""
+    from bs4 import BeautifulSoup
 
     soup = BeautifulSoup(markup, "html.parser")
     own = " ".join(soup.title.get_text(" ").split()) if soup.title else ""
     name = title if title is not None else (own or stem)
-    for tag in soup.find_all(_HTML_NOISE):
-        tag.decompose()
-    for tag in soup.find_all(lambda t: t.has_attr("hidden") or t.get("aria-hidden") == "true"):
-        tag.decompose()
     root = soup.find("main") or soup.find("article") or soup.body or soup
-    # Every step below is one walk of the tree (never a walk up a node's parents per node: a page of
-    # 100,000 nested elements took minutes that way), so a page is read in time linear in its size.
-    outer_pre = [tag for tag in root.find_all("pre") if tag.find_parent("pre") is None]
-    in_pre = {id(s) for tag in outer_pre for s in tag.find_all(string=True)}
-    for s in list(root.find_all(string=True)):
-        if type(s) is NavigableString and id(s) not in in_pre:
-            s.replace_with(NavigableString(re.sub(r"\s+", " ", str(s))))
-    for br in root.find_all("br"):
-        br.replace_with("\n")
-    for tag in outer_pre:  # code and aligned text: every line keeps its leading whitespace
-        lines = tag.get_text("").replace("\r", "").strip("\n").split("\n")
-        tag.replace_with("\n\n" + "\n".join(_PRE + line for line in lines) + "\n\n")
-    for tag in root.find_all(_HEADINGS):
-        tag.replace_with(f"\n{_MARK}{' '.join(tag.get_text(' ').split())}\n")
-    flat = _block_text(root)
+    flat = _html_text(root)
     items = ((True, line[1:].strip()) if line.startswith(_MARK) else
              (False, line[1:].rstrip()) if line.startswith(_PRE) else (False, line.strip())
              for line in flat.replace("\r", "").split("\n"))
@@ -112,26 +96,84 @@ def html_passages(doc: str, stem: str, markup: str | bytes, title: str | None) -
     return name, passages
 
 
-def _block_text(root: Any) -> str:
-    """The text under ``root`` (what ``get_text("")`` gives) with a break at each block's start and end, in
-    one iterative walk: inserting the breaks into the tree costs a walk to the last descendant per block,
-    quadratic in the nesting depth (8,000 nested blocks took 2.8 s, 30,000 over 30 s)."""
+def _skipped(tag: Any) -> bool:
+    """Navigation, scripts, styles and the like, and hidden elements: not the page's text."""
+    return tag.name in _HTML_NOISE or tag.has_attr("hidden") or tag.get("aria-hidden") == "true"
+
+
+def _walk_html(root: Any, emit: Any) -> None:
+    """Depth-first over ``root`` without recursion: ``emit(node)`` for every node not under a skipped
+    element; it returns False to skip the node's children, or a string to add after them."""
+    from bs4 import Tag
+
+    stack: list[tuple[Any, str | None]] = [(root, None)]
+    while stack:
+        node, after = stack.pop()
+        if node is None:
+            emit(after)
+            continue
+        if isinstance(node, Tag) and node is not root and _skipped(node):
+            continue
+        go = emit(node)
+        if isinstance(node, Tag) and go is not False:
+            if isinstance(go, str):
+                stack.append((None, go))
+            stack.extend((child, None) for child in reversed(node.contents))
+
+
+def _raw_text(tag: Any) -> str:
+    """A ``<pre>`` or heading's text as written (``<br>`` a newline), hidden parts left out."""
     from bs4 import CData, NavigableString, Tag
 
-    blocks = frozenset(_HTML_BLOCKS)
     parts: list[str] = []
-    stack: list[tuple[Any, bool]] = [(root, False)]
-    while stack:
-        node, closing = stack.pop()
-        if closing:
-            parts.append("\n\n")
-        elif isinstance(node, Tag):
-            if node.name in blocks:
-                parts.append("\n\n")
-                stack.append((node, True))
-            stack.extend((child, False) for child in reversed(node.contents))
-        elif type(node) in (NavigableString, CData):  # comments, doctypes and the like are not text
+
+    def emit(node: Any) -> Any:
+        if isinstance(node, str) and not isinstance(node, NavigableString):
+            return None  # a closing marker (none are used here)
+        if isinstance(node, Tag):
+            if node.name == "br":
+                parts.append("\n")
+            return None
+        if type(node) in (NavigableString, CData):
             parts.append(str(node))
+        return None
+
+    _walk_html(tag, emit)
+    return "".join(parts)
+
+
+def _html_text(root: Any) -> str:
+    """The text under ``root`` in one walk: whitespace runs squeezed, ``<br>`` a newline, a break at each
+    block's start and end, headings marked on their own line, ``<pre>`` lines kept with their indentation."""
+    from bs4 import CData, NavigableString, Tag
+
+    blocks = frozenset(_HTML_BLOCKS) - {"pre"}
+    headings = frozenset(_HEADINGS)
+    parts: list[str] = []
+
+    def emit(node: Any) -> Any:
+        if isinstance(node, str) and not isinstance(node, NavigableString):
+            parts.append(node)  # a block's closing break
+            return None
+        if isinstance(node, Tag):
+            if node.name == "br":
+                parts.append("\n")
+            elif node.name == "pre":  # code and aligned text: every line keeps its leading whitespace
+                lines = _raw_text(node).replace("\r", "").strip("\n").split("\n")
+                parts.append("\n\n" + "\n".join(_PRE + line for line in lines) + "\n\n")
+                return False
+            elif node.name in headings:
+                parts.append(f"\n{_MARK}{' '.join(_raw_text(node).split())}\n")
+                return False
+            elif node.name in blocks:
+                parts.append("\n\n")
+                return "\n\n"
+            return None
+        if type(node) in (NavigableString, CData):  # comments, doctypes and the like are not text
+            parts.append(re.sub(r"\s+", " ", str(node)))
+        return None
+
+    _walk_html(root, emit)
     return "".join(parts)
 
 
