@@ -211,7 +211,11 @@ def test_a_kill_at_every_write_point_leaves_a_store_the_next_command_makes_whole
         _hooked(None)
     points, want = counter.seen, _state(clean)
     assert points > 5 and not want["verify"], want["verify"]
-    ctx = multiprocessing.get_context("spawn")  # fork deadlocks on locks other threads held
+    # Not fork: pytest's threads may hold locks the child would wait on forever. A fork server started
+    # once with the heavy imports done forks each child from a single-threaded process (no re-import).
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "transformers", "fusionrag.cli", "fusionrag.serve.app",
+                                "fusionrag.online.engine", "fastapi.testclient", "test_crash_points"])
     failures, killed = [], 0
     for n in range(1, points + 1):
         kb = tmp_path / f"kb{n}"
