@@ -120,6 +120,7 @@ class FusionRAGConnector(KVConnectorBase_V1):
         self.options = _options(self._kv_transfer_config)
         self.block_size = int(vllm_config.cache_config.block_size)
         self.fallbacks: Counter[str] = Counter()
+        self._warned: set[str] = set()
         self.loaded = 0
         self.store = open_store(self.options["store"], vllm_config.model_config)
         if role == KVConnectorRole.SCHEDULER:
@@ -282,9 +283,12 @@ class FusionRAGConnector(KVConnectorBase_V1):
         return kv
 
     def _fallback(self, reason: str, exc: BaseException | None = None) -> None:
-        self.fallbacks[reason] += 1
-        if self.fallbacks[reason] == 1:
-            log.warning("fusionrag connector: %s (%s); such requests are prefilled by vLLM", reason, exc)
+        self.fallbacks[reason] += 1  # reset by every stats report: the counts are per interval
+        said = f"{reason}: {exc}"[:300]  # each distinct fault is logged once per process (the first 100)
+        if said not in self._warned and len(self._warned) < 100:
+            self._warned.add(said)
+            log.warning("fusionrag connector: %s (%s); such requests are prefilled by vLLM (counted in vLLM's "
+                        "KV-connector stats from now on)", reason, exc)
 
     def get_kv_connector_stats(self) -> Any:
         """Loads and fallbacks (by reason) since the last call: vLLM aggregates and logs them with its metrics."""
