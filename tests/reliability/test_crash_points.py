@@ -235,4 +235,7 @@ def test_a_kill_at_every_write_point_leaves_a_store_the_next_command_makes_whole
             failures.append(f"point {n}: {json.dumps(diff, default=str)[:400]}")
         shutil.rmtree(kb)
     print(f"crash points ({name}): {points} write points, {killed} kills, {len(failures)} inconsistent stores")
-    assert killed >= points - 1 and failures == [], "\n".join(failures)
+    assert failures == [], "\n".join(failures)
+    # The CLI's write points are deterministic; a server's depend a little on thread timing (a child may
+    # finish before its point): most must still be reached, or the test tests nothing.
+    assert killed == points if not name.startswith("server") else killed >= 0.8 * points, (killed, points)
