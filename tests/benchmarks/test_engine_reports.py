@@ -1,5 +1,5 @@
-"""The side-by-side reports (``benchmarks/engines``, ``benchmarks/vllm``) on synthetic rows: targets with
-their paired ratios, the tables, the first-token table and a real PNG, with no engine run."""
+"""The benchmark reports (``benchmarks/engines``, ``benchmarks/vllm``, ``benchmarks/readers``) on synthetic
+rows: targets with their paired ratios, the tables, the first-token table and a real PNG, with no engine run."""
 
 from __future__ import annotations
 
@@ -56,3 +56,25 @@ def test_the_vllm_report_names_the_connector_and_lists_first_tokens(tmp_path):
     assert "| vllm + connector fusionrag 15% (bfloat16) | 785 | 785 |" in text
     assert "| vllm + connector fusionrag 100% (bfloat16) | 3564 | 3564 |" in text
     assert_png(tmp_path / "vllm.png")
+
+
+def test_reader_budget_shapes_fit_their_limits_and_the_report_is_written(tmp_path, monkeypatch):
+    budget = load_script("benchmarks/readers/reader_budget.py")
+    monkeypatch.setenv("FUSIONRAG_MAX_FILE_MB", "1")
+    from fusionrag.retrieval.readers import max_file_bytes
+
+    shapes = budget.text_files() + budget.html_files()
+    assert {suffix for _, suffix, _ in shapes} == {".txt", ".md", ".jsonl", ".html"}
+    for name, suffix, data in shapes:
+        assert max_file_bytes(suffix) // 2 < len(data) <= max_file_bytes(suffix), name
+    rows = [{"shape": "html tiny tags", "suffix": ".html", "file_mb": 8.0, "limit_mb": 8.0, "wall_s": 6.6,
+             "rss_above_imports_mb": 56.0, "passages": 1, "chars": 1_864_075, "problems": [], "within_budget": True},
+            {"shape": "pdf too big", "suffix": ".pdf", "file_mb": 31.8, "limit_mb": 32.0, "wall_s": 0.2,
+             "rss_above_imports_mb": 77.0, "passages": 0, "chars": 0, "problems": ["over the budget; skipped"],
+             "within_budget": True}]
+    budget.write_report(tmp_path, rows)
+    table = (tmp_path / "README.md").read_text()
+    assert "| html tiny tags | 8.0 MiB | 8 MiB | 6.60 s | 56 MB | 1 |" in table
+    assert "(over the budget; skipped)" in table
+    assert json.loads((tmp_path / "reader_budget.json").read_text())["rows"] == rows
+    assert_png(tmp_path / "reader_budget.png")

@@ -106,7 +106,7 @@ def test_readers_are_bounded_in_time_and_memory(tmp_path, monkeypatch):
     sparse = tmp_path / "big.txt"
     with sparse.open("wb") as f:
         f.truncate(3 << 30)  # 3 GiB of holes: nothing is read to find out
-    monkeypatch.setattr(readers, "MAX_FILE_BYTES", 1 << 30)
+    monkeypatch.setenv("FUSIONRAG_MAX_FILE_MB", "1024")
     problems = []
     assert readers.load_bytes(sparse, problems) is None and "limit of one file" in problems[-1].message
     small_binary = tmp_path / "b.txt"
@@ -138,3 +138,75 @@ def test_a_closed_stdout_pipe_is_a_quiet_exit_not_a_disk_fault(tmp_path):
             f"raise SystemExit(main(['documents', '--store', {str(tmp_path)!r}]))\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 141 and "error" not in done.stderr
+
+
+def test_each_format_has_its_own_limit_checked_before_reading(tmp_path, monkeypatch):
+    """An 8 MB HTML page of tiny tags takes ~7 s to read, a 128 MB text file 0.2 s: each format's limit is
+    what its reader reads inside the budget (benchmarks/readers); FUSIONRAG_MAX_FILE_MB sets one for all."""
+    from fusionrag.retrieval import readers
+
+    monkeypatch.delenv("FUSIONRAG_MAX_FILE_MB", raising=False)
+    assert readers.max_file_bytes(".html") < readers.max_file_bytes(".txt")
+    page = tmp_path / "big.html"
+    with page.open("wb") as f:
+        f.truncate(readers.max_file_bytes(".html") + 1)  # holes: refused from its size, nothing read
+    problems = []
+    assert readers.load_bytes(page, problems) is None
+    assert "limit of one file (HTML" in problems[-1].message
+    text = tmp_path / "same size.txt"
+    text.write_bytes(b"words " * ((readers.max_file_bytes(".html") + 6) // 6))
+    assert readers.load_bytes(text, problems) is not None  # the text reader takes it
+    monkeypatch.setenv("FUSIONRAG_MAX_FILE_MB", "1")
+    assert readers.load_bytes(text, problems) is None and "limit of one file (text" in problems[-1].message
+
+
+def test_a_pdf_over_the_readers_page_or_content_budget_is_refused_before_extraction(tmp_path, monkeypatch):
+    from doc_files import make_pdf
+    from fusionrag.retrieval import formats, readers
+
+    monkeypatch.delenv("FUSIONRAG_MAX_FILE_MB", raising=False)
+    pdf = tmp_path / "book.pdf"
+    pdf.write_bytes(make_pdf(["a page of words " * 20] * 12, title="Book"))
+    assert len(readers.read_passages(pdf, [])) == 12
+    extracted = []
+    monkeypatch.setattr(formats, "_clean", lambda page: extracted.append(page) or page)
+    monkeypatch.setattr(formats, "PDF_MAX_PAGES", 10)
+    problems = []
+    assert readers.read_passages(pdf, problems) == [] and extracted == []
+    assert "12 pages, over the PDF reader's 10" in problems[-1].message and problems[-1].file_skipped
+    monkeypatch.setattr(formats, "PDF_MAX_PAGES", 5000)
+    monkeypatch.setattr(formats, "PDF_MAX_CONTENT", 1000)
+    assert readers.read_passages(pdf, problems) == [] and extracted == []
+    assert "content is over the PDF reader's" in problems[-1].message
+
+
+def test_docx_is_streamed_paragraph_by_paragraph_with_nested_text_boxes_read_once(tmp_path):
+    """The XML is read as a stream (a 16 MB document.xml of tiny sections: 5 s, 216 MB; the tree took 10 s and
+    955 MB at 64 MB); a paragraph inside another's text box is that paragraph's text, not a second copy."""
+    import io
+    import zipfile
+
+    from fusionrag.retrieval import formats, readers
+
+    w = "http://schemas.openxmlformats.org/wordprocessingml/2006/main"
+    body = (f'<w:document xmlns:w="{w}"><w:body>'
+            '<w:p><w:pPr><w:pStyle w:val="Heading1"/></w:pPr><w:r><w:t>Intro</w:t></w:r></w:p>'
+            '<w:p><w:r><w:t>outer </w:t><w:pict><w:txbxContent><w:p><w:r><w:t>boxed</w:t></w:r></w:p>'
+            '</w:txbxContent></w:pict></w:r></w:p>'
+            '<w:tbl><w:tr><w:tc><w:p><w:r><w:t>cell</w:t><w:tab/><w:t>two</w:t></w:r></w:p></w:tc></w:tr></w:tbl>'
+            '</w:body></w:document>')
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as z:
+        z.writestr("word/document.xml", body)
+    path = tmp_path / "d.docx"
+    path.write_bytes(buf.getvalue())
+    passages = readers.read_passages(path, [])
+    assert [p.text for p in passages] == ["outer boxed\ncell\ttwo"] and passages[0].title.endswith("Intro")
+    truncated = tmp_path / "t.docx"
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as z:
+        z.writestr("word/document.xml", body[: len(body) // 2])
+    truncated.write_bytes(buf.getvalue())
+    problems = []
+    assert readers.read_passages(truncated, problems) == [] and "cannot read this DOCX" in problems[-1].message
+    assert formats.DOCX_MAX_XML <= 16 << 20

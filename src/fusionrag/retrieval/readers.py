@@ -30,7 +30,7 @@ from fusionrag.retrieval.formats import html_passages, read_docx, read_html, rea
 from fusionrag.retrieval.passages import ParsedFile, Passage, Problem, sections
 
 __all__ = ["READERS", "SUPPORTED_SUFFIXES", "ParsedFile", "Passage", "Problem", "expand_paths", "load_bytes",
-           "parse_file", "passages_from_text", "read_passages", "register_reader"]
+           "max_file_bytes", "parse_file", "passages_from_text", "read_passages", "register_reader"]
 
 #: A reader: (path, the file's bytes, problems) -> the file's title and passages.
 Reader = Callable[[Path, bytes, list[Problem]], ParsedFile]
@@ -41,15 +41,16 @@ class Format:
     name: str
     read: Reader
     text: bool  # plain text (a NUL byte means a binary file, not this format)
+    max_mb: int = 256  # the largest file it takes (see max_file_bytes)
 
 
 READERS: dict[str, Format] = {}
 
 
-def register_reader(suffixes: Iterable[str], name: str, read: Reader, text: bool = False) -> None:
-    """Read files with these suffixes (lower case, with the dot) with ``read``."""
+def register_reader(suffixes: Iterable[str], name: str, read: Reader, text: bool = False, max_mb: int = 256) -> None:
+    """Read files with these suffixes (lower case, with the dot) with ``read``, files up to ``max_mb`` MiB."""
     for suffix in suffixes:
-        READERS[suffix.lower()] = Format(name, read, text)
+        READERS[suffix.lower()] = Format(name, read, text, max_mb)
 
 
 def supported_suffixes() -> tuple[str, ...]:
@@ -109,13 +110,24 @@ def _file_kind(path: Path) -> str:
             "device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "special file")
 
 
-#: The largest file a reader takes (it holds the file in memory); ``FUSIONRAG_MAX_FILE_MB`` changes it.
-MAX_FILE_BYTES = int(os.environ.get("FUSIONRAG_MAX_FILE_MB", "256")) << 20
+#: The largest file of any format (a reader holds its file in memory); ``FUSIONRAG_MAX_FILE_MB`` sets every
+#: format's limit to one value instead of the per-format ones (``Format.max_mb``).
+MAX_FILE_BYTES = 256 << 20
+
+
+def max_file_bytes(suffix: str) -> int:
+    """The largest file the reader of ``suffix`` takes: its format's limit, measured to read in under 10 s and
+    500 MB at that size in its worst shapes (``benchmarks/readers``), or ``FUSIONRAG_MAX_FILE_MB``."""
+    override = os.environ.get("FUSIONRAG_MAX_FILE_MB")
+    if override:
+        return int(override) << 20
+    fmt = READERS.get(suffix.lower())
+    return MAX_FILE_BYTES if fmt is None else min(MAX_FILE_BYTES, fmt.max_mb << 20)
 
 
 def load_bytes(path: Path, problems: list[Problem]) -> bytes | None:
     """The file's bytes, or None with the reason in ``problems``. Checked before anything is read: a regular
-    file, at most :data:`MAX_FILE_BYTES`; a text format's first 8 KB hold no NUL byte (a binary file is
+    file, at most its format's :func:`max_file_bytes`; a text format's first 8 KB hold no NUL byte (a binary file is
     refused after 8 KB, not after reading gigabytes of it)."""
     try:
         st = path.stat()
@@ -123,19 +135,21 @@ def load_bytes(path: Path, problems: list[Problem]) -> bytes | None:
             problems.append(Problem(str(path), None, f"not a regular file ({_file_kind(path)}); skipped",
                                     file_skipped=True))
             return None
-        if st.st_size > MAX_FILE_BYTES:
-            problems.append(Problem(str(path), None, f"{st.st_size / 2**20:,.0f} MiB is over the "
-                                    f"{MAX_FILE_BYTES >> 20} MiB limit of one file (FUSIONRAG_MAX_FILE_MB); skipped",
+        fmt = READERS.get(path.suffix.lower())
+        limit = max_file_bytes(path.suffix)
+        if st.st_size > limit:
+            kind = f"{fmt.name}; " if fmt is not None else ""
+            problems.append(Problem(str(path), None, f"{st.st_size / 2**20:,.1f} MiB is over the {limit / 2**20:,.0f} "
+                                    f"MiB limit of one file ({kind}FUSIONRAG_MAX_FILE_MB changes it); skipped",
                                     file_skipped=True))
             return None
-        fmt = READERS.get(path.suffix.lower())
         with path.open("rb") as f:
             head = f.read(8192)
             if fmt is not None and fmt.text and b"\x00" in head:
                 problems.append(Problem(str(path), None, "binary file (contains NUL bytes); skipped",
                                         file_skipped=True))
                 return None
-            return head + f.read(MAX_FILE_BYTES + 1 - len(head))
+            return head + f.read(limit + 1 - len(head))
     except OSError as exc:
         problems.append(Problem(str(path), None, f"cannot read: {exc.strerror or exc}", file_skipped=True))
         return None
@@ -282,12 +296,14 @@ def _valid_passage(item: object) -> bool:
             and isinstance(item.get("title", ""), str | None))
 
 
-register_reader([".txt"], "text", _read_txt, text=True)
-register_reader([".md"], "markdown", _read_md, text=True)
-register_reader([".jsonl"], "JSON lines", _read_jsonl_file, text=True)
-register_reader([".pdf"], "PDF", read_pdf)
-register_reader([".html", ".htm"], "HTML", read_html)
-register_reader([".docx"], "DOCX", read_docx)
+# Each limit keeps its reader inside 10 s and 500 MB on the worst shapes measured at that size
+# (benchmarks/readers/results: tiny sections, deep nesting, compressed parts).
+register_reader([".txt"], "text", _read_txt, text=True, max_mb=128)
+register_reader([".md"], "markdown", _read_md, text=True, max_mb=16)
+register_reader([".jsonl"], "JSON lines", _read_jsonl_file, text=True, max_mb=32)
+register_reader([".pdf"], "PDF", read_pdf, max_mb=32)
+register_reader([".html", ".htm"], "HTML", read_html, max_mb=8)
+register_reader([".docx"], "DOCX", read_docx, max_mb=16)
 
 #: Suffixes the readers handle (files with others are skipped when a folder is searched).
 SUPPORTED_SUFFIXES = supported_suffixes()
