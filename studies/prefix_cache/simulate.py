@@ -46,8 +46,7 @@ from typing import Any
 import numpy as np
 
 from fusionrag.files import atomic_write, atomic_write_with, content_hash, write_json_atomic
-from fusionrag.kvcache.prefix_cache import AlternativePathCache
-from fusionrag.kvcache.radix_cache import RadixPrefixCache
+from studies.prefix_cache.caches import ObservedAlternativePathCache, RadixPrefixCache
 
 PAPER = {"storage_reduction_pct": 71.0, "redundant_recompute_reduction_pct": 82.0, "hit_rate_pct": 77.9}
 # Qwen2.5-0.5B: 24 layers, 2 KV heads, head_dim 64, K and V, fp16.
@@ -163,7 +162,7 @@ def run_simulation(**params: Any) -> dict[str, Any]:
     nbytes = {ids[c]: _chunk_nbytes(c, p) for c in category}
 
     out: dict[str, Any] = {"params": asdict(p)}
-    for name, cache in (("plain", RadixPrefixCache(p.max_bytes)), ("alt", AlternativePathCache(p.max_bytes))):
+    for name, cache in (("plain", RadixPrefixCache(p.max_bytes)), ("alt", ObservedAlternativePathCache(p.max_bytes))):
         if p.preload_kb:
             for c in kb_ids:
                 cache.insert(system, [ids[c]], _Blob(nbytes[ids[c]]))

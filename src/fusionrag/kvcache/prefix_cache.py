@@ -1,35 +1,34 @@
-"""Chunk-granular prefix caches: the plain one (vLLM/SGLang) and FusionRAG's alternative path.
+"""FusionRAG's chunk-granular prefix cache with the alternative path.
 
 A RAG request is ``(S, [c_0, ..., c_{k-1}])``: a system-prompt hash and the content hashes
 of its retrieved chunks, in prompt order. A chunk's cached KV is keyed by the hash of
 ``(S, c_0, ..., c_{j-1}, c_j)``, i.e. the context it was computed in plus the chunk itself
 (chained like vLLM's block hashes, so a key is a fixed-size digest whatever the depth).
 
-- :class:`~fusionrag.kvcache.radix_cache.RadixPrefixCache` is the baseline: a trie over
-  chunk hashes (SGLang's radix cache with one chunk per edge). Chunk ``j`` hits only if
-  chunks ``0..j`` are a cached path, and every miss is stored under its full prefix, so
-  the same chunk retrieved in a different order is recomputed and stored again: one
-  replica per prefix.
-- :class:`AlternativePathCache` first takes the same longest exact prefix match; for each
-  remaining chunk it backs off by dropping earlier chunks, ``(S, c_i..c_j)`` for
-  ``i = 0..j``, down to ``(S, c_j)`` alone. Misses are computed once and stored under
-  ``(S, c_j)``, so every distinct chunk has one replica regardless of order. Reusing a
-  replica computed in another context is approximate; FusionRAG repairs that with the
-  offline fused caches and the online sparse recompute, which is why this is sound there
-  and not in a plain prefix cache.
+A plain prefix cache (vLLM/SGLang's radix cache, one chunk per edge: the baseline of the
+paper's simulation in ``studies/prefix_cache``) hits chunk ``j`` only if chunks ``0..j`` are a
+cached path and stores every miss under its full prefix: one replica per prefix.
+:class:`AlternativePathCache` first takes the same longest exact prefix match; for each
+remaining chunk it backs off by dropping earlier chunks, ``(S, c_i..c_j)`` for
+``i = 0..j``, down to ``(S, c_j)`` alone. Misses are computed once and stored under
+``(S, c_j)``, so every distinct chunk has one replica regardless of order. Reusing a
+replica computed in another context is approximate; FusionRAG repairs that with the
+offline fused caches and the online sparse recompute, which is why this is sound there
+and not in a plain prefix cache.
 
 Values are opaque (e.g. :class:`~fusionrag.kvcache.kv.KV`): only ``value.nbytes`` is read,
-so both structures are testable without a model. Misses are produced by a caller-supplied
+so the cache is testable without a model. Misses are produced by a caller-supplied
 ``compute(system, context, chunk)`` callback; ``context`` is the chunk tuple the value is
 meant to be conditioned on (always ``()`` for the alternative path).
 
-Both keep the same statistics (:class:`PrefixCacheStats`), including a shadow of what an
-unbounded plain prefix cache would store for the same stream, so ``bytes_saved`` is
-reported by either structure alone.
+The cache runs inside a long-lived server, so everything it keeps is bounded by its entries: the
+study's observers (what an unbounded plain cache would hold, every chunk ever seen) subclass it
+through the ``_observe_*`` hooks in ``studies/prefix_cache``, never here.
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import threading
 from collections import Counter, OrderedDict
@@ -71,14 +70,12 @@ class PrefixCacheStats:
     alt_hits: int = 0  # matched after backing off (dropping earlier chunks)
     recomputations: int = 0  # misses computed
     redundant_recomputations: int = 0  # a replica of (S, content) was cached under another key
-    repeat_recomputations: int = 0  # (S, content) had been computed or preloaded before (maybe evicted since)
     preloaded: int = 0
     evictions: int = 0
     entries: int = 0
     bytes_stored: int = 0
     bytes_reused: int = 0  # bytes served from the cache instead of recomputed
     bytes_computed: int = 0
-    plain_prefix_bytes: int = 0  # what an unbounded plain prefix cache would hold for the same stream
 
     @property
     def hits(self) -> int:
@@ -88,14 +85,9 @@ class PrefixCacheStats:
     def hit_rate(self) -> float:
         return self.hits / self.lookups if self.lookups else 0.0
 
-    @property
-    def bytes_saved(self) -> int:
-        """Bytes not stored compared with an unbounded plain prefix cache on the same stream."""
-        return self.plain_prefix_bytes - self.bytes_stored
-
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        d.update(hits=self.hits, hit_rate=self.hit_rate, bytes_saved=self.bytes_saved)
+        d.update(hits=self.hits, hit_rate=self.hit_rate)
         return d
 
 
@@ -138,24 +130,24 @@ class CacheEntry:
 
 
 class ChunkCache:
-    """Shared bookkeeping: statistics, replica index, the plain-prefix shadow, the lock."""
+    """Shared bookkeeping of a chunk cache: statistics, the replica index, the lock; the hooks a study's
+    observer overrides (no-ops here, so nothing grows with the stream)."""
 
-    def __init__(self, max_bytes: int | None = None, *, track_plain_prefix: bool = True) -> None:
+    def __init__(self, max_bytes: int | None = None) -> None:
         if max_bytes is not None and max_bytes < 0:
             raise ValueError("max_bytes must be >= 0")
         self.max_bytes = max_bytes
-        self._stats = PrefixCacheStats()
+        self._stats = self._new_stats()
         self._replicas: Counter[tuple[str, str]] = Counter()  # (S, chunk) -> cached entries ending in it
-        self._ever: set[tuple[str, str]] = set()  # (S, chunk) ever computed or preloaded
-        # Full-prefix keys seen -> nbytes: an unbounded plain prefix cache's content, for bytes_saved.
-        self._track_plain = track_plain_prefix
-        self._plain: dict[bytes, int] = {}
         self._lock = threading.RLock()
+
+    def _new_stats(self) -> PrefixCacheStats:
+        return PrefixCacheStats()
 
     # -- public -------------------------------------------------------------------------
     def stats(self) -> PrefixCacheStats:
         with self._lock:
-            return PrefixCacheStats(**asdict(self._stats))
+            return copy.copy(self._stats)
 
     @property
     def nbytes(self) -> int:
@@ -164,23 +156,21 @@ class ChunkCache:
     def __len__(self) -> int:
         return self._stats.entries
 
-    # -- helpers for subclasses -----------------------------------------------------------
-    def _shadow(self, system: str, path: Sequence[str], nbytes: int) -> None:
-        if self._track_plain:
-            key = path_key(system, path)
-            if key not in self._plain:
-                self._plain[key] = nbytes
-                self._stats.plain_prefix_bytes += nbytes
+    # -- hooks: a study's observer overrides them (called under the lock) ---------------------
+    def _observe_path(self, system: str, path: Sequence[str], nbytes: int) -> None:
+        """``path[-1]`` was served, computed or preloaded after ``system + path[:-1]``."""
 
+    def _observe_chunk(self, system: str, chunk: str, computed: bool) -> None:
+        """``(system, chunk)`` was computed (``computed``) or preloaded, before it is counted or stored."""
+
+    # -- helpers for subclasses -----------------------------------------------------------
     def _count_computed(self, system: str, chunk: str, nbytes: int) -> None:
         s = self._stats
         s.recomputations += 1
         s.bytes_computed += nbytes
-        if self._replicas[(system, chunk)] > 0:
+        if self._replicas.get((system, chunk), 0) > 0:
             s.redundant_recomputations += 1
-        if (system, chunk) in self._ever:
-            s.repeat_recomputations += 1
-        self._ever.add((system, chunk))
+        self._observe_chunk(system, chunk, computed=True)
 
     def _added(self, e: CacheEntry) -> None:
         self._replicas[(e.system, e.chunk)] += 1
@@ -215,8 +205,8 @@ class AlternativePathCache(ChunkCache):
     Eviction is plain LRU by bytes: entries do not depend on each other, unlike a trie.
     """
 
-    def __init__(self, max_bytes: int | None = None, *, track_plain_prefix: bool = True) -> None:
-        super().__init__(max_bytes, track_plain_prefix=track_plain_prefix)
+    def __init__(self, max_bytes: int | None = None) -> None:
+        super().__init__(max_bytes)
         self._entries: OrderedDict[bytes, CacheEntry] = OrderedDict()
 
     def insert(self, system: str, path: Sequence[str], value: Any) -> bool:
@@ -230,8 +220,8 @@ class AlternativePathCache(ChunkCache):
         path = tuple(path)
         with self._lock:
             self._stats.preloaded += 1
-            self._ever.add((system, path[-1]))
-            self._shadow(system, path, value_nbytes(value))
+            self._observe_chunk(system, path[-1], computed=False)
+            self._observe_path(system, path, value_nbytes(value))
             return self._put(system, path, value)
 
     def peek(self, system: str, chunks: Sequence[str]) -> list[Source | None]:
@@ -279,7 +269,7 @@ class AlternativePathCache(ChunkCache):
                     else:
                         self._stats.alt_hits += 1
                     self._stats.bytes_reused += entry.nbytes
-                    self._shadow(system, chunks[: j + 1], entry.nbytes)
+                    self._observe_path(system, chunks[: j + 1], entry.nbytes)
                     ctx = chunks[j - entry.context_len : j]
                     results.append(ChunkResult(chunk, entry.value, src, ctx))  # type: ignore[arg-type]
                     continue
@@ -287,7 +277,7 @@ class AlternativePathCache(ChunkCache):
             nbytes = value_nbytes(value)
             with self._lock:
                 self._count_computed(system, chunk, nbytes)
-                self._shadow(system, chunks[: j + 1], nbytes)
+                self._observe_path(system, chunks[: j + 1], nbytes)
                 self._put(system, (chunk,), value)
             results.append(ChunkResult(chunk, value, "computed", ()))
         return LookupResult(results)

@@ -189,13 +189,9 @@ def _engine_metrics(es: dict[str, Any]) -> Iterator[Any]:
                              ("computed", pc.recomputations)):
             c.add_metric([label], value)
         yield c
-        for metric, help_, value in (
-                ("fusionrag_prefix_cache_bytes", "KV bytes held for request-supplied passages.", pc.bytes_stored),
-                ("fusionrag_prefix_cache_bytes_saved", "Bytes a plain prefix cache would hold beyond the "
-                                                       "alternative path.", pc.bytes_saved)):
-            g = GaugeMetricFamily(metric, help_)
-            g.add_metric([], value)
-            yield g
+        g = GaugeMetricFamily("fusionrag_prefix_cache_bytes", "KV bytes held for request-supplied passages.")
+        g.add_metric([], pc.bytes_stored)
+        yield g
     tiers = {str(k): _stats_dict(v) for k, v in es.get("tiers", {}).items()}
     if not tiers:
         return

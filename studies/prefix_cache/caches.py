@@ -1,28 +1,82 @@
-"""The plain chunk-granular prefix cache (vLLM/SGLang): the baseline for the alternative path.
+"""The caches of the paper's prefix-cache simulation: the plain radix baseline and the observer.
 
-A trie over chunk hashes, one chunk per edge (SGLang's radix cache): chunk ``j`` hits only
-if chunks ``0..j`` are a cached path, and every miss is stored under its full prefix, so
-the same chunk retrieved in another order is recomputed and stored again. It shares keys,
-statistics and result types with :mod:`fusionrag.kvcache.prefix_cache`.
+- :class:`Observed` counts what a study asks beyond the serving cache's statistics: recomputations of
+  chunks seen before (maybe evicted since) and what an unbounded plain prefix cache would hold for the
+  same stream (``plain_prefix_bytes``, so ``bytes_saved`` is reported by either structure alone). Both
+  grow with every distinct chunk and path: a study's instrument, never in the server's cache.
+- :class:`RadixPrefixCache`: the plain chunk-granular prefix cache (vLLM/SGLang), a trie over chunk
+  hashes, one chunk per edge: chunk ``j`` hits only if chunks ``0..j`` are a cached path, and every
+  miss is stored under its full prefix, so the same chunk retrieved in another order is recomputed and
+  stored again.
+- :class:`ObservedAlternativePathCache`: the package's :class:`AlternativePathCache`, observed.
+
+Keys, result types and the alternative path's logic are the package's (``fusionrag.kvcache.prefix_cache``).
 """
 
 from __future__ import annotations
 
 import heapq
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from fusionrag.kvcache.prefix_cache import (
+    AlternativePathCache,
     CacheEntry,
     ChunkCache,
     ChunkResult,
     Compute,
     LookupResult,
+    PrefixCacheStats,
     Source,
     path_key,
     value_nbytes,
 )
+
+
+@dataclass
+class StudyStats(PrefixCacheStats):
+    repeat_recomputations: int = 0  # (S, content) had been computed or preloaded before (maybe evicted since)
+    plain_prefix_bytes: int = 0  # what an unbounded plain prefix cache would hold for the same stream
+
+    @property
+    def bytes_saved(self) -> int:
+        """Bytes not stored compared with an unbounded plain prefix cache on the same stream."""
+        return self.plain_prefix_bytes - self.bytes_stored
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.update(hits=self.hits, hit_rate=self.hit_rate, bytes_saved=self.bytes_saved)
+        return d
+
+
+class Observed:
+    """Mixin over a :class:`ChunkCache`: the every-chunk-ever set and the plain-prefix shadow."""
+
+    _stats: StudyStats
+
+    def __init__(self, max_bytes: int | None = None) -> None:
+        self._ever: set[tuple[str, str]] = set()  # (S, chunk) ever computed or preloaded
+        self._plain: dict[bytes, int] = {}  # full-prefix keys seen -> nbytes: an unbounded plain cache
+        super().__init__(max_bytes)  # type: ignore[call-arg]
+
+    def _new_stats(self) -> StudyStats:
+        return StudyStats()
+
+    def _observe_path(self, system: str, path: Sequence[str], nbytes: int) -> None:
+        key = path_key(system, path)
+        if key not in self._plain:
+            self._plain[key] = nbytes
+            self._stats.plain_prefix_bytes += nbytes
+
+    def _observe_chunk(self, system: str, chunk: str, computed: bool) -> None:
+        if computed and (system, chunk) in self._ever:
+            self._stats.repeat_recomputations += 1
+        self._ever.add((system, chunk))
+
+
+class ObservedAlternativePathCache(Observed, AlternativePathCache):
+    """The serving cache with the study's counters."""
 
 
 @dataclass(eq=False)
@@ -39,8 +93,8 @@ class _Node:
         return self.last_access < other.last_access
 
 
-class RadixPrefixCache(ChunkCache):
-    """The baseline: a trie over chunk hashes, one tree per system prompt (SGLang-style).
+class RadixPrefixCache(Observed, ChunkCache):
+    """The baseline: a trie over chunk hashes, one tree per system prompt (SGLang-style), observed.
 
     A node exists only if its whole path does, so a lookup walks down until the first
     missing chunk and computes everything after it, each under its full prefix. Eviction
@@ -48,8 +102,8 @@ class RadixPrefixCache(ChunkCache):
     never a node on the path of the request being served.
     """
 
-    def __init__(self, max_bytes: int | None = None, *, track_plain_prefix: bool = True) -> None:
-        super().__init__(max_bytes, track_plain_prefix=track_plain_prefix)
+    def __init__(self, max_bytes: int | None = None) -> None:
+        super().__init__(max_bytes)
         self._roots: dict[str, _Node] = {}
         self._tick = 0
 
@@ -66,8 +120,8 @@ class RadixPrefixCache(ChunkCache):
             if parent is None:
                 raise KeyError("parent path is not cached")
             self._stats.preloaded += 1
-            self._ever.add((system, path[-1]))
-            self._shadow(system, path, value_nbytes(value))
+            self._observe_chunk(system, path[-1], computed=False)
+            self._observe_path(system, path, value_nbytes(value))
             return self._add_child(system, parent, path, value, protected=set()) is not None
 
     def peek(self, system: str, chunks: Sequence[str]) -> list[Source | None]:
@@ -98,7 +152,7 @@ class RadixPrefixCache(ChunkCache):
                     on_path.add(id(child))
                     self._stats.prefix_hits += 1
                     self._stats.bytes_reused += child.entry.nbytes
-                    self._shadow(system, chunks[: j + 1], child.entry.nbytes)
+                    self._observe_path(system, chunks[: j + 1], child.entry.nbytes)
                     results.append(ChunkResult(chunk, child.entry.value, "prefix", chunks[:j]))
                     node = child
                     continue
@@ -107,7 +161,7 @@ class RadixPrefixCache(ChunkCache):
             nbytes = value_nbytes(value)
             with self._lock:
                 self._count_computed(system, chunk, nbytes)
-                self._shadow(system, chunks[: j + 1], nbytes)
+                self._observe_path(system, chunks[: j + 1], nbytes)
                 if node is not None and self._attached(node):
                     node = self._add_child(system, node, chunks[: j + 1], value, protected=on_path)
                     if node is not None:

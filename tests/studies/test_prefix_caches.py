@@ -1,4 +1,5 @@
-"""Prefix caches: the alternative path and the plain (radix) baseline against brute-force references."""
+"""Prefix caches: the package's alternative path and the study's plain (radix) baseline against brute-force
+references; the study's observer (repeats, the plain-prefix shadow) on both."""
 
 from __future__ import annotations
 
@@ -7,10 +8,10 @@ from dataclasses import dataclass
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from studies.prefix_cache.caches import ObservedAlternativePathCache, RadixPrefixCache
 
 from fusionrag.files import content_hash
 from fusionrag.kvcache.prefix_cache import AlternativePathCache, path_key
-from fusionrag.kvcache.radix_cache import RadixPrefixCache
 
 S = "sys"
 
@@ -172,7 +173,7 @@ def test_plain_prefix_matches_reference(requests, kb):
         if x == "computed"
     ]
     # the alternative path's shadow of a plain cache equals the real plain cache
-    alt = AlternativePathCache()
+    alt = ObservedAlternativePathCache()
     for s, p in preload:
         alt.insert(s, p, Blob(size(p[-1])))
     run(alt, requests)
@@ -261,7 +262,7 @@ def test_repeated_chunk_within_a_request():
 
 
 def test_alt_lru_eviction_by_bytes():
-    alt = AlternativePathCache(max_bytes=30)
+    alt = ObservedAlternativePathCache(max_bytes=30)
     run(alt, [(S, ["a"]), (S, ["b"])])  # 11 bytes each
     run(alt, [(S, ["a"])])  # a is now most recent
     run(alt, [(S, ["c"])])  # needs room: evicts b
