@@ -11,8 +11,14 @@ import subprocess
 import pytest
 
 from fusionrag.cli import main
-from fusionrag.errors import StorageFullError, StorageIOError, StoragePermissionError
-from fusionrag.retrieval.store_files import StoreBusyError, StoreCorruptedError, sqlite_fault
+from fusionrag.errors import (
+    StorageFullError,
+    StorageIOError,
+    StoragePermissionError,
+    StoreBusyError,
+    StoreCorruptedError,
+)
+from fusionrag.retrieval.store_files import sqlite_fault
 
 INGEST = ["--model", "tiny-llama", "--embedder", "hashing-64", "--quiet"]
 

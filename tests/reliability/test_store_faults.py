@@ -10,12 +10,12 @@ import threading
 import pytest
 
 from fusionrag.cli import main
+from fusionrag.errors import StoreBusyError
 from fusionrag.models import load_model
 from fusionrag.offline import build
 from fusionrag.offline.verify import verify_store
 from fusionrag.retrieval.embedder import HashingEmbedder
 from fusionrag.retrieval.knowledge import KnowledgeStore
-from fusionrag.retrieval.store_files import StoreBusyError
 
 PASSAGES = [{"title": f"T{i}", "text": f"passage number {i} talks about topic {i % 4} and item {i}."}
             for i in range(24)]

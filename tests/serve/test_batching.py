@@ -13,11 +13,10 @@ import time
 import pytest
 import torch
 
-from fusionrag.errors import FusionRAGError
+from fusionrag.errors import FusionRAGError, QueueFullError, RequestCancelledError
 from fusionrag.models import load_model
 from fusionrag.online.engine import Engine
 from fusionrag.serve.batching import BatchScheduler
-from fusionrag.serve.requests import QueueFullError, RequestCancelledError
 
 PASSAGES = [
     {"title": "Polonium", "text": "Polonium was discovered by Marie Curie and Pierre Curie in 1898."},

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from fusionrag.retrieval.store_files import LOCK_NAME, StoreBusyError, writer_lock
+from fusionrag.errors import StoreBusyError
+from fusionrag.retrieval.store_files import LOCK_NAME, writer_lock
 
 
 @contextlib.contextmanager

@@ -32,7 +32,7 @@ class InvalidRequest(FusionRAGError):
     def __init__(self, message: str, param: str, code: str = "invalid_value") -> None:
         super().__init__(message)
         self.param = param
-        self.code = code
+        self.code = self.api_code = code
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,14 @@ import sqlite3
 from collections.abc import Iterator
 from pathlib import Path
 
-from fusionrag.errors import FusionRAGError, StorageFullError, StorageIOError, StoragePermissionError
+from fusionrag.errors import (
+    FusionRAGError,
+    StorageFullError,
+    StorageIOError,
+    StoragePermissionError,
+    StoreBusyError,
+    StoreCorruptedError,
+)
 from fusionrag.files import file_sha256
 
 LOCK_NAME = "store.lock"
@@ -71,16 +78,6 @@ CREATE TABLE IF NOT EXISTS jobs (
     body TEXT NOT NULL
 );
 """
-
-
-class StoreCorruptedError(FusionRAGError):
-    """A store file failed its integrity check (the message says which and what to do)."""
-
-    exit_code = 4
-
-
-class StoreBusyError(FusionRAGError):
-    """Another process holds the store's writer lock."""
 
 
 def sqlite_fault(exc: sqlite3.Error, path: Path, doing: str = "using the store") -> FusionRAGError:

@@ -32,19 +32,11 @@ from typing import Any
 
 import torch
 
+from fusionrag.errors import PromptTooLongError, QueueFullError, RequestCancelledError, SchedulerClosedError
 from fusionrag.execution.decoder import BatchDecoder
 from fusionrag.execution.generate import TextStreamer
 from fusionrag.serve.limits import check_prompt_length
-from fusionrag.serve.requests import (
-    DecodeRequest,
-    Event,
-    Listener,
-    PromptTooLongError,
-    QueueFullError,
-    RequestCancelledError,
-    SchedulerClosedError,
-    SchedulerStats,
-)
+from fusionrag.serve.requests import DecodeRequest, Event, Listener, SchedulerStats
 from fusionrag.serve.sampling import SamplingParams
 
 log = logging.getLogger(__name__)

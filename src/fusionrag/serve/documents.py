@@ -41,13 +41,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fusionrag.errors import FusionRAGError, storage_error
+from fusionrag.errors import FusionRAGError, SchedulerClosedError, StoreBusyError, storage_error
 from fusionrag.files import content_hash
 from fusionrag.offline import build
 from fusionrag.online.engine import Engine
-from fusionrag.retrieval.store_files import StoreBusyError, sqlite_fault
+from fusionrag.retrieval.store_files import sqlite_fault
 from fusionrag.serve.api_errors import APIError
-from fusionrag.serve.requests import SchedulerClosedError
 from fusionrag.serve.settings import ServerSettings
 
 log = logging.getLogger(__name__)

@@ -8,84 +8,38 @@ client goes away, metrics and the explain page's record are the same code.
 from __future__ import annotations
 
 import asyncio
-import collections
-import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from fusionrag.serve.api_errors import APIError, as_api_error
-from fusionrag.serve.batching import BatchScheduler
-from fusionrag.serve.metrics import Metrics
 from fusionrag.serve.protocol import GenerateRequest, read_json
 from fusionrag.serve.requests import DecodeRequest, Event
 from fusionrag.serve.responses import Logprobs, Shape, completion_json, sse_stream
 from fusionrag.serve.settings import ServerSettings
+from fusionrag.serve.state import ServerState
 
 
-class RecentAnswers:
-    """The last ``keep`` finished answers by request id, for ``GET /v1/explain/{id}`` (bounded, thread-safe)."""
-
-    def __init__(self, keep: int) -> None:
-        self.keep = max(0, int(keep))
-        self._items: collections.OrderedDict[str, tuple[str, Any]] = collections.OrderedDict()
-        self._lock = threading.Lock()
-
-    def add(self, req: DecodeRequest) -> None:
-        if not self.keep or req.answer is None:
-            return
-        with self._lock:
-            self._items[req.id] = (req.question, req.answer)
-            while len(self._items) > self.keep:
-                self._items.popitem(last=False)
-
-    def get(self, request_id: str) -> tuple[str, Any] | None:
-        with self._lock:
-            return self._items.get(request_id)
-
-
-@dataclass
-class Server:
-    """What the generation handler needs from the app."""
-
-    scheduler: BatchScheduler
-    settings: ServerSettings
-    metrics: Metrics
-    model_name: Callable[[], str]
-    check_auth: Callable[[Request], None]
-    ensure_ready: Callable[[], None]
-    recent: RecentAnswers = field(default_factory=lambda: RecentAnswers(0))
-    check_model: Callable[[str | None], None] = lambda name: None
-
-    def on_done(self, req: DecodeRequest) -> None:
-        self.metrics.observe_answer(req)
-        self.recent.add(req)
-
-
-async def generate(server: Server, request: Request, chat: bool,
+async def generate(server: ServerState, request: Request, chat: bool,
                    parse: Callable[[Any, ServerSettings], GenerateRequest]) -> Response:
-    """Validate, queue, then answer as JSON or as server-sent events; every failure is an OpenAI-shaped error."""
+    """Validate, queue, then answer as JSON or as server-sent events. What fails before the first event is
+    raised (the app answers it); an engine error or a timeout after it is answered here, the stream's own."""
     s, sched = server.settings, server.scheduler
-    try:
-        server.check_auth(request)
-        body = await read_json(request, s.max_body_bytes)
-        server.ensure_ready()
-        gen = parse(body, s)
-        server.check_model(gen.model)
-        loop = asyncio.get_running_loop()
-        events: asyncio.Queue[Event] = asyncio.Queue()
+    body = await read_json(request, s.max_body_bytes)
+    server.ensure_ready()
+    gen = parse(body, s)
+    server.check_model(gen.model)
+    loop = asyncio.get_running_loop()
+    events: asyncio.Queue[Event] = asyncio.Queue()
 
-        def listener(ev: Event) -> None:
-            loop.call_soon_threadsafe(events.put_nowait, ev)
+    def listener(ev: Event) -> None:
+        loop.call_soon_threadsafe(events.put_nowait, ev)
 
-        req = sched.submit(gen.question, max_new_tokens=gen.max_tokens, listener=listener, sampling=gen.sampling,
-                           **gen.prepare_kwargs())
-    except Exception as exc:
-        return as_api_error(exc).response()
+    req = sched.submit(gen.question, max_new_tokens=gen.max_tokens, listener=listener, sampling=gen.sampling,
+                       **gen.prepare_kwargs())
     shape = Shape(chat, f"{'chatcmpl' if chat else 'cmpl'}-{req.id}", int(time.time()), server.model_name())
     tokenizer = sched.engine.lm.tokenizer
     logprobs = Logprobs(lambda t: tokenizer.decode([t])) if gen.sampling.logprobs else None

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from fusionrag.errors import PromptTooLongError
 from fusionrag.online.engine import DEFAULT_TOP_K
 from fusionrag.online.request import ReuseRequest
-from fusionrag.serve.requests import PromptTooLongError
 
 #: Tokens a chunk may have beyond the store's ``chunk_tokens`` (its "[title] " prefix).
 TITLE_SLACK = 8

@@ -16,27 +16,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from fusionrag.errors import FusionRAGError
 from fusionrag.execution.generate import TextStreamer
 from fusionrag.serve.sampling import SamplingParams, StopMatcher, TokenSampler
 
 log = logging.getLogger(__name__)
-
-
-class QueueFullError(FusionRAGError):
-    """Too many requests are waiting for prefill (the server answers 429)."""
-
-
-class PromptTooLongError(FusionRAGError):
-    """The prompt (``S`` + passages + question) is longer than the configured limit."""
-
-
-class SchedulerClosedError(FusionRAGError):
-    """The scheduler is shutting down or its engine failed to load (the server answers 503)."""
-
-
-class RequestCancelledError(FusionRAGError):
-    """The request was cancelled (e.g. the client went away) before it finished."""
 
 
 @dataclass

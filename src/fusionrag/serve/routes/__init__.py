@@ -1,0 +1,12 @@
+"""The server's routes, one module-level router per concern; ``create_app`` includes them all.
+
+Routes raise and never catch: ``fusionrag.serve.api_errors`` answers every exception in one place.
+The keyed routers depend on :func:`~fusionrag.serve.state.require_api_key`; liveness, readiness,
+the UI page and (by default) the metrics are open, as in vLLM.
+"""
+
+from fusionrag.serve.routes import completions, documents, pages, retrieval, service
+
+ROUTERS = (completions.router, retrieval.router, documents.router, pages.router, service.keyed, service.open_router)
+
+__all__ = ["ROUTERS"]
