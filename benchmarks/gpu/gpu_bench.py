@@ -14,7 +14,7 @@ Measured, methods interleaved (each round runs every cell once; medians over rou
   or ``triton-packed`` (a program per KV head, its query heads packed into the tile's rows); the
   recompute pass is in place (decision 050) on ``reference`` and ``triton-packed``, past + new on ``triton``;
 - ``cacheblend_15``: CacheBlend's selection (two fresh layers) + the same recompute (the last backend);
-- ``fusionrag_15_pinned`` / ``fusionrag_15_disk`` (issue 30 item 4): FusionRAG 15% on the last backend
+- ``fusionrag_15_pinned`` / ``fusionrag_15_disk`` (the device and pinned host tiers): FusionRAG 15% on the last backend
   with the chunks' KV waiting in page-locked host memory (copied to the GPU by each request), or in a
   store's files on local disk (fp16, read, verified and copied by each request after being dropped
   from the OS page cache); the ``fusionrag_15_<backend>`` cells have it on the GPU already.

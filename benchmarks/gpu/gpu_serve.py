@@ -619,7 +619,7 @@ def markdown(doc: dict) -> str:
                       f"{_fmt(r['ttft_p50_speedup'], '.2f')}x** (p99 {_fmt(r['ttft_p99_speedup'], '.2f')}x), "
                       f"requests/s **{_fmt(r['requests_per_s_x'], '.2f')}x**, generated tokens/s "
                       f"{_fmt(r['tokens_per_s_x'], '.2f')}x.",
-                  "Targets (issue 30): " + "; ".join(
+                  "Targets: " + "; ".join(
                       f"{k}: {'-' if v is None else 'met' if v else 'missed'}" for k, v in r["targets"].items())]
     gm = doc.get("gpu_memory") or {}
     if gm.get("total_mib"):

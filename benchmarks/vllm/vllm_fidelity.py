@@ -4,7 +4,7 @@
         --data ../shared/data/2wikimqa/2wikimqa_dev_bm25_hipporag.jsonl --out benchmarks/vllm/results/fidelity
     .venv/bin/python benchmarks/vllm/vllm_fidelity.py --report --out benchmarks/vllm/results/fidelity   # + the plot
 
-Issue 38's fidelity target, on the paper-shaped setting of ``studies/paper`` (qwen2.5-0.5b, 10 passages per
+The vLLM connector's fidelity target, on the paper-shaped setting of ``studies/paper`` (qwen2.5-0.5b, 10 passages per
 question, knowledge base = the first 100 questions' passages, fused KV of the corpus top-10 neighbours, the
 study's float16 store in ``runs/cache/stores``, built with the package's own functions when it is absent).
 One dataset per run, in one process (vLLM's engine core is its spawned child), float32 throughout:

@@ -13,7 +13,7 @@ request when the last one ends, for ``--duration`` seconds or ``--max-requests``
 TTFT p50/p99 (the first streamed token), requests/s, failures. Then one LangChain ``ChatOpenAI``
 request through the connector's server. Writes ``serve.json`` and ``README.md``.
 
-Faults (issue 38's item 4, on by default; ``--faults 0`` turns them off): the connector's server reads a
+Faults (on by default; ``--faults 0`` turns them off): the connector's server reads a
 copy of the store in which ``--faults`` chunks' KV files are truncated and as many overwritten with noise,
 and every 10th request carries one passage the store does not hold. Both servers get the same requests;
 the connector must answer every one of them (falling back to vLLM's prefill where it cannot reuse), and

@@ -1,1 +1,1 @@
-"""Issue 37: the fidelity cost of bfloat16 compute for FusionRAG 15% (README.md; run.sh, summarize.py)."""
+"""The fidelity cost of bfloat16 compute for FusionRAG 15% (README.md; run.sh, summarize.py)."""

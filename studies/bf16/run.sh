@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 37: the fidelity cost of bfloat16. FusionRAG 15% (the studies' `fusionrag`: fused KV, corpus top-10
+# The fidelity cost of bfloat16. FusionRAG 15% (the studies' `fusionrag`: fused KV, corpus top-10
 # neighbours) computed in bfloat16 and in float32 on the first 50 questions of 2WikiMQA and HotpotQA, the
 # paper-shaped study's setting (10 passages per question, a 100-question knowledge base), first-token KL to
 # the committed float32 Full Attention reference. The stores are built in float32 (as every study's) and

@@ -1,4 +1,4 @@
-"""Summary of the bf16 study (issue 37): FusionRAG 15% computed in bfloat16 minus float32, first-token KL to
+"""Summary of the bf16 study: FusionRAG 15% computed in bfloat16 minus float32, first-token KL to
 the float32 Full Attention reference, paired by question.
 
 Reads studies/bf16/results/records.jsonl (the `fusionrag@bf16` cells and the float32 control run on the same
@@ -151,7 +151,7 @@ def markdown(summary: dict) -> list[str]:
                 continue
             word = ("resolved loss" if d["diff"] > 0 else "resolved gain") if d["resolved"] else "not resolved"
             verdicts.append(f"- {ds}, bf16 - {against}: {fmt_diff(d)} (n={d['n']}): {word}")
-    lines += ["## Target (issue 37): no resolved loss in first-token KL, or the loss with its interval", "",
+    lines += ["## Target: no resolved loss in first-token KL, or the loss with its interval", "",
               *verdicts, "", "## Single questions", "",
               "| dataset | n | median / max \\|bf16 - fp32\\| first-token KL | questions whose same-first-token-as-FA "
               "flips (bf16 vs fp32) | max \\|fp32 - fp32 committed\\| | median TTFT ms fp32 committed / fp32 / bf16 |",
@@ -164,7 +164,7 @@ def markdown(summary: dict) -> list[str]:
                      f"{_num(pq['kl_first_c_abs_bf16_minus_fp32_max'])} | {pq['top1_agree_flips_bf16_vs_fp32']} | "
                      f"{_num(pq['kl_first_c_abs_fp32_minus_fp32_committed_max'], '.1e')} | {ttft} |")
     lines += ["", "TTFTs: one thread, niced, on a core other jobs shared at times; the committed cells ran in "
-              "another session. Not a timing study (benchmarks/engines is).", ""]
+              "a separate, earlier run. Not a timing study (benchmarks/engines is).", ""]
     return lines
 
 

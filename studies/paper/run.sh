@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The paper-shaped study of #14 (studies/paper/results, studies/neighbours/results): 10 passages per
+# The paper-shaped study (studies/paper/results, studies/neighbours/results): 10 passages per
 # question, a knowledge base of 100 questions' passages, teacher-forced metrics (gold-answer NLL, KL
 # to Full Attention along its answer). Resumable: rerunning skips finished cells.
 #
@@ -79,7 +79,7 @@ curves() {  # DATA [--max-passages N]; CURVE_GROUPS=... runs only those groups a
       --out $OUT
   done
 }
-# Sessions 9-10 ran every curve method but Cache-Craft on 2WikiMQA and plain-first at 5%/30%, and the
+# Earlier runs covered every curve method but Cache-Craft on 2WikiMQA and plain-first at 5%/30%, and the
 # same-question/preceding neighbour sources; c and d (resumable) finish the rest in about two hours each.
 lane_c() {  # MuSiQue's and 2WikiMQA's remaining curve points, then MuSiQue's neighbour sources
   curves "$MUS_TRAIN" --max-passages 10
@@ -92,17 +92,17 @@ lane_d() {  # TriviaQA's 50-question cells, HotpotQA's remaining curve points an
   neighbours --data "$HOT" question preceding other-questions sim0.5
   neighbours --data "$MUS_TRAIN" --max-passages 10 sim0.5
 }
-lane_e() {  # the same-question source at 100 questions, and MuSiQue's upper bound (session 11)
+lane_e() {  # the same-question source at 100 questions, and MuSiQue's upper bound
   NB_LIMIT=100 neighbours --data "$HOT" question preceding sim0.5
   NB_LIMIT=100 neighbours --data "$MUS_TRAIN" --max-passages 10 question preceding
 }
-lane_f() {  # session 12: MuSiQue dev's old 50-question cells, then more neighbour sources at 100 questions
+lane_f() {  # MuSiQue dev's old 50-question cells, then more neighbour sources at 100 questions
   bash studies/quality/run.sh teacher-forced MUS
   NB_LIMIT=100 neighbours --data "$WIKI" question preceding sim0.5 other-questions
   NB_LIMIT=100 neighbours --data "$MUS_TRAIN" --max-passages 10 other-questions sim0.5
   NB_LIMIT=100 neighbours --data "$HOT" other-questions
 }
-# Issue 31: the newest peers on the same stores and questions (ProphetKV at 5/15/30% on plain and fused KV,
+# The newest peers on the same stores and questions (ProphetKV at 5/15/30% on plain and fused KV,
 # APE at 0% on plain and fused KV), all on the 100 questions (the other methods' 5%/30% cells cover the first 50).
 APE_SWEEP=$(.venv/bin/python -c 'from studies.peers import sweep_methods; print(",".join(sweep_methods()))')
 peers() {  # DATA [--max-passages N]
@@ -119,7 +119,7 @@ ape_sweep() {  # APE's short sweep: 2WikiMQA's first 20 (dev) questions, plain K
   Q --data "$WIKI" --limit 20 --kb-limit 100 --ratios 0.15 --methods "$APE_SWEEP" --no-decode \
     --out studies/peers/results/ape_sweep
 }
-# Issue 30 item 3: FusionRAG's selection from an earlier layer's attention (a cheaper pre-pass), fused KV,
+# FusionRAG's selection from an earlier layer's attention (a cheaper pre-pass), fused KV,
 # 15%, the first 50 questions of each dataset (paired with the fusionrag cells there).
 layers() {  # DATA [--max-passages N]
   Q --data "$@" --limit 50 --kb-limit 100 --fuse-only-evaluated --ratios 0.15 \

@@ -1,4 +1,4 @@
-"""Summary of the paper-shaped study (#14): the headline paired comparisons against their targets,
+"""Summary of the paper-shaped study: the headline paired comparisons against their targets,
 the neighbour-source study, and the checks on the metrics themselves.
 
 Reads studies/paper/results/records.jsonl and studies/neighbours/results/*/records.jsonl; writes
@@ -115,7 +115,8 @@ def ratio_of_means(a: dict[str, dict], b: dict[str, dict], metric: str) -> str:
 
 
 def targets(cs, ds: str) -> dict[str, str]:
-    """#14's fidelity targets at 15%: first-token KL <= half CacheBlend's, KL recovery >= 0.8, agreement >= 0.85."""
+    """The paper-shaped study's fidelity targets at 15%: first-token KL <= half CacheBlend's,
+    KL recovery >= 0.8, agreement >= 0.85."""
     fr = cs.get((ds, "fusionrag", "fused", 0.15), {})
     cb = cs.get((ds, "cacheblend", "plain", 0.15), {})
     reuse = cs.get((ds, "reuse", "plain", 0.0), {})
@@ -131,7 +132,8 @@ def targets(cs, ds: str) -> dict[str, str]:
 
 
 def gold_targets(per_dataset: dict) -> tuple[list[str], dict]:
-    """#14's gold-tied targets across datasets: each one's verdict per dataset and the count that meets it."""
+    """The paper-shaped study's gold-tied targets across datasets: each one's verdict per dataset
+    and the count that meets it."""
     def below(d: dict | None) -> bool:
         return bool(d) and d["ci"][1] < 0
 
@@ -379,7 +381,7 @@ def checks(records, root: Path) -> tuple[list[str], dict]:
     return lines, out
 
 
-#: Issue 30 item 3: FusionRAG's selection from an earlier layer's attention is the default only if, at 15% on
+#: FusionRAG's selection from an earlier layer's attention is the default only if, at 15% on
 #: every dataset, its paired first-token KL and answer KL are within this much of the last layer's (n >= 50).
 LAYER_MARGIN = 0.01
 FUSED_15 = ("fusionrag", "fused", 0.15)
@@ -391,7 +393,7 @@ def scoring_layer_section(cs, datasets: list[str]) -> tuple[list[str], dict]:
     out: dict = {}
     if not layers:
         return [], out
-    lines = ["## The selection pre-pass scored at an earlier layer (issue 30, item 3)", "",
+    lines = ["## The selection pre-pass scored at an earlier layer", "",
              "FusionRAG 15% on fused KV, the question's attention read at layer K instead of the last (the pre-pass "
              "stops there: `QueryGuided(layer=K)`), paired with the last layer's cells "
              "(`bash studies/paper/run.sh l`). "

@@ -1,4 +1,4 @@
-"""The newest peers in the same engine (issue 31): APE's hyper-parameter sweep, registered as study methods.
+"""The newest peers in the same engine: APE's hyper-parameter sweep, registered as study methods.
 
 ``ape`` (the product's baseline, APE's released default T = S = 0.9) and ``prophetkv`` live in the
 package; this registers the sweep's other settings, ``ape-t{T}-s{S}``, for ``python -m studies.quality_cli``.

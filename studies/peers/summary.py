@@ -1,4 +1,4 @@
-"""Issue 31's section of the paper-shaped study's summary: FusionRAG against ProphetKV and APE.
+"""The newest peers' section of the paper-shaped study's summary: FusionRAG against ProphetKV and APE.
 
 Called by ``studies/paper/summarize.py`` with the study's cells (``(dataset, method, kv, ratio) ->
 {qid: record}``); returns Markdown lines and the JSON part, and draws ``peers_at_15pct.png``.

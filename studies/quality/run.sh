@@ -66,9 +66,10 @@ lane_b() {
   bash studies/ablations/run.sh  # TriviaQA offline ablations incl. the top-n sweep, their own folders
   hotpot_dev20
 }
-# #14: the 50-question study's cells at 15% again, with the teacher-forced metrics (gold NLL, KL along
-# Full Attention's answer) against a committed Full Attention reference; same files, same knowledge
-# bases. `bash studies/quality/run.sh teacher-forced TRI WIKI` (variable names of datasets.sh: TRI HOT WIKI MUS).
+# For the paper-shaped study: the 50-question study's cells at 15% again, with the teacher-forced
+# metrics (gold NLL, KL along Full Attention's answer) against a committed Full Attention reference;
+# same files, same knowledge bases. `bash studies/quality/run.sh teacher-forced TRI WIKI`
+# (variable names of datasets.sh: TRI HOT WIKI MUS).
 teacher_forced() {  # $1: the data file
   local OUT=studies/quality/results/teacher_forced
   .venv/bin/python studies/quality/full_reference.py --reference "$OUT/full_reference" --cache-dir runs/cache \

@@ -127,7 +127,7 @@ def register() -> None:
     register_policy("random", RandomTokens, kv="plain", description="control: random tokens")
     register_policy("fusionrag-otherq", OtherQuestion, kv="plain-first",
                     description="FusionRAG, selection by another question (a whole-context cache hit)")
-    for layer in SCORING_LAYERS:  # issue 30 item 3 / decision 048: an earlier scoring layer, a cheaper pre-pass
+    for layer in SCORING_LAYERS:  # decision 048: an earlier scoring layer, a cheaper pre-pass
         register_policy(f"fusionrag-layer{layer}", lambda k=layer: QueryGuided(f"fusionrag-layer{k}", layer=k),
                         kv="fused", description=f"FusionRAG's selection from layer {layer}'s attention")
 

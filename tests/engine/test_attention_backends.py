@@ -120,6 +120,27 @@ def test_the_cli_offers_every_backend():
     assert ("auto", *NAMES) == ATTENTION_CHOICES
 
 
+def test_backends_are_classes_a_selector_picks_by_device_and_dtype(monkeypatch):
+    import importlib
+
+    from fusionrag.execution.attention_backends import BACKENDS, select_backend
+
+    for backend in BACKENDS.values():  # what each declares is what its module has (needs no Triton to check)
+        if not backend.needs_triton:
+            assert hasattr(importlib.import_module(backend.module), "attend_in_place") == backend.supports_in_place
+    cpu = torch.device("cpu")
+    assert select_backend(cpu, torch.float32).name == "blocked"
+    assert select_backend(cpu, torch.bfloat16, "reference").supports_in_place
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match=r"'triton' (needs Triton and a CUDA device|runs on cuda)"):
+        select_backend(cpu, torch.float32, "triton")
+    with pytest.raises(ValueError, match="unknown attention backend 'flash'"):
+        select_backend(cpu, torch.float32, "flash")
+    with pytest.raises(ValueError, match="does not compute in float64"):
+        select_backend(cpu, torch.float64, "blocked")
+
+
 def test_positions_must_ascend():
     with pytest.raises(ValueError, match="ascending"):
         SparseQuery(torch.tensor([3, 2]), 0, 2)

@@ -1,4 +1,4 @@
-"""The device and pinned host tiers (issue 30 item 4): same entries, budgets, invalidation, on the CPU and CUDA.
+"""The device and pinned host tiers: same entries, budgets, invalidation, on the CPU and CUDA.
 
 On the CPU the placements are plain copies (no pinned memory, no side stream), so these tests
 check the stacking, budgets, heat and invalidation every device shares; the test marked ``gpu``

@@ -264,7 +264,7 @@ def test_stage_timings_come_from_the_engines_synchronised_clock(engine):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here: stage timings on CUDA need a GPU")
 def test_stage_timings_on_cuda_sum_to_the_total_and_to_the_wall_clock(store_dir):
-    """Issue 30 item 5: on CUDA every stage is charged its own kernels, so the stages sum to the total
+    """On CUDA every stage is charged its own kernels, so the stages sum to the total
     and the total is what a wall clock around the (synchronised) call reads, within 2%."""
     import time
 

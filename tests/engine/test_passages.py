@@ -1,6 +1,6 @@
 """Where a request's passages come from: the client, the store's retrieval, or nowhere.
 
-Issue 29: a framework that retrieved its own passages must not get the store's on top; a
+A framework that retrieved its own passages must not get the store's on top; a
 framework's split of an ingested file must still reuse the stored KV; a server without a store
 is plain generation; ``method=auto`` runs ``full`` where reuse does not pay, and says so.
 """

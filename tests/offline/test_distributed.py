@@ -80,7 +80,7 @@ def test_ray_store_is_identical_to_the_serial_one_and_survives_a_killed_worker(t
     assert report.computed == len(PASSAGES)
     # Entry for entry, plain and fused: the same bytes (checksums over the stored tensors). An
     # earlier note saw this differ inside the full suite only; a full-suite run with this exact
-    # assertion at its end (session 9) matched 16 of 16, so identity is what is asserted.
+    # assertion at its end matched 16 of 16, so identity is what is asserted.
     assert _checksums(dist) == ref
 
     # Resuming: an entry removed after the run is the only one recomputed (locally here).

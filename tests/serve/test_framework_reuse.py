@@ -1,5 +1,5 @@
-"""Issue 29 end to end: real LangChain and LlamaIndex pipelines against a live loopback server over a
-store built from files reuse every stored chunk, by either path: fusionrag's retriever
+"""Framework reuse end to end: real LangChain and LlamaIndex pipelines against a live loopback server
+over a store built from files reuse every stored chunk, by either path: fusionrag's retriever
 (``POST /v1/retrieve``) or the framework's own whole-file documents. Plus the routes that make
 it possible (``/v1/retrieve``, a store-less server) and vLLM's habits (served names, neutral fields).
 """

@@ -27,7 +27,7 @@ import torch
 from transformers import DynamicCache
 
 from fusionrag.execution import attention_hook
-from fusionrag.execution.attention_backends import SparseQuery, default_backend, get_backend, get_in_place
+from fusionrag.execution.attention_backends import AttentionBackend, SparseQuery, select_backend
 from fusionrag.execution.masks import additive_mask, visibility  # noqa: F401  (re-exported)
 from fusionrag.kvcache.kv import KV
 from fusionrag.models.registry import LoadedModel
@@ -48,9 +48,14 @@ def cache_tail(cache: DynamicCache, n: int) -> tuple[torch.Tensor, torch.Tensor]
     return keys, values
 
 
+def backend_of(lm: LoadedModel) -> AttentionBackend:
+    """The sparse-pass backend of ``lm``: its ``attention`` setting, ``auto`` resolved by device; one that
+    cannot run on ``lm``'s device or dtype is a ValueError naming why."""
+    return select_backend(lm.device, lm.dtype, lm.attention)
+
+
 def backend_name(lm: LoadedModel) -> str:
-    """The sparse-pass backend of ``lm``: its ``attention`` setting, ``auto`` resolved by device."""
-    return default_backend(lm.device) if lm.attention == "auto" else lm.attention
+    return backend_of(lm).name
 
 
 @dataclass
@@ -75,10 +80,10 @@ def _run(lm: LoadedModel, input_ids: torch.Tensor, positions: torch.Tensor, past
     device = lm.device
     attention_hook.install(lm.model)
     input_ids, positions = _pass_inputs(lm, input_ids, positions)
-    backend = backend_name(lm)
+    backend = backend_of(lm)
     past_len = 0 if past is None else len(past)
     cache = DynamicCache()
-    if past_len == 0 and backend != "reference":
+    if past_len == 0 and backend.name != "reference":
         if positions.numel() > 1 and not bool((positions[1:] > positions[:-1]).all()):
             raise ValueError("positions of a pass must be strictly ascending")
         return _call(lm, input_ids, positions, cache, logits_to_keep, n_layers, stop_at), cache
@@ -89,7 +94,7 @@ def _run(lm: LoadedModel, input_ids: torch.Tensor, positions: torch.Tensor, past
         empty = torch.zeros(lm.adapter.empty_kv_shape(lm.num_layers), dtype=lm.dtype, device=device)
         past = KV(empty, empty, 0)
     past_dev = past.to(lm.dtype, device)
-    with attention_hook.sparse_pass(past_dev, spec, get_backend(backend)):
+    with attention_hook.sparse_pass(past_dev, spec, backend.attend):
         return _call(lm, input_ids, positions, cache, logits_to_keep, n_layers, stop_at), cache
 
 
@@ -137,7 +142,7 @@ def forward(
 
 def in_place_available(lm: LoadedModel) -> bool:
     """Whether ``lm``'s sparse-pass backend can run :func:`forward_in_place`."""
-    return get_in_place(backend_name(lm)) is not None
+    return backend_of(lm).supports_in_place
 
 
 def forward_in_place(lm: LoadedModel, input_ids: torch.Tensor, positions: torch.Tensor, work: KV) -> torch.Tensor:
@@ -152,9 +157,10 @@ def forward_in_place(lm: LoadedModel, input_ids: torch.Tensor, positions: torch.
     the last row's logits are needed, so the last layer runs its attention and MLP for that row
     alone (:func:`_last_layer_on_last_row`).
     """
-    attend = get_in_place(backend_name(lm))
+    backend = backend_of(lm)
+    attend = backend.attend_in_place
     if attend is None:
-        raise ValueError(f"attention backend {backend_name(lm)!r} has no in-place pass")
+        raise ValueError(f"attention backend {backend.name!r} has no in-place pass")
     input_ids, positions = _pass_inputs(lm, input_ids, positions)
     if int(positions[0]) < work.base_position or int(positions[-1]) >= work.base_position + len(work):
         raise ValueError("an in-place pass writes inside its KV: positions outside it")

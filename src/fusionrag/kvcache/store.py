@@ -52,7 +52,7 @@ DTYPES = {"float16": torch.float16, "fp16": torch.float16, "float32": torch.floa
 #: Storage dtypes a store can be created with (what ``--kv-dtype`` offers).
 STORAGE_DTYPES = ("float16", "float32", "int8")
 #: What ``fusionrag ingest`` creates a store with: int8's fidelity loss against fp16 is not resolved
-#: on 50 paired TriviaQA questions, and it halves the store (docs/decisions.md, studies/kv_int8/results/summary).
+#: on 50 paired TriviaQA questions, and it halves the store (decision 015, studies/kv_int8/results/summary).
 DEFAULT_KV_DTYPE = "int8"
 _MAX_HEADER = 16 << 20
 #: The largest entry a store reads (header and tensors). A 4K-token chunk of a 7B-class model in fp32

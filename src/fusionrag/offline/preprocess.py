@@ -9,7 +9,7 @@ together with Cache-Craft scores (how much attention each token paid to the neig
 
 Neighbour order default: ``nearest_first``, the **most similar neighbour first, right
 after** ``S`` (as the authors' code does; measured against ``nearest_last`` on TriviaQA in
-docs/decisions.md). Neighbours come from the whole corpus by default, or from the chunk's
+decision 005). Neighbours come from the whole corpus by default, or from the chunk's
 document group with ``same_document``.
 
 :func:`plain_batch` and :func:`fuse_batch` are pure functions of their inputs (token ids,
@@ -43,7 +43,7 @@ if TYPE_CHECKING:
     from fusionrag.retrieval.knowledge import KnowledgeStore
 
 NEIGHBOUR_ORDERS = ("nearest_last", "nearest_first")
-#: Measured on TriviaQA (docs/decisions.md): the most similar neighbour first, right after S.
+#: Measured on TriviaQA (decision 005): the most similar neighbour first, right after S.
 DEFAULT_NEIGHBOUR_ORDER = "nearest_first"
 DEFAULT_TOP_N = 10
 

@@ -28,7 +28,7 @@ import numpy as np
 from fusionrag.errors import FusionRAGError
 from fusionrag.files import atomic_write_with
 
-#: Vectors from which searches use the HNSW graph instead of an exact scan (docs/decisions.md).
+#: Vectors from which searches use the HNSW graph instead of an exact scan (decision 017).
 APPROX_THRESHOLD = 50_000
 #: HNSW parameters (benchmarks/ann/results): graph degree, build and search beam widths.
 HNSW_M = 32

@@ -28,11 +28,19 @@ before its position. A backend that has such a function, ``attend_in_place(q, ke
 positions, base, scale, memo)``, is returned by :func:`get_in_place` (``reference``, ``blocked``
 and ``triton-packed``: its kernel with the buffer as the past and no fresh keys to stream); the
 per-head ``triton`` kernel keeps the past + new interface, so a GPU run measures both.
+
+Each backend is an :class:`AttentionBackend` in :data:`BACKENDS` (like vLLM's ``AttentionBackend``): its
+name, the devices and dtypes it runs, whether it has the in-place form; :func:`select_backend` picks
+one for a device and dtype (a name asked for that cannot run there is one clear error, before any
+kernel is reached) and imports its module only then.
 """
 
 from __future__ import annotations
 
+import importlib
+import os
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -40,15 +48,14 @@ from fusionrag.execution.attention_backends.spec import SparseQuery
 
 Attend = Callable[..., torch.Tensor]
 AttendInPlace = Callable[..., torch.Tensor]
-NAMES = ("reference", "blocked", "triton", "triton-packed")
-__all__ = ["NAMES", "Attend", "AttendInPlace", "SparseQuery", "default_backend", "get_backend", "get_in_place",
-           "triton_available"]
+__all__ = ["BACKENDS", "NAMES", "Attend", "AttendInPlace", "AttentionBackend", "SparseQuery", "default_backend",
+           "get_backend", "get_in_place", "select_backend", "triton_available"]
+
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def triton_available() -> bool:
     """Whether the Triton kernels can run here: a CUDA device, or the interpreter on CPU."""
-    import os
-
     try:
         import triton  # noqa: F401
     except ImportError:
@@ -56,33 +63,54 @@ def triton_available() -> bool:
     return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def get_backend(name: str) -> Attend:
-    """The ``attend`` function of backend ``name`` (see the module docstring)."""
-    if name == "reference":
-        from fusionrag.execution.attention_backends.reference import attend
-    elif name == "blocked":
-        from fusionrag.execution.attention_backends.blocked import attend
-    elif name == "triton":
-        from fusionrag.execution.attention_backends.qsparse_triton import attend
-    elif name == "triton-packed":
-        from fusionrag.execution.attention_backends.qsparse_packed import attend
-    else:
+@dataclass(frozen=True)
+class AttentionBackend:
+    """One implementation of a sparse pass's attention and where it runs."""
+
+    name: str
+    module: str  # imported on first use: the Triton kernels need Triton, the torch ones nothing
+    devices: tuple[str, ...]  # device types it runs on natively
+    dtypes: tuple[torch.dtype, ...] = _FLOATS
+    supports_in_place: bool = False  # has attend_in_place (the sparse recompute writing in place)
+    needs_triton: bool = False  # a Triton kernel: CUDA, or the CPU under TRITON_INTERPRET=1
+
+    @property
+    def attend(self) -> Attend:
+        return importlib.import_module(self.module).attend
+
+    @property
+    def attend_in_place(self) -> AttendInPlace | None:
+        return importlib.import_module(self.module).attend_in_place if self.supports_in_place else None
+
+    def why_not(self, device: torch.device, dtype: torch.dtype | None = None) -> str:
+        """Why it cannot run on ``device`` in ``dtype`` ('' when it can)."""
+        if self.needs_triton and not triton_available():
+            return f"attention backend {self.name!r} needs Triton and a CUDA device (or TRITON_INTERPRET=1)"
+        interpreted = self.needs_triton and os.environ.get("TRITON_INTERPRET") == "1"
+        if device.type not in self.devices and not interpreted:
+            return f"attention backend {self.name!r} runs on {'/'.join(self.devices)}, not {device.type}"
+        if dtype is not None and dtype not in self.dtypes:
+            return f"attention backend {self.name!r} does not compute in {str(dtype).removeprefix('torch.')}"
+        return ""
+
+
+_PACKAGE = "fusionrag.execution.attention_backends"
+#: Every backend by name, in the order the CLI lists them.
+BACKENDS: dict[str, AttentionBackend] = {b.name: b for b in (
+    AttentionBackend("reference", f"{_PACKAGE}.reference", ("cpu", "cuda"), supports_in_place=True),
+    AttentionBackend("blocked", f"{_PACKAGE}.blocked", ("cpu", "cuda"), supports_in_place=True),
+    AttentionBackend("triton", f"{_PACKAGE}.qsparse_triton", ("cuda",), needs_triton=True),
+    AttentionBackend("triton-packed", f"{_PACKAGE}.qsparse_packed", ("cuda",), supports_in_place=True,
+                     needs_triton=True),
+)}
+NAMES = tuple(BACKENDS)
+
+
+def _named(name: str) -> AttentionBackend:
+    backend = BACKENDS.get(name)
+    if backend is None:
         raise ValueError(f"unknown attention backend {name!r} (known: {', '.join(NAMES)})")
-    return attend
-
-
-def get_in_place(name: str) -> AttendInPlace | None:
-    """Backend ``name``'s in-place function, or ``None`` where it has none (the pass then reads past + new)."""
-    if name == "reference":
-        from fusionrag.execution.attention_backends.reference import attend_in_place
-    elif name == "blocked":
-        from fusionrag.execution.attention_backends.blocked import attend_in_place
-    elif name == "triton-packed":
-        from fusionrag.execution.attention_backends.qsparse_packed import attend_in_place
-    else:
-        get_backend(name)  # an unknown name is an error here too
-        return None
-    return attend_in_place
+    return backend
 
 
 def default_backend(device: torch.device) -> str:
@@ -95,3 +123,23 @@ def default_backend(device: torch.device) -> str:
         except ImportError:
             pass
     return "blocked"
+
+
+def select_backend(device: torch.device, dtype: torch.dtype | None = None, name: str = "auto") -> AttentionBackend:
+    """The backend for a model on ``device`` computing in ``dtype``: ``name``, or the device's default for
+    ``auto``; a backend that cannot run there is a ValueError saying why."""
+    backend = _named(default_backend(device) if name == "auto" else name)
+    why = backend.why_not(device, dtype)
+    if why:
+        raise ValueError(why)
+    return backend
+
+
+def get_backend(name: str) -> Attend:
+    """The ``attend`` function of backend ``name`` (see the module docstring)."""
+    return _named(name).attend
+
+
+def get_in_place(name: str) -> AttendInPlace | None:
+    """Backend ``name``'s in-place function, or ``None`` where it has none (the pass then reads past + new)."""
+    return _named(name).attend_in_place

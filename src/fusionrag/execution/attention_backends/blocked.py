@@ -11,7 +11,8 @@ first and last query, the new keys after each query). No dense ``[n, T]`` float 
 ever built, and the block masks depend only on the positions: they are built once per
 pass (cached in ``spec.memo``) and shared by every layer.
 
-Measured against the reference (masked SDPA over repeated KV heads) in docs/decisions.md.
+Measured against the reference (masked SDPA over repeated KV heads) in decision 020
+(``docs/decisions/020-sparse-pass-attention-a-mask-free-torch-backend.md``).
 
 :func:`attend_in_place` is the same idea for an *in-place* pass (the sparse recompute): the
 request's own prompt KV already holds every new token's fresh KV at its slot, so a query sees
@@ -28,7 +29,7 @@ import torch.nn.functional as F
 
 from fusionrag.execution.attention_backends.spec import SparseQuery
 
-BLOCK = 64  # queries per block: smaller skips more keys, larger makes fewer, bigger calls (docs/decisions.md)
+BLOCK = 64  # queries per block: smaller skips more keys, larger makes fewer, bigger calls (decision 020)
 #: Queries per block of an in-place pass: 32 computed ~2% fewer score columns than 64 and ran as fast or
 #: faster at 15% of 4K on one CPU thread (decision 050).
 IN_PLACE_BLOCK = 32
