@@ -50,12 +50,12 @@ def _cmd_ask(args: argparse.Namespace) -> int:
     _say(args, f"loaded {engine.lm.name} on {engine.lm.device}, computing in {dtype}, in "
                f"{time.perf_counter() - start:.1f} s; answering with method {args.method} ...")
     if args.stream and not (args.json or args.explain):
-        for delta in engine.stream(args.question, max_new_tokens=args.max_new_tokens, **req.as_kwargs()):
+        for delta in engine.stream(req, max_new_tokens=args.max_new_tokens):
             sys.stdout.write(delta)
             sys.stdout.flush()
         sys.stdout.write("\n")
         return 0
-    result = engine.answer(args.question, max_new_tokens=args.max_new_tokens, **req.as_kwargs())
+    result = engine.answer(req, max_new_tokens=args.max_new_tokens)
     if args.explain:
         from fusionrag.online.explain import render_explain_html, write_explain
 

@@ -41,6 +41,7 @@ from fusionrag.online.methods import make_policy, method_info
 from fusionrag.online.policies import SelectionInput, select
 from fusionrag.online.prefill import assemble_context, prefill_full, prefill_reused
 from fusionrag.online.request import DEFAULT_MAX_NEW_TOKENS, DEFAULT_TOP_K, ReuseRequest, resolved_kv
+from fusionrag.online.resolved import Resolved
 from fusionrag.online.state import Request
 from fusionrag.prompt import PromptBuilder
 from fusionrag.retrieval.knowledge import KnowledgeStore
@@ -157,17 +158,22 @@ class Engine:
 
     # -- answering --------------------------------------------------------------------
 
-    def answer(self, question: str, method: str = "fusionrag", ratio: float = 0.15, top_k: int | None = None,
-               chunks: Sequence[dict] | None = None, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
-               kv: str | None = None, preamble: str = "", retrieval: bool | None = None) -> Request:
+    def answer(self, question: str | ReuseRequest, method: str = "fusionrag", ratio: float = 0.15,
+               top_k: int | None = None, chunks: Sequence[dict] | None = None,
+               max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, kv: str | None = None, preamble: str = "",
+               retrieval: bool | None = None) -> Request:
         """Answer ``question`` (greedy, up to ``max_new_tokens`` or the end of the answer); ``chunks``
-        (``{title, text}`` dicts, in order; ``[]`` for none) replaces retrieval, as does ``retrieval=False``."""
+        (``{title, text}`` dicts, in order; ``[]`` for none) replaces retrieval, as does ``retrieval=False``.
+        ``question`` may be a whole :class:`ReuseRequest` (its fields, not the keywords, then apply)."""
+        req = question if isinstance(question, ReuseRequest) else \
+            ReuseRequest(question, method, ratio, kv, top_k, chunks, preamble, retrieval)
         with self._lock:
-            prep = self.prepare(ReuseRequest(question, method, ratio, kv, top_k, chunks, preamble, retrieval))
+            prep = self.prepare(req)
             ids = list(greedy_tokens(self.lm, prep.take_kv(), prep.pre.last_logits, max_new_tokens))
         return self.finish(prep, ids)
 
-    def stream(self, question: str, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, **kwargs: Any) -> Iterator[str]:
+    def stream(self, question: str | ReuseRequest, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+               **kwargs: Any) -> Iterator[str]:
         """Yield the answer as text deltas (the first one as soon as the first token exists)."""
         with self._lock:
             prep = self.prepare(question, **kwargs)
@@ -182,24 +188,26 @@ class Engine:
 
     def prepare(self, question: str | ReuseRequest, method: str = "fusionrag", ratio: float = 0.15,
                 top_k: int | None = None, chunks: Sequence[dict] | None = None, kv: str | None = None,
-                preamble: str = "", retrieval: bool | None = None) -> Request:
+                preamble: str = "", retrieval: bool | None = None, resolved: Resolved | None = None) -> Request:
         """Everything up to the first answer token, with the TTFT breakdown.
 
         Takes a :class:`~fusionrag.online.request.ReuseRequest` or its fields. ``preamble`` (a system
         message, earlier turns: :func:`fusionrag.prompt.conversation_preamble`) goes into the question
-        segment, after the reused passages; retrieval uses ``question`` alone."""
+        segment, after the reused passages; retrieval uses ``question`` alone. ``resolved``: the request's
+        passages found before (:meth:`prefetch`), used unless the store changed since."""
         req = question if isinstance(question, ReuseRequest) else \
             ReuseRequest(question, method, ratio, kv, top_k, chunks, preamble, retrieval)
         req = req.validated()
         question, ratio, kv_kind, preamble = req.question, req.ratio, str(req.kv), req.preamble
         clock = self.clock()
-        self.follow_store()
-        pieces, hit_scores, note = self._passages(req)
-        chunk_ids = [p.chunk_id for p in pieces]
-        passages = [p.as_passage() for p in pieces]
+        changed = self.follow_store()
+        if resolved is None or changed or not self._current(resolved):
+            resolved = self.resolve(req)
+        pieces, hit_scores, note = resolved.pieces, resolved.scores, resolved.note
+        chunk_ids, passages = resolved.chunk_ids, resolved.passages
         clock.lap("retrieve")
-        token_ids = [self._token_ids(cid, p) for cid, p in zip(chunk_ids, passages, strict=True)]
-        question_token_ids = self.prompt.question_token_ids(question, preamble)
+        token_ids = resolved.token_ids(self)
+        question_token_ids = resolved.question_ids(self, question, preamble)
         method, why = self.resolve_method(req.method, sum(map(len, token_ids)))
         note = note or why
         if method == "full":
@@ -239,14 +247,14 @@ class Engine:
             self.context_cache.put(keys[0], CachedContext.of(pre.kv, self.prompt.system_token_ids, token_ids,
                                                              pre.spans), chunk_ids)
         clock.lap("recompute")
-        int(torch.argmax(pre.last_logits))  # the first token itself (part of TTFT)
+        first_token = int(torch.argmax(pre.last_logits))  # the greedy first token itself (part of TTFT)
         clock.lap("first_token")
         timings = {**clock.stages, "total": clock.total()}
         pre.timings_ms["recompute"] = timings["recompute"]
         sources = [{"chunk_id": p.chunk_id, "title": p.title, "source": p.source, "score": score,
                     "stored": p.chunk_id is not None} for p, score in zip(pieces, hit_scores, strict=True)]
         return Request(pre, method, kv_kind, float(ratio), chunk_ids, passages, token_ids, timings, fallbacks,
-                       sources=sources, note=note, context_cache_hit=cached is not None)
+                       sources=sources, note=note, context_cache_hit=cached is not None, first_token=first_token)
 
     def resolve_method(self, method: str, context_tokens: int) -> tuple[str, str]:
         """The method a request runs and, when that is not the one it named, why.
@@ -271,36 +279,32 @@ class Engine:
         prep.status = "finished"
         return prep
 
-    def prompt_tokens(self, question: str, chunks: Sequence[dict], preamble: str = "") -> int:
-        """Tokens of ``S`` + these passages + the question: a length check before spending a prefill
-        (an estimate within a few tokens: the passages may be split into several chunks)."""
-        n = len(self.prompt.system_token_ids) + len(self.prompt.question_token_ids(question, preamble))
-        return n + sum(len(self.prompt.chunk_token_ids(c.get("title", ""), c.get("text", ""))) for c in chunks)
-
     # -- the KV source ----------------------------------------------------------------
 
-    def prefetch(self, question: str, method: str = "fusionrag", top_k: int | None = None,
-                 chunks: Sequence[dict] | None = None, kv: str | None = None, retrieval: bool | None = None,
-                 **_ignored: Any) -> None:
-        """Asynchronous loader for a queued request: find its chunks now, start loading their KV.
+    def prefetch(self, request: ReuseRequest) -> Resolved | None:
+        """Asynchronous loader for a queued request: find its passages now and start loading their KV; the
+        passages found are the request's (:meth:`prepare` takes them).
 
         Runs retrieval (embedding + index search) in the caller's thread, outside the model
         lock, so the KV reads overlap with whatever the model is computing. Best effort:
-        a request that cannot be resolved here is simply not prefetched.
+        a request that cannot be resolved here is resolved by its prefill (None).
         """
-        if method == "full" or not (question or "").strip() or self.store is None:
-            return
         try:
-            pieces, _, _ = self._passages(ReuseRequest(question.strip(), top_k=top_k, chunks=chunks,
-                                                       retrieval=retrieval))
-            chunk_ids = [p.chunk_id for p in pieces]
+            resolved = self.resolve(request)
+            if request.method != "full" and self.store is not None:
+                self.prefetch_chunks(resolved.chunk_ids, resolved_kv(request.method, request.kv))
         except FusionRAGError:
-            return
-        try:
-            kind = resolved_kv(method, kv)
-        except FusionRAGError:
-            return
-        self.prefetch_chunks(chunk_ids, kind)
+            return None
+        return resolved
+
+    def resolve(self, request: ReuseRequest) -> Resolved:
+        """The request's passages: matched onto stored chunks, or retrieved, at the store's current state."""
+        generation = self.store.seen_generation if self.store is not None else None
+        pieces, scores, note = self._passages(request)
+        return Resolved(pieces, scores, note, generation)
+
+    def _current(self, resolved: Resolved) -> bool:
+        return self.store is None or resolved.generation == self.store.seen_generation
 
     def prefetch_chunks(self, chunk_ids: Sequence[int | None], kv: str = "plain-first") -> None:
         """Start loading these chunks' KV in the background (a no-op without a caching tier)."""
@@ -354,11 +358,6 @@ class Engine:
             return [], [], "the store is empty: answered without passages"
         pieces = [Piece(h["chunk_id"], h["title"], h["text"], h["source"]) for h in hits]
         return pieces, [h["score"] for h in hits], ""
-
-    def _token_ids(self, chunk_id: int | None, passage: dict) -> list[int]:
-        if chunk_id is not None:
-            return list(self.store.chunk(chunk_id).token_ids)
-        return self.prompt.chunk_token_ids(passage["title"], passage["text"])
 
     def kinds_for(self, chunk_ids: Sequence[int | None], kind: str) -> list[str]:
         """The stored KV each chunk reads (:meth:`ChunkKVLoader.kinds_for`)."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fusionrag.errors import FusionRAGError
@@ -56,6 +56,8 @@ class ReuseRequest:
     chunks: Sequence[dict] | None = None
     preamble: str = ""
     retrieval: bool | None = None
+    #: Set by :meth:`validated` on what it returns: validating that again returns it as it is.
+    checked: bool = field(default=False, compare=False, repr=False)
 
     @property
     def retrieves(self) -> bool:
@@ -63,7 +65,10 @@ class ReuseRequest:
         return self.chunks is None and self.retrieval is not False and self.top_k != 0
 
     def validated(self, max_top_k: int | None = None) -> ReuseRequest:
-        """This request with defaults resolved (kv; ratio 1 for ``full``, 0 for ``reuse``), or InvalidRequest."""
+        """This request with defaults resolved (kv; ratio 1 for ``full``, 0 for ``reuse``), or InvalidRequest.
+        Done once per request, at its door: a request already validated is returned unchanged."""
+        if self.checked:
+            return self
         out = self.fields_validated(max_top_k)
         question = (self.question or "").strip()
         if not question:
@@ -75,7 +80,7 @@ class ReuseRequest:
         for i, c in enumerate(self.chunks or ()):
             if not all(is_valid_text(str(c.get(k, ""))) for k in ("title", "text")):
                 raise InvalidRequest(f"passage {i} is not valid Unicode text", "documents", "invalid_unicode")
-        return replace(out, question=question)
+        return replace(out, question=question, checked=True)
 
     def fields_validated(self, max_top_k: int | None = None) -> ReuseRequest:
         """Every field but the question checked (a server checks the question after parsing passages)."""
@@ -98,16 +103,6 @@ class ReuseRequest:
         if self.retrieval is not None and not isinstance(self.retrieval, bool):
             raise InvalidRequest(f"'retrieval' must be true or false, got {self.retrieval!r}", "retrieval")
         return replace(self, ratio=ratio, kv=kv)
-
-    def as_kwargs(self) -> dict[str, Any]:
-        """The request as keyword arguments of ``Engine.prepare`` (the fields a client set)."""
-        out: dict[str, Any] = {"method": self.method, "ratio": self.ratio}
-        for name in ("kv", "top_k", "chunks", "retrieval"):
-            if getattr(self, name) is not None:
-                out[name] = getattr(self, name)
-        if self.preamble:
-            out["preamble"] = self.preamble
-        return out
 
 
 def method_info_or_invalid(method: str):

@@ -38,6 +38,8 @@ class Request:
     note: str = ""
     #: The prompt's ``S`` + chunks came from the whole-context cache: only the question was prefilled.
     context_cache_hit: bool = False
+    #: The greedy first answer token, taken from the prefill's last logits (part of TTFT; no forward).
+    first_token: int = -1
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     status: Literal["prepared", "finished"] = "prepared"
@@ -47,11 +49,6 @@ class Request:
     @property
     def prompt_tokens(self) -> int:
         return self.pre.kv.base_position + len(self.pre.kv)
-
-    @property
-    def first_token(self) -> int:
-        """The greedy first answer token (no forward needed: the prefill's last logits)."""
-        return int(torch.argmax(self.pre.last_logits))
 
     def take_kv(self) -> KV:
         """Hand the prompt KV to a decoder; this object stops holding it (so its memory can go)."""

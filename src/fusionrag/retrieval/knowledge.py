@@ -256,6 +256,11 @@ class KnowledgeStore(IndexedChunks, StoredKV, StoredDocuments):
                     self._writing = 0
                     self._generation = bump_generation(self._db)
 
+    @property
+    def seen_generation(self) -> int:
+        """The generation this object's chunks and index reflect (:meth:`refresh` brings it to the store's)."""
+        return self._generation
+
     def generation(self) -> int:
         """The store's change counter (bumped by every writer), read from SQLite."""
         with self._lock:

@@ -35,11 +35,24 @@ import torch
 from fusionrag.errors import PromptTooLongError, QueueFullError, RequestCancelledError, SchedulerClosedError
 from fusionrag.execution.decoder import BatchDecoder
 from fusionrag.execution.generate import TextStreamer
+from fusionrag.online.request import ReuseRequest
+from fusionrag.online.resolved import Resolved
 from fusionrag.serve.limits import check_prompt_length
 from fusionrag.serve.requests import DecodeRequest, Event, Listener, SchedulerStats
 from fusionrag.serve.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
+
+
+def _prefetched(req: DecodeRequest) -> Resolved | None:
+    """The passages the request's prefetch found (waiting for it: it is doing what the prefill would do),
+    or None when it found none (the prefill then finds them)."""
+    if req.resolved is None:
+        return None
+    try:
+        return req.resolved.result()
+    except Exception:  # best effort: the prefill resolves the request itself
+        return None
 
 
 @dataclass
@@ -158,9 +171,10 @@ class BatchScheduler:
 
     # -- submission -------------------------------------------------------------------
 
-    def submit(self, question: str, max_new_tokens: int = 32, listener: Listener | None = None,
-               sampling: SamplingParams | None = None, **prepare_kwargs: Any) -> DecodeRequest:
-        """Queue a request (``prepare_kwargs`` go to ``engine.prepare``: method, ratio, top_k, chunks, kv...).
+    def submit(self, question: str | ReuseRequest, max_new_tokens: int = 32, listener: Listener | None = None,
+               sampling: SamplingParams | None = None, **reuse_fields: Any) -> DecodeRequest:
+        """Queue a request: a :class:`ReuseRequest` (validated or not: it is validated once, at the latest by
+        its prefill), or a question and its fields (method, ratio, top_k, chunks, kv, preamble, retrieval).
 
         ``sampling`` picks the tokens (greedy by default) and names stop strings.
 
@@ -168,7 +182,8 @@ class BatchScheduler:
         non-blocking, e.g. ``loop.call_soon_threadsafe``); without one, read
         :meth:`DecodeRequest.events` or :meth:`DecodeRequest.result`.
         """
-        req = DecodeRequest(question, max_new_tokens, prepare_kwargs, listener, sampling)
+        reuse = question if isinstance(question, ReuseRequest) else ReuseRequest(question, **reuse_fields)
+        req = DecodeRequest(reuse, max_new_tokens, listener, sampling)
         with self._cond:
             if self._closed or self.load_error is not None:
                 raise SchedulerClosedError("the server is shutting down" if self._closed else
@@ -176,14 +191,15 @@ class BatchScheduler:
             if len(self._pending) >= self.max_queue:
                 raise QueueFullError(f"too many requests waiting ({len(self._pending)} queued, limit "
                                      f"{self.max_queue}); retry later")
+            # Asynchronous loader: find this request's passages and start reading their KV while the model is
+            # busy, off the caller's thread (it may be the event loop); the prefill takes the passages found,
+            # so the future exists before the model thread can see the request.
+            if self.engine is not None:
+                if self._prefetcher is None:
+                    self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="fusionrag-prefetch")
+                req.resolved = self._prefetcher.submit(self.engine.prefetch, reuse)
             self._pending.append(req)
             self._cond.notify_all()
-        # Asynchronous loader: resolve this request's chunks and start reading their KV while
-        # the model is busy, off the caller's thread (it may be the event loop).
-        if self.engine is not None:
-            if self._prefetcher is None:
-                self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="fusionrag-prefetch")
-            self._prefetcher.submit(self.engine.prefetch, question, **prepare_kwargs)
         return req
 
     def run_task(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Future:
@@ -333,10 +349,12 @@ class BatchScheduler:
             return
         t0 = time.perf_counter()
         try:
+            reuse = req.reuse.validated()
+            resolved = _prefetched(req)
             if self.max_prompt_tokens:
-                check_prompt_length(self.engine, req.question, req.prepare_kwargs, self.max_prompt_tokens)
+                resolved = check_prompt_length(self.engine, reuse, resolved, self.max_prompt_tokens)
             with self._lock():
-                prep = self.engine.prepare(req.question, **req.prepare_kwargs)
+                prep = self.engine.prepare(reuse, resolved=resolved)
             req.prompt_tokens = prep.prompt_tokens
             if self.max_prompt_tokens and req.prompt_tokens > self.max_prompt_tokens:
                 raise PromptTooLongError(f"the prompt has {req.prompt_tokens} tokens; this server accepts at most "

@@ -38,8 +38,7 @@ async def generate(server: ServerState, request: Request, chat: bool,
     def listener(ev: Event) -> None:
         loop.call_soon_threadsafe(events.put_nowait, ev)
 
-    req = sched.submit(gen.question, max_new_tokens=gen.max_tokens, listener=listener, sampling=gen.sampling,
-                       **gen.prepare_kwargs())
+    req = sched.submit(gen.reuse, max_new_tokens=gen.max_tokens, listener=listener, sampling=gen.sampling)
     shape = Shape(chat, f"{'chatcmpl' if chat else 'cmpl'}-{req.id}", int(time.time()), server.model_name())
     tokenizer = sched.engine.lm.tokenizer
     logprobs = Logprobs(lambda t: tokenizer.decode([t])) if gen.sampling.logprobs else None

@@ -193,10 +193,6 @@ class GenerateRequest:
     def ratio(self) -> float:
         return self.reuse.ratio
 
-    def prepare_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for ``engine.prepare``; options the client left out keep the engine's defaults."""
-        return self.reuse.as_kwargs()
-
 
 def _validated(model: type[BaseModel], body: Any) -> Any:
     if not isinstance(body, dict):
@@ -237,10 +233,6 @@ def _common(req: ChatCompletionRequest | CompletionRequest, s: ServerSettings, q
                        code="invalid_value", param="max_tokens")
     method = req.method or s.default_method
     ratio = s.default_ratio if req.ratio is None else req.ratio
-    try:
-        ReuseRequest(question, method, ratio, req.kv, req.top_k).fields_validated(max_top_k=s.max_top_k)
-    except InvalidRequest as exc:
-        raise APIError(400, str(exc), code=exc.code, param=exc.param) from None
     if req.documents is not None:
         if documents:
             raise APIError(400, "passages were sent both in 'documents' and as <document> blocks in the message; "
@@ -260,9 +252,11 @@ def _common(req: ChatCompletionRequest | CompletionRequest, s: ServerSettings, q
         temperature=s.default_temperature if req.temperature is None else float(req.temperature),
         top_p=1.0 if req.top_p is None else float(req.top_p), top_k=req.sample_top_k or 0, seed=req.seed,
         stop=tuple(stops), logprobs=logprobs, top_logprobs=top_logprobs)
-    # The client's fields as sent (validated above); the engine resolves the defaults.
-    reuse = ReuseRequest(question.strip(), method, float(ratio), req.kv, req.top_k, documents, preamble,
-                         req.retrieval)
+    try:  # the one validation of this request: the engine takes it as it is
+        reuse = ReuseRequest(question.strip(), method, ratio, req.kv, req.top_k, documents, preamble,
+                             req.retrieval).validated(max_top_k=s.max_top_k)
+    except InvalidRequest as exc:
+        raise APIError(400, str(exc), code=exc.code, param=exc.param) from None
     return GenerateRequest(
         reuse=reuse, max_tokens=max_tokens or min(s.default_max_tokens, s.max_new_tokens), stream=bool(req.stream),
         include_usage=bool(req.stream_options and req.stream_options.include_usage), sampling=sampling,

@@ -13,10 +13,12 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
 from fusionrag.execution.generate import TextStreamer
+from fusionrag.online.request import ReuseRequest
 from fusionrag.serve.sampling import SamplingParams, StopMatcher, TokenSampler
 
 log = logging.getLogger(__name__)
@@ -64,12 +66,12 @@ class SchedulerStats:
 class DecodeRequest:
     """A submitted request: its events, its result, and its place in the batch."""
 
-    def __init__(self, question: str, max_new_tokens: int, prepare_kwargs: dict[str, Any],
-                 listener: Listener | None, sampling: SamplingParams | None = None) -> None:
+    def __init__(self, reuse: ReuseRequest, max_new_tokens: int, listener: Listener | None,
+                 sampling: SamplingParams | None = None) -> None:
         self.id = uuid.uuid4().hex
-        self.question = question
+        self.reuse = reuse  # the question and how to reuse KV for it (validated once, by the door or the prefill)
+        self.resolved: Future | None = None  # the prefetch's Resolved passages, the request's own
         self.max_new_tokens = int(max_new_tokens)
-        self.prepare_kwargs = prepare_kwargs
         self.sampling = sampling or SamplingParams()
         self.sampler = TokenSampler(self.sampling)
         self.stop_matcher = StopMatcher(self.sampling.stop)
@@ -91,6 +93,10 @@ class DecodeRequest:
         self._done = threading.Event()
         self._streamer: TextStreamer | None = None
         self.last_token = -1  # decode state (model thread only)
+
+    @property
+    def question(self) -> str:
+        return self.reuse.question
 
     # -- caller side --------------------------------------------------------------------
 

@@ -1,0 +1,57 @@
+"""A request's passages, found once, and what is counted from them, counted once.
+
+The scheduler's prefetch finds a queued request's passages (retrieval or matching) off the model
+thread to start its KV loads early; the prefill then takes that result instead of finding them
+again, and the prompt-length check counts from it too. Token ids (each passage's and the
+question's) are computed by whichever of them needs them first, on the model thread, and kept.
+A result found before another process changed the store is not used: the prefill finds the
+passages again at the store's new generation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from fusionrag.retrieval.matching import Piece
+
+
+@dataclass
+class Resolved:
+    """The passages of one request (``pieces``, in prompt order), their retrieval scores (None for
+    passages the client sent), a note when there are none it might expect, and the store generation
+    they were found at (None without a store)."""
+
+    pieces: list[Piece]
+    scores: list[float | None]
+    note: str = ""
+    generation: int | None = None
+    _token_ids: list[list[int]] | None = field(default=None, repr=False)
+    _question_ids: dict[tuple[str, str], list[int]] = field(default_factory=dict, repr=False)
+
+    @property
+    def chunk_ids(self) -> list[int | None]:
+        return [p.chunk_id for p in self.pieces]
+
+    @property
+    def passages(self) -> list[dict]:
+        return [p.as_passage() for p in self.pieces]
+
+    def token_ids(self, engine: Any) -> list[list[int]]:
+        """Each passage's token ids: a stored chunk's as stored, a client's passage tokenized (once)."""
+        if self._token_ids is None:
+            self._token_ids = [list(engine.store.chunk(p.chunk_id).token_ids) if p.chunk_id is not None else
+                               engine.prompt.chunk_token_ids(p.title, p.text) for p in self.pieces]
+        return self._token_ids
+
+    def question_ids(self, engine: Any, question: str, preamble: str = "") -> list[int]:
+        """The question segment's token ids (once per question and preamble)."""
+        key = (question, preamble)
+        if key not in self._question_ids:
+            self._question_ids[key] = engine.prompt.question_token_ids(question, preamble)
+        return self._question_ids[key]
+
+    def prompt_tokens(self, engine: Any, question: str, preamble: str = "") -> int:
+        """Tokens of ``S`` + these passages + the question: the exact prompt length, before any prefill."""
+        return (len(engine.prompt.system_token_ids) + sum(map(len, self.token_ids(engine)))
+                + len(self.question_ids(engine, question, preamble)))

@@ -1,0 +1,74 @@
+"""Each thing computed once per request: one validation, one retrieval (or passage matching), one question
+tokenisation, whether the request comes through the server (prefetch, length check, prefill) or ``ask``'s
+Python API. Before: a chat request retrieved up to three times and tokenized its question twice."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+from fastapi.testclient import TestClient
+
+from fusionrag.online.request import ReuseRequest
+from fusionrag.serve.app import create_app
+from fusionrag.serve.settings import ServerSettings
+from serve_helpers import PASSAGES, store_factory
+
+
+@pytest.fixture
+def counted(tmp_path, monkeypatch):
+    """A served engine whose retrieval, matching, question tokenisation and validation are counted."""
+    app = create_app(store_factory(tmp_path / "kb"), ServerSettings(default_max_tokens=4, max_prompt_tokens=4000))
+    app.state.scheduler.wait_ready(120)
+    app.state.scheduler.run_task(lambda: None).result(60)  # after the start's own store task (it writes)
+    engine = app.state.scheduler.engine
+    calls: collections.Counter[str] = collections.Counter()
+
+    def counting(name, fn):
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(engine.store, "search_scored", counting("retrieve", engine.store.search_scored))
+    prompt_type = type(engine.prompt)  # a frozen dataclass: its method is counted on the class
+    monkeypatch.setattr(prompt_type, "question_token_ids", counting("tokenize", prompt_type.question_token_ids))
+    monkeypatch.setattr(ReuseRequest, "fields_validated", counting("validate", ReuseRequest.fields_validated))
+    import fusionrag.online.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "match_passages", counting("match", engine_module.match_passages))
+    yield app, engine, calls
+    app.state.scheduler.close()
+
+
+def test_a_chat_request_is_validated_retrieved_and_tokenized_once(counted):
+    app, _, calls = counted
+    with TestClient(app) as client:
+        r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Who found polonium?"}],
+                                                      "top_k": 2})
+        assert r.status_code == 200, r.text
+        assert calls == {"validate": 1, "retrieve": 1, "tokenize": 1}
+        calls.clear()
+        r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Capital?"}],
+                                                      "documents": PASSAGES[:2]})
+        assert r.status_code == 200, r.text
+        assert calls == {"validate": 1, "match": 1, "tokenize": 1}
+
+
+def test_ask_is_validated_retrieved_and_tokenized_once(counted):
+    _, engine, calls = counted
+    req = ReuseRequest("Who found polonium?", top_k=2).validated()
+    with engine.lock:
+        answer = engine.answer(req, max_new_tokens=2)
+    assert answer.chunk_ids and calls == {"validate": 1, "retrieve": 1, "tokenize": 1}
+
+
+def test_passages_found_before_another_process_changed_the_store_are_found_again(counted):
+    """The prefetch's result is the request's only while the store is as it was when it was found."""
+    _, engine, calls = counted
+    req = ReuseRequest("Who found polonium?", top_k=2).validated()
+    resolved = engine.resolve(req)
+    resolved.generation = -1  # as if found before another writer's change
+    with engine.lock:
+        engine.prepare(req, resolved=resolved)
+    assert calls["retrieve"] == 2
