@@ -16,7 +16,7 @@ import torch
 from fusionrag.errors import FusionRAGError, QueueFullError, RequestCancelledError
 from fusionrag.models import load_model
 from fusionrag.online.engine import Engine
-from fusionrag.serve.batching import BatchScheduler
+from fusionrag.online.scheduler import BatchScheduler
 
 PASSAGES = [
     {"title": "Polonium", "text": "Polonium was discovered by Marie Curie and Pierre Curie in 1898."},

@@ -13,8 +13,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from fusionrag.kvcache.prefix_cache import AlternativePathCache
 from fusionrag.kvcache.tiers import TierStats
+from fusionrag.online.scheduled import SchedulerStats
 from fusionrag.serve.metrics import Metrics
-from fusionrag.serve.requests import SchedulerStats
 
 
 def samples(text: str) -> dict[tuple[str, tuple], float]:

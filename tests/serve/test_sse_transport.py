@@ -11,8 +11,8 @@ import time
 import httpx
 import pytest
 
+from fusionrag.online.scheduler import BatchScheduler
 from fusionrag.serve.app import create_app
-from fusionrag.serve.batching import BatchScheduler
 from fusionrag.serve.http import Server, make_config
 from fusionrag.serve.settings import ServerSettings
 from serve_helpers import USER, store_factory

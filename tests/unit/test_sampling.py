@@ -1,11 +1,11 @@
-"""Token choice and stop strings (:mod:`fusionrag.serve.sampling`), without a model."""
+"""Token choice and stop strings (:mod:`fusionrag.online.sampling`), without a model."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from fusionrag.serve.sampling import SamplingParams, StopMatcher, TokenSampler
+from fusionrag.online.sampling import SamplingParams, StopMatcher, TokenSampler
 
 
 def run(stops: tuple[str, ...], deltas: list[str]) -> tuple[str, bool]:

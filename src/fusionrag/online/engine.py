@@ -26,7 +26,6 @@ from typing import Any
 import torch
 
 from fusionrag.errors import CacheIntegrityError, FusionRAGError
-from fusionrag.execution.generate import TextStreamer, greedy_tokens
 from fusionrag.execution.segments import system_kv as compute_system_kv
 from fusionrag.kvcache.context_cache import CachedContext, ContextCache, context_keys
 from fusionrag.kvcache.device_tier import kv_tiers
@@ -42,6 +41,8 @@ from fusionrag.online.policies import SelectionInput, select
 from fusionrag.online.prefill import assemble_context, prefill_full, prefill_reused
 from fusionrag.online.request import DEFAULT_MAX_NEW_TOKENS, DEFAULT_TOP_K, ReuseRequest, resolved_kv
 from fusionrag.online.resolved import Resolved
+from fusionrag.online.sampling import SamplingParams
+from fusionrag.online.scheduler import BatchScheduler
 from fusionrag.online.state import Request
 from fusionrag.prompt import PromptBuilder
 from fusionrag.retrieval.knowledge import KnowledgeStore
@@ -100,6 +101,7 @@ class Engine:
         self.prefix_cache = AlternativePathCache(max_bytes=adhoc_cache_bytes)
         self.context_cache = ContextCache(context_cache_bytes)
         self._lock = threading.RLock()  # the model runs one request at a time
+        self._scheduler: BatchScheduler | None = None
         self.loader = ChunkKVLoader(self)  # the load stage: stored entries, or computed through the prefix cache
         #: Makes the clock of each request's stage timings (synchronised with the model's device);
         #: replaceable, e.g. by a fake clock in tests.
@@ -161,30 +163,39 @@ class Engine:
     def answer(self, question: str | ReuseRequest, method: str = "fusionrag", ratio: float = 0.15,
                top_k: int | None = None, chunks: Sequence[dict] | None = None,
                max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, kv: str | None = None, preamble: str = "",
-               retrieval: bool | None = None) -> Request:
-        """Answer ``question`` (greedy, up to ``max_new_tokens`` or the end of the answer); ``chunks``
-        (``{title, text}`` dicts, in order; ``[]`` for none) replaces retrieval, as does ``retrieval=False``.
-        ``question`` may be a whole :class:`ReuseRequest` (its fields, not the keywords, then apply)."""
+               retrieval: bool | None = None, sampling: SamplingParams | None = None) -> Request:
+        """Answer ``question`` (greedy unless ``sampling`` says otherwise, up to ``max_new_tokens`` or the end of
+        the answer); ``chunks`` (``{title, text}`` dicts, in order; ``[]`` for none) replaces retrieval, as does
+        ``retrieval=False``. ``question`` may be a whole :class:`ReuseRequest` (its fields, not the keywords,
+        then apply). A batch of one through the same scheduler as the server's requests."""
         req = question if isinstance(question, ReuseRequest) else \
             ReuseRequest(question, method, ratio, kv, top_k, chunks, preamble, retrieval)
+        done = None
         with self._lock:
-            prep = self.prepare(req)
-            ids = list(greedy_tokens(self.lm, prep.take_kv(), prep.pre.last_logits, max_new_tokens))
-        return self.finish(prep, ids)
+            for event in self.scheduler.run_inline(req, max_new_tokens, sampling):
+                done = event
+        assert done is not None and done.kind in ("done", "error")
+        if done.kind == "error":
+            raise done.error  # type: ignore[misc]
+        return done.answer
 
     def stream(self, question: str | ReuseRequest, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
-               **kwargs: Any) -> Iterator[str]:
-        """Yield the answer as text deltas (the first one as soon as the first token exists)."""
+               sampling: SamplingParams | None = None, **kwargs: Any) -> Iterator[str]:
+        """Yield the answer as text deltas (the first one as soon as the first token exists); ``kwargs`` are
+        :meth:`answer`'s request fields."""
         with self._lock:
-            prep = self.prepare(question, **kwargs)
-            streamer = TextStreamer(self.lm.tokenizer)
-            for tok in greedy_tokens(self.lm, prep.take_kv(), prep.pre.last_logits, max_new_tokens):
-                delta = streamer.push(tok)
-                if delta:
-                    yield delta
-            tail = streamer.flush()
-            if tail:
-                yield tail
+            for event in self.scheduler.run_inline(question, max_new_tokens, sampling, **kwargs):
+                if event.kind == "error":
+                    raise event.error  # type: ignore[misc]
+                if event.text:
+                    yield event.text
+
+    @property
+    def scheduler(self) -> BatchScheduler:
+        """The scheduler this engine's own calls (:meth:`answer`, :meth:`stream`) run through, inline."""
+        if self._scheduler is None:
+            self._scheduler = BatchScheduler(self, autostart=False)
+        return self._scheduler
 
     def prepare(self, question: str | ReuseRequest, method: str = "fusionrag", ratio: float = 0.15,
                 top_k: int | None = None, chunks: Sequence[dict] | None = None, kv: str | None = None,

@@ -1,7 +1,7 @@
 """The HTTP server: OpenAI-compatible chat and text completions answering with RAG over a knowledge store.
 
 ``create_app(engine, settings)`` builds a FastAPI app around an engine (or a factory that
-builds one on the model thread, see :mod:`fusionrag.serve.batching`). Routes:
+builds one on the model thread, see :mod:`fusionrag.online.scheduler`). Routes:
 
 - ``POST /v1/chat/completions`` and ``POST /v1/completions``: OpenAI's bodies
   (:mod:`fusionrag.serve.schemas`; unknown fields are a 400), sampling (``temperature``,
@@ -38,8 +38,8 @@ from typing import Any
 
 from fastapi import FastAPI
 
+from fusionrag.online.scheduler import BatchScheduler
 from fusionrag.serve.api_errors import install_error_handlers
-from fusionrag.serve.batching import BatchScheduler
 from fusionrag.serve.documents import DocumentJobs
 from fusionrag.serve.routes import ROUTERS
 from fusionrag.serve.schemas import (

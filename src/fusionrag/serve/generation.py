@@ -15,9 +15,9 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from fusionrag.online.scheduled import DecodeRequest, Event
 from fusionrag.serve.api_errors import APIError, as_api_error
 from fusionrag.serve.protocol import GenerateRequest, read_json
-from fusionrag.serve.requests import DecodeRequest, Event
 from fusionrag.serve.responses import Logprobs, Shape, completion_json, sse_stream
 from fusionrag.serve.settings import ServerSettings
 from fusionrag.serve.state import ServerState

@@ -21,7 +21,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from fusionrag.serve.requests import DecodeRequest
+from fusionrag.online.scheduled import DecodeRequest
 
 log = logging.getLogger(__name__)
 

@@ -21,10 +21,10 @@ from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
 from fusionrag.online.request import DEFAULT_TOP_K, InvalidRequest, ReuseRequest
+from fusionrag.online.sampling import SamplingParams
 from fusionrag.prompt import conversation_preamble, is_valid_text
 from fusionrag.retrieval.stored_docs import identity_problem
 from fusionrag.serve.api_errors import APIError, as_api_error, error_response  # noqa: F401 (re-exported)
-from fusionrag.serve.sampling import SamplingParams
 from fusionrag.serve.schemas import (
     ChatCompletionRequest,
     CompletionRequest,

@@ -13,9 +13,9 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from fusionrag.online.scheduled import DecodeRequest, Event
 from fusionrag.serve.api_errors import as_api_error
 from fusionrag.serve.protocol import GenerateRequest
-from fusionrag.serve.requests import DecodeRequest, Event
 
 
 def reuse_json(req: DecodeRequest) -> dict[str, Any]:

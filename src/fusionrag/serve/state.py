@@ -14,11 +14,11 @@ from typing import Annotated, Any
 
 from fastapi import Depends, Request
 
+from fusionrag.online.scheduled import DecodeRequest
+from fusionrag.online.scheduler import BatchScheduler
 from fusionrag.serve.api_errors import APIError
-from fusionrag.serve.batching import BatchScheduler
 from fusionrag.serve.documents import DocumentJobs
 from fusionrag.serve.metrics import Metrics
-from fusionrag.serve.requests import DecodeRequest
 from fusionrag.serve.settings import ServerSettings
 
 

@@ -1,11 +1,12 @@
 """A request in the scheduler: its lifecycle, its events, and the errors it can end with.
 
 The caller's side (``events``, ``result``, ``cancel``) is thread-safe; the ``_emit`` side runs
-on the model thread (:mod:`fusionrag.serve.batching`).
+on the model thread (:mod:`fusionrag.online.scheduler`).
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import queue
@@ -19,7 +20,7 @@ from typing import Any
 
 from fusionrag.execution.generate import TextStreamer
 from fusionrag.online.request import ReuseRequest
-from fusionrag.serve.sampling import SamplingParams, StopMatcher, TokenSampler
+from fusionrag.online.sampling import SamplingParams, StopMatcher, TokenSampler
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +64,22 @@ class SchedulerStats:
         return d
 
 
+@dataclass
+class Task:
+    """Work run on the model thread between decode steps (e.g. a document job's slice), and its result."""
+
+    fn: Callable[..., Any]
+    args: tuple
+    kwargs: dict
+    future: Future = dataclasses.field(default_factory=Future)
+
+
+def drained(events: collections.deque[Event]) -> Iterator[Event]:
+    """The events gathered so far, oldest first, removed as they are read."""
+    while events:
+        yield events.popleft()
+
+
 class DecodeRequest:
     """A submitted request: its events, its result, and its place in the batch."""
 
@@ -97,6 +114,16 @@ class DecodeRequest:
     @property
     def question(self) -> str:
         return self.reuse.question
+
+    def prefetched(self) -> Any:
+        """The passages the prefetch found (``Resolved``; waiting for it: it is doing what the prefill would
+        do), or None when it found none: the prefill then finds them."""
+        if self.resolved is None:
+            return None
+        try:
+            return self.resolved.result()
+        except Exception:  # best effort: the prefill resolves the request itself
+            return None
 
     # -- caller side --------------------------------------------------------------------
 

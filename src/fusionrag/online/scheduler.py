@@ -1,7 +1,8 @@
-"""Continuous batching: concurrent requests decode together, one forward per step for all of them.
+"""The engine's scheduler: every request is admitted, prefilled and decoded here, whatever its door.
 
-Why: decoding one token is a forward of a single token, dominated by reading the weights
-(and on CPU by per-call overhead); B requests decoding in one forward of B tokens cost
+Continuous batching: concurrent requests decode together, one forward per step for all of them. Why:
+decoding one token is a forward of a single token, dominated by reading the weights (and on CPU by
+per-call overhead); B requests decoding in one forward of B tokens cost
 little more than one, so throughput grows with concurrency. Prefill stays per request
 (its shape and KV-reuse path differ per method) and runs between decode steps.
 
@@ -12,6 +13,9 @@ batched decode steps over the active requests with the shared decode loop
 position, joining and leaving between steps). This module keeps only the queue, the
 request lifecycle and the events. Shared chunk KV is never touched: ``prepare`` hands each
 request its own assembled copy, which the decoder takes over.
+
+A caller without a model thread (``Engine.answer``, ``Engine.stream``, ``fusionrag ask``) runs the same
+steps inline, as a batch of one (:meth:`BatchScheduler.run_inline`): one path for the CLI, API and server.
 
 The model thread also runs *tasks* (e.g. adding documents to the store) between steps,
 so everything that touches the model or the store happens on one thread: the model runs
@@ -25,9 +29,8 @@ import collections
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -35,32 +38,12 @@ import torch
 from fusionrag.errors import PromptTooLongError, QueueFullError, RequestCancelledError, SchedulerClosedError
 from fusionrag.execution.decoder import BatchDecoder
 from fusionrag.execution.generate import TextStreamer
+from fusionrag.online.limits import check_prompt_length
 from fusionrag.online.request import ReuseRequest
-from fusionrag.online.resolved import Resolved
-from fusionrag.serve.limits import check_prompt_length
-from fusionrag.serve.requests import DecodeRequest, Event, Listener, SchedulerStats
-from fusionrag.serve.sampling import SamplingParams
+from fusionrag.online.sampling import SamplingParams
+from fusionrag.online.scheduled import DecodeRequest, Event, Listener, SchedulerStats, Task, drained
 
 log = logging.getLogger(__name__)
-
-
-def _prefetched(req: DecodeRequest) -> Resolved | None:
-    """The passages the request's prefetch found (waiting for it: it is doing what the prefill would do),
-    or None when it found none (the prefill then finds them)."""
-    if req.resolved is None:
-        return None
-    try:
-        return req.resolved.result()
-    except Exception:  # best effort: the prefill resolves the request itself
-        return None
-
-
-@dataclass
-class _Task:
-    fn: Callable[..., Any]
-    args: tuple
-    kwargs: dict
-    future: Future = field(default_factory=Future)
 
 
 class BatchScheduler:
@@ -104,7 +87,7 @@ class BatchScheduler:
         self.stats = SchedulerStats()
         self._cond = threading.Condition()
         self._pending: collections.deque[DecodeRequest] = collections.deque()
-        self._tasks: collections.deque[_Task] = collections.deque()
+        self._tasks: collections.deque[Task] = collections.deque()
         self._closed = False
         self._prefetcher: ThreadPoolExecutor | None = None  # the asynchronous loader's resolver
         self._ready = threading.Event()
@@ -208,7 +191,7 @@ class BatchScheduler:
         ``fn`` may take the engine: pass it explicitly or read ``scheduler.engine`` inside.
         While a task runs, decoding pauses (the model runs one thing at a time).
         """
-        task = _Task(fn, args, kwargs)
+        task = Task(fn, args, kwargs)
         with self._cond:
             if self._closed:
                 raise SchedulerClosedError("the server is shutting down")
@@ -218,15 +201,35 @@ class BatchScheduler:
 
     # -- model thread -----------------------------------------------------------------
 
+    def run_inline(self, request: str | ReuseRequest, max_new_tokens: int = 32, sampling: SamplingParams | None = None,
+                   **reuse_fields: Any) -> Iterator[Event]:
+        """A batch of one on the caller's thread, without the model thread: the request's events as they happen
+        (the same prefill, token choice and decode steps as a queued request). For an engine given as an
+        object; the caller must not also run the model thread of this scheduler."""
+        if self._decoder is None:
+            self._load()
+        events: collections.deque[Event] = collections.deque()
+        reuse = request if isinstance(request, ReuseRequest) else ReuseRequest(request, **reuse_fields)
+        req = DecodeRequest(reuse, max_new_tokens, events.append, sampling)
+        with torch.no_grad():
+            self._prefill(req)
+            yield from drained(events)
+            while self._rows or self._joining:
+                self._step()
+                yield from drained(events)
+
+    def _load(self) -> None:
+        if self._factory is not None:
+            self.engine = self._factory()
+        lm = self.engine.lm
+        self._decoder = BatchDecoder(lm)
+        self.stop_ids = set(lm.stop_token_ids if self._stop_override is None else self._stop_override)
+
     def _run(self) -> None:
         # Grad mode is per thread: without this every forward here would record autograd graphs.
         with torch.no_grad():
             try:
-                if self._factory is not None:
-                    self.engine = self._factory()
-                lm = self.engine.lm
-                self._decoder = BatchDecoder(lm)
-                self.stop_ids = set(lm.stop_token_ids if self._stop_override is None else self._stop_override)
+                self._load()
             except BaseException as exc:  # reported by wait_ready / submit / health
                 self.load_error = exc
                 log.error("engine failed to load: %s", exc)
@@ -276,7 +279,7 @@ class BatchScheduler:
         """The engine's own lock, so direct ``engine.answer`` calls elsewhere never overlap ours."""
         return self.engine.lock
 
-    def _run_task(self, task: _Task) -> None:
+    def _run_task(self, task: Task) -> None:
         if not task.future.set_running_or_notify_cancel():
             return
         self.stats.tasks += 1
@@ -350,7 +353,7 @@ class BatchScheduler:
         t0 = time.perf_counter()
         try:
             reuse = req.reuse.validated()
-            resolved = _prefetched(req)
+            resolved = req.prefetched()
             if self.max_prompt_tokens:
                 resolved = check_prompt_length(self.engine, reuse, resolved, self.max_prompt_tokens)
             with self._lock():
