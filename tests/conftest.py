@@ -20,17 +20,14 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 SLOW_FOLDERS = {"studies", "benchmarks"}
 #: Markers that imply ``slow``: a real packaged model, a real Ray cluster.
 SLOW_MARKERS = {"integration", "ray"}
-#: Single tests that spend seconds on a real subprocess, a killed server or a load run.
-SLOW_TESTS = ("test_kill_9_", "test_fault_run_loses_nothing", "test_doctor_needs_no_retrieval_stack",
-              "test_importing_the_package_and_its_server_loads_no_plotting_library")
 
 
 def pytest_collection_modifyitems(config, items):
-    """Mark the model-heavy, subprocess and study tests ``slow``: ``pytest -m "not slow"`` is the edit loop."""
+    """Mark the study and benchmark-script tests and those of the markers above ``slow`` (a single slow test
+    carries ``@pytest.mark.slow`` itself): ``pytest -m "not slow"`` is the edit loop."""
     for item in items:
         folder = Path(str(item.fspath)).parent.name
-        if (folder in SLOW_FOLDERS or SLOW_MARKERS & {m.name for m in item.iter_markers()}
-                or item.name.startswith(SLOW_TESTS)):
+        if folder in SLOW_FOLDERS or SLOW_MARKERS & {m.name for m in item.iter_markers()}:
             item.add_marker(pytest.mark.slow)
 
 

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from fusionrag.bench.faults import FaultSpec, run_faults
 
 
+@pytest.mark.slow  # seconds of real subprocesses
 def test_fault_run_loses_nothing_and_reports_every_class(tmp_path, fusionrag_home):
     report = run_faults(FaultSpec(out=tmp_path / "out", model="tiny-llama", requests=12, load=2.0, job_every=4,
                                   max_tokens=2, timeout_s=60, max_wall_s=120))

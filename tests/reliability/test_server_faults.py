@@ -123,6 +123,7 @@ def _kv_files(store: Path, kind: str) -> int:
     return len(list((store / "kv").glob(f"*/*.{kind}.safetensors")))
 
 
+@pytest.mark.slow  # seconds of real subprocesses
 @pytest.mark.parametrize("stage", ["ingest", "preprocess"])
 def test_kill_9_during_ingest_or_preprocess_then_rerun_completes_a_verified_store(tmp_path, stage):
     env, kb = _env(tmp_path), tmp_path / "kb"
@@ -166,6 +167,7 @@ def _serve(kb: Path, port: int, env: dict) -> subprocess.Popen:
     raise AssertionError("the server did not come up")
 
 
+@pytest.mark.slow  # seconds of real subprocesses
 def test_kill_9_during_a_document_job_and_the_restarted_server_finishes_it(tmp_path):
     """Before: a server killed during a job lost it (333 chunks without plain KV, 773 without fused KV)."""
     env, kb = _env(tmp_path), tmp_path / "kb"

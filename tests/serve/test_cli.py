@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from fusionrag.cli import main
 
 
@@ -43,6 +45,7 @@ def test_doctor_on_cuda_without_a_gpu_is_a_clear_error(capsys, monkeypatch):
     assert "torch sees no CUDA device" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # seconds of real subprocesses
 def test_doctor_needs_no_retrieval_stack():
     """An inference-only image (a GPU host without faiss) can still check exactness: the doctor never imports it."""
     import subprocess

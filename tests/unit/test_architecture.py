@@ -171,6 +171,7 @@ def test_the_outside_check_catches_an_import_of_a_study(tmp_path):
     assert outside_imports(f) == {"studies.paper", "benchmarks.gpu.gpu_bench"}
 
 
+@pytest.mark.slow  # seconds of real subprocesses
 def test_importing_the_package_and_its_server_loads_no_plotting_library():
     """matplotlib is the ``bench`` extra: the engine and ``fusionrag serve`` never import it."""
     import subprocess
