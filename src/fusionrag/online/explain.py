@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from fusionrag.files import atomic_write
-from fusionrag.online.state import Answer
+from fusionrag.online.state import Request
 
 _CSS = """
 body{font-family:system-ui,sans-serif;max-width:60rem;margin:2rem auto;line-height:1.5;color:#222}
@@ -25,7 +25,7 @@ mark{background:#ffd8a8;padding:0;border-radius:2px} .tok{white-space:pre-wrap}
 """
 
 
-def render_explain_html(answer: Answer, question: str, tokenizer, token_ids: list[list[int]]) -> str:
+def render_explain_html(answer: Request, question: str, tokenizer, token_ids: list[list[int]]) -> str:
     """HTML for one answer; ``token_ids`` are the chunks' token ids in prompt order."""
     selected = set((answer.selected if answer.selected is not None else torch.empty(0)).tolist())
     total_sel = max(1, len(selected))

@@ -33,7 +33,7 @@ class Event:
     token: int | None = None
     text: str = ""  # the text delta (may be "" inside a multi-byte character or a possible stop string);
     #                 on "done": the text held back until the end, if any
-    answer: Any = None  # fusionrag.online.engine.Answer, on "done"
+    answer: Any = None  # the finished fusionrag.online.state.Request, on "done"
     logprob: float | None = None  # of this token, when the request asked for logprobs
     top_logprobs: list[tuple[int, float]] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None  # "stop" | "length", on "done"
@@ -97,7 +97,7 @@ class DecodeRequest:
         self.prefill_started_at: float | None = None
         self.first_token_at: float | None = None
         self.finished_at: float | None = None
-        self.prep: Any = None  # fusionrag.online.engine.Prepared, after prefill
+        self.prep: Any = None  # the prepared fusionrag.online.state.Request, after prefill
         self.prompt_tokens = 0
         self.tokens: list[int] = []
         self.token_times: list[float] = []  # perf_counter() of each generated token (inter-token latency)
@@ -164,7 +164,7 @@ class DecodeRequest:
                 return
 
     def result(self, timeout: float | None = None) -> Any:
-        """Block until the request finishes; returns its ``Answer`` or raises its error."""
+        """Block until the request finishes; returns its finished ``Request`` or raises its error."""
         if not self._done.wait(timeout):
             raise TimeoutError(f"request {self.id} did not finish within {timeout} s")
         if self.error is not None:

@@ -99,8 +99,3 @@ class Request:
             "note": self.note,
             "context_cache_hit": self.context_cache_hit,
         }
-
-
-#: The names a request had before it had one state: ``Engine.prepare`` returned a ``Prepared``,
-#: ``Engine.finish`` an ``Answer``; both are now the same :class:`Request`.
-Prepared = Answer = Request
