@@ -25,7 +25,7 @@ def test_bench_quality_runs_fusionrag_on_the_kv_the_server_and_ask_reuse():
     from fusionrag.serve.settings import ServerSettings
 
     runs = plan_runs(QualitySpec(data=[], out=None, ratios=[0.15], methods=["fusionrag"]))
-    served = parse_chat({"messages": [{"role": "user", "content": "q?"}], "method": "fusionrag"}, ServerSettings())
+    served, _ = parse_chat({"messages": [{"role": "user", "content": "q?"}], "method": "fusionrag"}, ServerSettings())
     asked = ReuseRequest("q?", "fusionrag").validated()
     assert {r.kv for r in runs} == {served.reuse.validated().kv} == {asked.kv} == {"plain-first"}
 

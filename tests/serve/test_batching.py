@@ -101,7 +101,7 @@ def test_batched_equals_serial_with_mixed_lengths_methods_and_stops(sched):
     assert got == want
     assert any(len(t) > 2 for t in got)
     for (_, n, _), r in zip(REQUESTS, reqs, strict=True):
-        assert len(r.tokens) <= n and r.finish_reason in ("stop", "length")
+        assert len(r.token_ids) <= n and r.finish_reason in ("stop", "length")
     # One forward served several requests: fewer decode forwards than decoded tokens.
     steps = sched.stats.decode_steps - before
     decoded = sum(max(0, len(t) - 1) for t in got)  # the first token comes from the prefill logits
@@ -148,7 +148,7 @@ def test_requests_join_and_leave_mid_decode(sched):
     wave2: list = []
 
     def on_event(ev) -> None:  # runs on the model thread: submit the second wave mid-decode
-        if ev.kind == "token" and not wave2 and len(first.tokens) == 3:
+        if ev.kind == "token" and not wave2 and len(first.token_ids) == 3:
             wave2.extend(sched.submit(q, max_new_tokens=n, **kw) for q, n, kw in wave2_specs)
 
     first_spec = ("Who discovered polonium?", 20, {"method": "fusionrag", "top_k": 3})
@@ -194,7 +194,7 @@ def test_cancel_while_decoding_frees_the_row(sched):
     cancel_at = {}
 
     def on_event(ev) -> None:
-        if ev.kind == "token" and len(victim.tokens) == 2 and not cancel_at:
+        if ev.kind == "token" and len(victim.token_ids) == 2 and not cancel_at:
             cancel_at["n"] = 2
             victim.cancel()
 
@@ -205,7 +205,7 @@ def test_cancel_while_decoding_frees_the_row(sched):
     assert keeper.result(60).token_ids == serial(sched, "Capital of France?", 10, top_k=2, method="full")
     with pytest.raises(RequestCancelledError):
         victim.result(60)
-    assert len(victim.tokens) < 30
+    assert len(victim.token_ids) < 30
 
 
 def test_full_queue_raises(sched, monkeypatch):

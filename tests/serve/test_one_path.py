@@ -62,3 +62,22 @@ def test_ask_the_python_api_and_the_server_give_the_same_tokens_through_one_sche
     assert len(api.token_ids) == asked["generated_tokens"] == body["usage"]["completion_tokens"] == len(served)
     assert served == [engine.lm.tokenizer.decode([t]) for t in api.token_ids]
     assert body["choices"][0]["message"]["content"] == api.text
+
+
+def test_one_request_object_from_admission_to_answer(store_dir):
+    """The object a door admits is the one the prefetch, the prefill, the decode steps and the answer fill."""
+    from fusionrag.online.request import ReuseRequest
+    from fusionrag.online.state import Request, Status
+
+    sched = BatchScheduler(Engine.open(store_dir))
+    try:
+        req = Request(ReuseRequest(QUESTION, "fusionrag", 0.15, top_k=2).validated(), max_new_tokens=4)
+        assert req.status == Status.WAITING and req.pre is None and not req.token_ids
+        assert sched.submit(req) is req
+        events = list(req.events(timeout=120))
+        assert events[-1].kind == "done" and events[-1].answer is req and req.result(1) is req
+        assert req.status == Status.FINISHED and req.resolved is not None and req.resolved.done()
+        assert req.chunk_ids == req.resolved.result().chunk_ids and req.ttft_ms["total"] > 0
+        assert req.token_ids == [ev.token for ev in events if ev.kind == "token"] and req.prompt_tokens > 0
+    finally:
+        sched.close()

@@ -43,7 +43,7 @@ from fusionrag.online.request import DEFAULT_MAX_NEW_TOKENS, DEFAULT_TOP_K, Reus
 from fusionrag.online.resolved import Resolved
 from fusionrag.online.sampling import SamplingParams
 from fusionrag.online.scheduler import BatchScheduler
-from fusionrag.online.state import Request
+from fusionrag.online.state import Request, Status
 from fusionrag.prompt import PromptBuilder
 from fusionrag.retrieval.knowledge import KnowledgeStore
 from fusionrag.retrieval.matching import Piece, match_passages
@@ -197,18 +197,20 @@ class Engine:
             self._scheduler = BatchScheduler(self, autostart=False)
         return self._scheduler
 
-    def prepare(self, question: str | ReuseRequest, method: str = "fusionrag", ratio: float = 0.15,
+    def prepare(self, question: str | ReuseRequest | Request, method: str = "fusionrag", ratio: float = 0.15,
                 top_k: int | None = None, chunks: Sequence[dict] | None = None, kv: str | None = None,
                 preamble: str = "", retrieval: bool | None = None, resolved: Resolved | None = None) -> Request:
         """Everything up to the first answer token, with the TTFT breakdown.
 
-        Takes a :class:`~fusionrag.online.request.ReuseRequest` or its fields. ``preamble`` (a system
+        Takes the :class:`Request` admitted at its door (filled in and returned), or a
+        :class:`~fusionrag.online.request.ReuseRequest` or its fields (a request is made here). ``preamble`` (a system
         message, earlier turns: :func:`fusionrag.prompt.conversation_preamble`) goes into the question
         segment, after the reused passages; retrieval uses ``question`` alone. ``resolved``: the request's
         passages found before (:meth:`prefetch`), used unless the store changed since."""
-        req = question if isinstance(question, ReuseRequest) else \
-            ReuseRequest(question, method, ratio, kv, top_k, chunks, preamble, retrieval)
-        req = req.validated()
+        out = question if isinstance(question, Request) else Request(
+            question if isinstance(question, ReuseRequest) else
+            ReuseRequest(question, method, ratio, kv, top_k, chunks, preamble, retrieval))
+        out.reuse = req = out.reuse.validated()
         question, ratio, kv_kind, preamble = req.question, req.ratio, str(req.kv), req.preamble
         clock = self.clock()
         changed = self.follow_store()
@@ -264,8 +266,11 @@ class Engine:
         pre.timings_ms["recompute"] = timings["recompute"]
         sources = [{"chunk_id": p.chunk_id, "title": p.title, "source": p.source, "score": score,
                     "stored": p.chunk_id is not None} for p, score in zip(pieces, hit_scores, strict=True)]
-        return Request(pre, method, kv_kind, float(ratio), chunk_ids, passages, token_ids, timings, fallbacks,
-                       sources=sources, note=note, context_cache_hit=cached is not None, first_token=first_token)
+        out.pre, out.method, out.kv_kind, out.ratio = pre, method, kv_kind, float(ratio)
+        out.chunk_ids, out.passages, out.chunk_token_ids, out.ttft_ms = chunk_ids, passages, token_ids, timings
+        out.fused_fallbacks, out.sources, out.note = fallbacks, sources, note
+        out.context_cache_hit, out.first_token, out.status = cached is not None, first_token, Status.PREPARED
+        return out
 
     def resolve_method(self, method: str, context_tokens: int) -> tuple[str, str]:
         """The method a request runs and, when that is not the one it named, why.
@@ -287,7 +292,7 @@ class Engine:
         """Complete a prepared request with its generated token ids (the same object, now ``finished``)."""
         prep.token_ids = list(token_ids)
         prep.text = self.lm.tokenizer.decode(token_ids, skip_special_tokens=True).strip()
-        prep.status = "finished"
+        prep.status = Status.FINISHED
         return prep
 
     # -- the KV source ----------------------------------------------------------------

@@ -41,7 +41,8 @@ from fusionrag.execution.generate import TextStreamer
 from fusionrag.online.limits import check_prompt_length
 from fusionrag.online.request import ReuseRequest
 from fusionrag.online.sampling import SamplingParams
-from fusionrag.online.scheduled import DecodeRequest, Event, Listener, SchedulerStats, Task, drained
+from fusionrag.online.scheduled import Event, Listener, SchedulerStats, Task, drained
+from fusionrag.online.state import Request, Status
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +87,7 @@ class BatchScheduler:
         self.load_error: BaseException | None = None
         self.stats = SchedulerStats()
         self._cond = threading.Condition()
-        self._pending: collections.deque[DecodeRequest] = collections.deque()
+        self._pending: collections.deque[Request] = collections.deque()
         self._tasks: collections.deque[Task] = collections.deque()
         self._closed = False
         self._prefetcher: ThreadPoolExecutor | None = None  # the asynchronous loader's resolver
@@ -95,8 +96,8 @@ class BatchScheduler:
         self._idle = True
         self._thread = threading.Thread(target=self._run, name="fusionrag-model", daemon=True)
         # batch state (model thread only)
-        self._rows: dict[str, DecodeRequest] = {}  # decoding, by request id (the decoder's row keys)
-        self._joining: list[DecodeRequest] = []
+        self._rows: dict[str, Request] = {}  # decoding, by request id (the decoder's row keys)
+        self._joining: list[Request] = []
         self._decoder: BatchDecoder | None = None
         if autostart:
             self.start()
@@ -154,19 +155,19 @@ class BatchScheduler:
 
     # -- submission -------------------------------------------------------------------
 
-    def submit(self, question: str | ReuseRequest, max_new_tokens: int = 32, listener: Listener | None = None,
-               sampling: SamplingParams | None = None, **reuse_fields: Any) -> DecodeRequest:
-        """Queue a request: a :class:`ReuseRequest` (validated or not: it is validated once, at the latest by
-        its prefill), or a question and its fields (method, ratio, top_k, chunks, kv, preamble, retrieval).
-
-        ``sampling`` picks the tokens (greedy by default) and names stop strings.
+    def submit(self, question: str | ReuseRequest | Request, max_new_tokens: int = 32,
+               listener: Listener | None = None, sampling: SamplingParams | None = None,
+               **reuse_fields: Any) -> Request:
+        """Admit a request: a :class:`Request` made at its door, a :class:`ReuseRequest` (validated or not: it is
+        validated once, at the latest by its prefill), or a question and its fields (method, ratio, top_k,
+        chunks, kv, preamble, retrieval). ``sampling`` picks the tokens (greedy by default), names stop strings.
 
         ``listener`` receives every :class:`Event` on the model thread (keep it cheap and
         non-blocking, e.g. ``loop.call_soon_threadsafe``); without one, read
-        :meth:`DecodeRequest.events` or :meth:`DecodeRequest.result`.
+        :meth:`Request.events` or :meth:`Request.result`.
         """
-        reuse = question if isinstance(question, ReuseRequest) else ReuseRequest(question, **reuse_fields)
-        req = DecodeRequest(reuse, max_new_tokens, listener, sampling)
+        req = Request.admitted(question, max_new_tokens, sampling, listener, **reuse_fields)
+        reuse = req.reuse
         with self._cond:
             if self._closed or self.load_error is not None:
                 raise SchedulerClosedError("the server is shutting down" if self._closed else
@@ -201,16 +202,15 @@ class BatchScheduler:
 
     # -- model thread -----------------------------------------------------------------
 
-    def run_inline(self, request: str | ReuseRequest, max_new_tokens: int = 32, sampling: SamplingParams | None = None,
-                   **reuse_fields: Any) -> Iterator[Event]:
+    def run_inline(self, request: str | ReuseRequest | Request, max_new_tokens: int = 32,
+                   sampling: SamplingParams | None = None, **reuse_fields: Any) -> Iterator[Event]:
         """A batch of one on the caller's thread, without the model thread: the request's events as they happen
         (the same prefill, token choice and decode steps as a queued request). For an engine given as an
         object; the caller must not also run the model thread of this scheduler."""
         if self._decoder is None:
             self._load()
         events: collections.deque[Event] = collections.deque()
-        reuse = request if isinstance(request, ReuseRequest) else ReuseRequest(request, **reuse_fields)
-        req = DecodeRequest(reuse, max_new_tokens, events.append, sampling)
+        req = Request.admitted(request, max_new_tokens, sampling, events.append, **reuse_fields)
         with torch.no_grad():
             self._prefill(req)
             yield from drained(events)
@@ -291,31 +291,33 @@ class BatchScheduler:
         else:
             task.future.set_result(result)
 
-    def _fail(self, req: DecodeRequest, exc: BaseException) -> None:
+    def _fail(self, req: Request, exc: BaseException) -> None:
         if req.finished:
             return
         req.error = exc
         if isinstance(exc, RequestCancelledError):
             self.stats.cancelled += 1
+            req.status = Status.CANCELLED
         else:
             self.stats.failed += 1
-        req._emit(Event("error", error=exc))
+            req.status = Status.FAILED
+        req.emit(Event("error", error=exc))
 
-    def _finish(self, req: DecodeRequest, reason: str) -> None:
+    def _finish(self, req: Request, reason: str) -> None:
         req.finish_reason = reason
         # what the streamer (an unfinished character) and the stop matcher (a possible stop string) held back
-        tail = req.stop_matcher.push(req._streamer.flush()) if req._streamer is not None else ""
+        tail = req.stop_matcher.push(req.streamer.flush()) if req.streamer is not None else ""
         tail += req.stop_matcher.flush()
-        req.text += tail
+        req.emitted += tail
         try:
-            req.answer = self.engine.finish(req.prep, list(req.tokens))
+            self.engine.finish(req, list(req.token_ids))
         except Exception as exc:
             self._fail(req, exc)
             return
         self.stats.completed += 1
-        req._emit(Event("done", answer=req.answer, finish_reason=reason, text=tail))
+        req.emit(Event("done", answer=req, finish_reason=reason, text=tail))
 
-    def _emit_token(self, req: DecodeRequest, logits: torch.Tensor) -> bool:
+    def _emit_token(self, req: Request, logits: torch.Tensor) -> bool:
         """Pick the request's next token from ``logits`` and emit it; False once the request has finished."""
         try:
             picked = req.sampler.pick(logits)
@@ -326,39 +328,38 @@ class BatchScheduler:
         if picked.token in self.stop_ids:
             self._finish(req, "stop")
             return False
-        if req._streamer is None:
-            req._streamer = TextStreamer(self.engine.lm.tokenizer)
-        req.tokens.append(picked.token)
+        if req.streamer is None:
+            req.streamer = TextStreamer(self.engine.lm.tokenizer)
+        req.token_ids.append(picked.token)
         req.token_times.append(time.perf_counter())
         self.stats.tokens_generated += 1
         if req.first_token_at is None:
             req.first_token_at = req.token_times[-1]
-        text = req.stop_matcher.push(req._streamer.push(picked.token))
-        req.text += text
-        req._emit(Event("token", token=picked.token, text=text, logprob=picked.logprob, top_logprobs=picked.top))
+        text = req.stop_matcher.push(req.streamer.push(picked.token))
+        req.emitted += text
+        req.emit(Event("token", token=picked.token, text=text, logprob=picked.logprob, top_logprobs=picked.top))
         if req.stop_matcher.stopped:
             self._finish(req, "stop")
             return False
-        if len(req.tokens) >= req.max_new_tokens:
+        if len(req.token_ids) >= req.max_new_tokens:
             self._finish(req, "length")
             return False
         req.last_token = picked.token
         return True
 
-    def _prefill(self, req: DecodeRequest) -> None:
+    def _prefill(self, req: Request) -> None:
         req.prefill_started_at = time.perf_counter()
         if req.cancelled:
             self._fail(req, RequestCancelledError("cancelled before prefill"))
             return
         t0 = time.perf_counter()
         try:
-            reuse = req.reuse.validated()
+            req.reuse = reuse = req.reuse.validated()
             resolved = req.prefetched()
             if self.max_prompt_tokens:
                 resolved = check_prompt_length(self.engine, reuse, resolved, self.max_prompt_tokens)
             with self._lock():
-                prep = self.engine.prepare(reuse, resolved=resolved)
-            req.prompt_tokens = prep.prompt_tokens
+                self.engine.prepare(req, resolved=resolved)
             if self.max_prompt_tokens and req.prompt_tokens > self.max_prompt_tokens:
                 raise PromptTooLongError(f"the prompt has {req.prompt_tokens} tokens; this server accepts at most "
                                          f"{self.max_prompt_tokens} (use a lower top_k)")
@@ -368,11 +369,10 @@ class BatchScheduler:
         finally:
             self.stats.prefills += 1
             self.stats.prefill_seconds += time.perf_counter() - t0
-        req.prep = prep
         if req.max_new_tokens <= 0:
             self._finish(req, "length")
             return
-        if self._emit_token(req, prep.pre.last_logits):  # the first token needs no forward
+        if self._emit_token(req, req.pre.last_logits):  # the first token needs no forward
             self._joining.append(req)
 
     # -- the batch ----------------------------------------------------------------------
@@ -394,7 +394,7 @@ class BatchScheduler:
         """One batched decode step: the last token of every row, each at its own position."""
         assert self._decoder is not None
         for req in self._joining:  # the decoder holds the only copy of the prompt KV from now on
-            self._decoder.join(req.id, req.prep.take_kv())
+            self._decoder.join(req.id, req.take_kv())
             self._rows[req.id] = req
         self._joining = []
         # Requests cancelled since the last step leave before spending a forward on them.

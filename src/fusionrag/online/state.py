@@ -1,62 +1,137 @@
-"""``Request``: one request's state through the stages, from prefill to its answer.
+"""``Request``: one request from its admission to its answer, whatever door it came through.
 
-Like vLLM's ``Request``: the engine creates it when the prompt is ready (retrieved, loaded,
-selected, recomputed, the first token's logits known; :meth:`Engine.prepare`), a decoder
-continues from its KV (:meth:`take_kv`), and :meth:`Engine.finish` completes the same object
-with the generated tokens and text. Nothing is copied from one result type into another.
+Like vLLM's ``Request``: created once, when a request is admitted (the server's scheduler, the CLI,
+the Python API), from a validated :class:`~fusionrag.online.request.ReuseRequest` and how to pick
+its tokens; each stage fills its own fields once: the prefetch its passages (``resolved``), the
+prefill (:meth:`Engine.prepare`) the prompt's KV, the first token's logits and the stage timings,
+the decode steps the output tokens, :meth:`Engine.finish` the answer's text. ``status`` says where
+it is. The caller's side (``events``, ``result``, ``cancel``) is thread-safe; ``emit`` runs on the
+model thread (:mod:`fusionrag.online.scheduler`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Literal
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from concurrent.futures import Future
+from enum import StrEnum
+from typing import Any
 
 import torch
 
+from fusionrag.execution.generate import TextStreamer
 from fusionrag.kvcache.kv import KV
 from fusionrag.online.prefill import Prefilled
+from fusionrag.online.request import ReuseRequest
+from fusionrag.online.sampling import SamplingParams, StopMatcher, TokenSampler
+from fusionrag.online.scheduled import Event, Listener
+
+log = logging.getLogger(__name__)
 
 
-@dataclass
+class Status(StrEnum):
+    """Where a request is: waiting for its prefill, prepared (decoding), or finished one way or another."""
+
+    WAITING = "waiting"
+    PREPARED = "prepared"
+    FINISHED = "finished"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
 class Request:
-    """A request's state; ``status`` is ``prepared`` until :meth:`Engine.finish` makes it ``finished``."""
+    """One request's state (see the module doc). Fields a stage has not filled yet are empty."""
 
-    pre: Prefilled  # the prompt's KV and the logits of the first answer token
-    method: str
-    kv_kind: str  # "plain" | "fused" | "plain-first" | "none" (Full Attention)
-    ratio: float
-    chunk_ids: list[int | None]  # None for request-supplied passages not in the store
-    passages: list[dict]
-    chunk_token_ids: list[list[int]]
-    ttft_ms: dict[str, float]  # retrieve / load / select / recompute / first_token / total
-    fused_fallbacks: int = 0
-    #: Where each chunk came from, for citing: ``{chunk_id, title, source, score, stored}`` (score: the
-    #: retrieval similarity; None for passages the client sent).
-    sources: list[dict] = field(default_factory=list)
-    #: Why the request ran as it did when that differs from what it asked (``method=auto``'s choice,
-    #: no passages to reuse, an empty store); empty otherwise.
-    note: str = ""
-    #: The prompt's ``S`` + chunks came from the whole-context cache: only the question was prefilled.
-    context_cache_hit: bool = False
-    #: The greedy first answer token, taken from the prefill's last logits (part of TTFT; no forward).
-    first_token: int = -1
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    status: Literal["prepared", "finished"] = "prepared"
+    def __init__(self, reuse: ReuseRequest, max_new_tokens: int = 32, sampling: SamplingParams | None = None,
+                 listener: Listener | None = None) -> None:
+        self.id = uuid.uuid4().hex
+        self.reuse = reuse  # the question and how to reuse KV for it (validated once: at its door or its prefill)
+        self.max_new_tokens = int(max_new_tokens)
+        self.sampling = sampling or SamplingParams()
+        self.status = Status.WAITING
+        self.submitted_at = time.perf_counter()
+        # the prefetch: its Resolved passages, the request's own
+        self.resolved: Future | None = None
+        # the prefill (Engine.prepare)
+        self.pre: Prefilled | None = None  # the prompt's KV and the logits of the first answer token
+        self.method = reuse.method  # the method it ran (method=auto's choice once prepared)
+        self.kv_kind = ""  # "plain" | "fused" | "plain-first" | "none" (Full Attention)
+        self.ratio = float(reuse.ratio)
+        self.chunk_ids: list[int | None] = []  # None for request-supplied passages not in the store
+        self.passages: list[dict] = []
+        self.chunk_token_ids: list[list[int]] = []
+        self.ttft_ms: dict[str, float] = {}  # retrieve / load / select / recompute / first_token / total
+        self.fused_fallbacks = 0
+        #: Where each chunk came from, for citing: ``{chunk_id, title, source, score, stored}``.
+        self.sources: list[dict] = []
+        #: Why the request ran as it did when that differs from what it asked; empty otherwise.
+        self.note = ""
+        #: The prompt's ``S`` + chunks came from the whole-context cache: only the question was prefilled.
+        self.context_cache_hit = False
+        self.first_token = -1  # the greedy first answer token, from the prefill's last logits
+        # the decode steps and the answer
+        self.token_ids: list[int] = []
+        self.emitted = ""  # the text sent so far (stop strings cut, held-back tails included at the end)
+        self.text = ""  # the answer: the generated tokens decoded (Engine.finish)
+        self.finish_reason: str | None = None  # "stop" | "length"
+        self.error: BaseException | None = None
+        self.prefill_started_at: float | None = None
+        self.first_token_at: float | None = None
+        self.finished_at: float | None = None
+        self.token_times: list[float] = []  # perf_counter() of each generated token (inter-token latency)
+        # the scheduler's working state (model thread only)
+        self.sampler = TokenSampler(self.sampling)
+        self.stop_matcher = StopMatcher(self.sampling.stop)
+        self.streamer: TextStreamer | None = None
+        self.last_token = -1
+        self._listener = listener
+        self._events: queue.Queue[Event] | None = None if listener is not None else queue.Queue()
+        self._cancelled = threading.Event()
+        self._done = threading.Event()
+
+    @classmethod
+    def admitted(cls, request: str | ReuseRequest | Request, max_new_tokens: int = 32,
+                 sampling: SamplingParams | None = None, listener: Listener | None = None,
+                 **reuse_fields: Any) -> Request:
+        """The request a submission stands for: the one made at its door (``listener`` then replaces its
+        queue), else one made here from a :class:`ReuseRequest` or a question and its fields."""
+        if isinstance(request, Request):
+            if listener is not None:
+                request._listener, request._events = listener, None
+            return request
+        reuse = request if isinstance(request, ReuseRequest) else ReuseRequest(request, **reuse_fields)
+        return cls(reuse, max_new_tokens, sampling, listener)
+
+    @property
+    def question(self) -> str:
+        return self.reuse.question
+
+    def prefetched(self) -> Any:
+        """The passages the prefetch found (``Resolved``; waiting for it: it is doing what the prefill would
+        do), or None when it found none: the prefill then finds them."""
+        if self.resolved is None:
+            return None
+        try:
+            return self.resolved.result()
+        except Exception:  # best effort: the prefill resolves the request itself
+            return None
 
     # -- after prefill ---------------------------------------------------------------------
 
     @property
     def prompt_tokens(self) -> int:
-        return self.pre.kv.base_position + len(self.pre.kv)
+        return 0 if self.pre is None else self.pre.kv.base_position + len(self.pre.kv)
 
     def take_kv(self) -> KV:
         """Hand the prompt KV to a decoder; this object stops holding it (so its memory can go)."""
+        assert self.pre is not None
         kv = self.pre.kv
         self.pre.kv = KV.empty_like(kv, kv.base_position + len(kv))
         return kv
-
-    # -- the answer's view -----------------------------------------------------------------
 
     @property
     def kv(self) -> str:
@@ -65,23 +140,85 @@ class Request:
 
     @property
     def context_tokens(self) -> int:
-        return self.pre.context_tokens
+        return 0 if self.pre is None else self.pre.context_tokens
 
     @property
     def recomputed_tokens(self) -> int:
-        return self.pre.recomputed
+        return 0 if self.pre is None else self.pre.recomputed
 
     @property
-    def first_logits(self) -> torch.Tensor:
-        return self.pre.last_logits
+    def first_logits(self) -> torch.Tensor | None:
+        return None if self.pre is None else self.pre.last_logits
 
     @property
     def selected(self) -> torch.Tensor | None:
-        return self.pre.selected
+        return None if self.pre is None else self.pre.selected
 
     @property
     def spans(self) -> list[tuple[int, int]]:
-        return self.pre.spans
+        return [] if self.pre is None else self.pre.spans
+
+    # -- caller side --------------------------------------------------------------------
+
+    def cancel(self) -> None:
+        """Ask the scheduler to drop this request at the next step (no-op once finished)."""
+        self._cancelled.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    @property
+    def finished(self) -> bool:
+        return self._done.is_set()
+
+    @property
+    def queue_ms(self) -> float:
+        """Time spent waiting for the model thread before this request's prefill started."""
+        start = self.prefill_started_at if self.prefill_started_at is not None else time.perf_counter()
+        return (start - self.submitted_at) * 1000.0
+
+    @property
+    def server_ttft_ms(self) -> float | None:
+        """Time to first token as the scheduler saw it: submission (queueing included) to the first token."""
+        return None if self.first_token_at is None else (self.first_token_at - self.submitted_at) * 1000.0
+
+    def events(self, timeout: float | None = None) -> Iterator[Event]:
+        """Yield this request's events until ``done``/``error`` (only without a listener)."""
+        if self._events is None:
+            raise RuntimeError("this request delivers its events to a listener")
+        while True:
+            try:
+                ev = self._events.get(timeout=timeout)
+            except queue.Empty:
+                raise TimeoutError(f"request {self.id} produced no event within {timeout} s") from None
+            yield ev
+            if ev.kind in ("done", "error"):
+                return
+
+    def result(self, timeout: float | None = None) -> Request:
+        """Block until the request finishes; returns it, finished, or raises its error."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"request {self.id} did not finish within {timeout} s")
+        if self.error is not None:
+            raise self.error
+        return self
+
+    # -- model-thread side --------------------------------------------------------------
+
+    def emit(self, ev: Event) -> None:
+        if ev.kind in ("done", "error"):
+            self.finished_at = time.perf_counter()
+        try:
+            if self._listener is not None:
+                self._listener(ev)
+            else:
+                assert self._events is not None
+                self._events.put(ev)
+        except Exception:  # a listener whose consumer is gone (closed event loop) must not stop the model
+            log.debug("listener of request %s failed", self.id, exc_info=True)
+        if ev.kind in ("done", "error"):
+            self._done.set()
 
     def to_json(self) -> dict:
         return {

@@ -12,44 +12,45 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from fastapi import Request
+from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from fusionrag.online.scheduled import DecodeRequest, Event
+from fusionrag.online.scheduled import Event
+from fusionrag.online.state import Request
 from fusionrag.serve.api_errors import APIError, as_api_error
-from fusionrag.serve.protocol import GenerateRequest, read_json
+from fusionrag.serve.protocol import Parsed, read_json
 from fusionrag.serve.responses import Logprobs, Shape, completion_json, sse_stream
 from fusionrag.serve.settings import ServerSettings
 from fusionrag.serve.state import ServerState
 
 
-async def generate(server: ServerState, request: Request, chat: bool,
-                   parse: Callable[[Any, ServerSettings], GenerateRequest]) -> Response:
+async def generate(server: ServerState, request: HTTPRequest, chat: bool,
+                   parse: Callable[[Any, ServerSettings], Parsed]) -> Response:
     """Validate, queue, then answer as JSON or as server-sent events. What fails before the first event is
     raised (the app answers it); an engine error or a timeout after it is answered here, the stream's own."""
     s, sched = server.settings, server.scheduler
     body = await read_json(request, s.max_body_bytes)
     server.ensure_ready()
-    gen = parse(body, s)
-    server.check_model(gen.model)
+    req, wire = parse(body, s)
+    server.check_model(wire.model)
     loop = asyncio.get_running_loop()
     events: asyncio.Queue[Event] = asyncio.Queue()
 
     def listener(ev: Event) -> None:
         loop.call_soon_threadsafe(events.put_nowait, ev)
 
-    req = sched.submit(gen.reuse, max_new_tokens=gen.max_tokens, listener=listener, sampling=gen.sampling)
+    sched.submit(req, listener=listener)
     shape = Shape(chat, f"{'chatcmpl' if chat else 'cmpl'}-{req.id}", int(time.time()), server.model_name())
     tokenizer = sched.engine.lm.tokenizer
-    logprobs = Logprobs(lambda t: tokenizer.decode([t])) if gen.sampling.logprobs else None
+    logprobs = Logprobs(lambda t: tokenizer.decode([t])) if req.sampling.logprobs else None
     first = await _next_event(events, req, s.request_timeout_s, "no first token in time")
     if isinstance(first, Response):
         return first
     if first.kind == "error":
         return as_api_error(first.error).response()
-    if gen.stream:
+    if wire.stream:
         return StreamingResponse(
-            sse_stream(req, first, events, shape, gen, logprobs, server.on_done, s.request_timeout_s),
+            sse_stream(req, first, events, shape, wire.include_usage, logprobs, server.on_done, s.request_timeout_s),
             media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     ev: Event | Response = first
     while isinstance(ev, Event) and ev.kind == "token":
@@ -64,7 +65,7 @@ async def generate(server: ServerState, request: Request, chat: bool,
     return JSONResponse(completion_json(req, ev, shape, logprobs))
 
 
-async def _next_event(events: asyncio.Queue[Event], req: DecodeRequest, timeout: float, late: str) -> Event | Response:
+async def _next_event(events: asyncio.Queue[Event], req: Request, timeout: float, late: str) -> Event | Response:
     """The request's next event; a 504 response after ``timeout``. Either way a request left behind is cancelled
     (also when the client goes away: the cancellation propagates after the request's slot is freed)."""
     try:

@@ -21,7 +21,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from fusionrag.online.scheduled import DecodeRequest
+from fusionrag.online.state import Request
 
 log = logging.getLogger(__name__)
 
@@ -75,18 +75,18 @@ class Metrics:
     def count_request(self, route: str, status: int) -> None:
         self.http.labels(route, str(status)).inc()
 
-    def observe_answer(self, req: DecodeRequest) -> None:
+    def observe_answer(self, req: Request) -> None:
         """Record a finished request (never raises: metrics must not fail an answer)."""
         try:
             self._observe(req)
         except Exception:
             log.warning("could not record the metrics of request %s", req.id, exc_info=True)
 
-    def _observe(self, req: DecodeRequest) -> None:
-        name, ans = self._model_name(), req.answer
-        if req.ttft_ms is not None:
-            self.ttft.labels(name).observe(req.ttft_ms / 1000.0)
-            self.fr_ttft.labels(name, ans.method).observe(req.ttft_ms / 1000.0)
+    def _observe(self, req: Request) -> None:
+        name, ans = self._model_name(), req
+        if req.server_ttft_ms is not None:
+            self.ttft.labels(name).observe(req.server_ttft_ms / 1000.0)
+            self.fr_ttft.labels(name, ans.method).observe(req.server_ttft_ms / 1000.0)
         if req.finished_at is not None:
             self.e2e.labels(name).observe(req.finished_at - req.submitted_at)
         for a, b in zip(req.token_times, req.token_times[1:], strict=False):
@@ -94,7 +94,7 @@ class Metrics:
         self.queue.labels(name).observe(req.queue_ms / 1000.0)
         self.prefill.labels(name).observe(ans.ttft_ms.get("total", 0.0) / 1000.0)
         self.prompt_tokens.labels(name).inc(req.prompt_tokens)
-        self.generation_tokens.labels(name).inc(len(req.tokens))
+        self.generation_tokens.labels(name).inc(len(req.token_ids))
         self.success.labels(name, req.finish_reason or "unknown").inc()
         self.recomputed.labels(name, ans.method).inc(ans.recomputed_tokens)
         self.context.labels(name, ans.method).inc(ans.context_tokens)

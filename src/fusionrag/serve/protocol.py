@@ -17,11 +17,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from fastapi import Request
+from fastapi import Request as HTTPRequest
 from pydantic import BaseModel, ValidationError
 
 from fusionrag.online.request import DEFAULT_TOP_K, InvalidRequest, ReuseRequest
 from fusionrag.online.sampling import SamplingParams
+from fusionrag.online.state import Request
 from fusionrag.prompt import conversation_preamble, is_valid_text
 from fusionrag.retrieval.stored_docs import identity_problem
 from fusionrag.serve.api_errors import APIError, as_api_error, error_response  # noqa: F401 (re-exported)
@@ -40,7 +41,7 @@ log = logging.getLogger(__name__)
 # ---------------------------------------------------------------------------------- requests
 
 
-async def read_json(request: Request, max_bytes: int) -> Any:
+async def read_json(request: HTTPRequest, max_bytes: int) -> Any:
     """The body as JSON, refusing more than ``max_bytes`` before reading it all (413)."""
     declared = request.headers.get("content-length")
     if declared is not None:
@@ -170,28 +171,17 @@ def parse_retrieve(body: Any, s: ServerSettings) -> RetrieveRequest:
     return req.model_copy(update={"query": req.query.strip(), "top_k": top_k})
 
 
-@dataclass
-class GenerateRequest:
-    """A validated chat or text completion: the question and its reuse settings, and how to generate."""
+@dataclass(frozen=True)
+class Wire:
+    """How an answer goes back over HTTP: streamed or not, usage in the stream, the model name the body named."""
 
-    reuse: ReuseRequest
-    max_tokens: int
-    stream: bool
-    include_usage: bool
-    sampling: SamplingParams
+    stream: bool = False
+    include_usage: bool = False
     model: str | None = None
 
-    @property
-    def question(self) -> str:
-        return self.reuse.question
 
-    @property
-    def method(self) -> str:
-        return self.reuse.method
-
-    @property
-    def ratio(self) -> float:
-        return self.reuse.ratio
+#: A parsed completion body: the engine's request, admitted here, and how its answer goes back.
+Parsed = tuple[Request, Wire]
 
 
 def _validated(model: type[BaseModel], body: Any) -> Any:
@@ -225,7 +215,7 @@ def check_neutral(req: ChatCompletionRequest | CompletionRequest) -> None:
 
 def _common(req: ChatCompletionRequest | CompletionRequest, s: ServerSettings, question: str,
             documents: list[dict] | None, max_tokens: int | None, logprobs: bool, top_logprobs: int,
-            preamble: str = "") -> GenerateRequest:
+            preamble: str = "") -> Parsed:
     """The checks chat and text completions share (limits from the server's settings)."""
     check_neutral(req)
     if max_tokens is not None and max_tokens > s.max_new_tokens:
@@ -257,10 +247,8 @@ def _common(req: ChatCompletionRequest | CompletionRequest, s: ServerSettings, q
                              req.retrieval).validated(max_top_k=s.max_top_k)
     except InvalidRequest as exc:
         raise APIError(400, str(exc), code=exc.code, param=exc.param) from None
-    return GenerateRequest(
-        reuse=reuse, max_tokens=max_tokens or min(s.default_max_tokens, s.max_new_tokens), stream=bool(req.stream),
-        include_usage=bool(req.stream_options and req.stream_options.include_usage), sampling=sampling,
-        model=req.model)
+    request = Request(reuse, max_tokens or min(s.default_max_tokens, s.max_new_tokens), sampling)
+    return request, Wire(bool(req.stream), bool(req.stream_options and req.stream_options.include_usage), req.model)
 
 
 def _text(content: str | list[TextPart] | None) -> str:
@@ -269,7 +257,7 @@ def _text(content: str | list[TextPart] | None) -> str:
     return content if isinstance(content, str) else "".join(p.text for p in content)
 
 
-def parse_chat(body: Any, s: ServerSettings) -> GenerateRequest:
+def parse_chat(body: Any, s: ServerSettings) -> Parsed:
     """A chat-completions body: the last message is the question; system messages and earlier turns are used.
 
     They go into the question segment (after the reused passages): ``S``, whose KV every
@@ -302,7 +290,7 @@ def parse_chat(body: Any, s: ServerSettings) -> GenerateRequest:
 
 
 def parse_completion(body: Any, s: ServerSettings, decode: Callable[[list[int]], str],
-                     vocab_size: int | None = None) -> GenerateRequest:
+                     vocab_size: int | None = None) -> Parsed:
     """A text-completions body: the prompt (a string, or token ids read back with ``decode``) is the question.
 
     Token ids must lie within the vocabulary (``vocab_size``): anything else is a 400, not a decode error.

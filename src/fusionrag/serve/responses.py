@@ -13,12 +13,12 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from fusionrag.online.scheduled import DecodeRequest, Event
+from fusionrag.online.scheduled import Event
+from fusionrag.online.state import Request
 from fusionrag.serve.api_errors import as_api_error
-from fusionrag.serve.protocol import GenerateRequest
 
 
-def reuse_json(req: DecodeRequest) -> dict[str, Any]:
+def reuse_json(ans: Request) -> dict[str, Any]:
     """Where the prompt's passages came from, in ``usage.fusionrag`` (frameworks keep ``usage``, not extras).
 
     ``reused_chunks``: passages whose precomputed KV was reused, i.e. found in the store by
@@ -27,7 +27,6 @@ def reuse_json(req: DecodeRequest) -> dict[str, Any]:
     ``method`` is the method that ran (``auto`` resolved; ``note`` says why when it differs from
     the request's); ``sources``: each chunk's ``chunk_id, title, source, score, stored``, for citing.
     """
-    ans = req.answer
     stored = sum(c is not None for c in ans.chunk_ids)
     return {"method": ans.method, "kv": ans.kv, "chunks": len(ans.chunk_ids),
             "reused_chunks": 0 if ans.method == "full" else stored, "adhoc_chunks": len(ans.chunk_ids) - stored,
@@ -37,21 +36,21 @@ def reuse_json(req: DecodeRequest) -> dict[str, Any]:
             "sources": ans.sources, "note": ans.note}
 
 
-def usage_json(req: DecodeRequest) -> dict[str, Any]:
+def usage_json(req: Request) -> dict[str, Any]:
     """OpenAI's ``usage`` object of a finished request, plus ``fusionrag`` (:func:`reuse_json`)."""
-    done = len(req.tokens)
+    done = len(req.token_ids)
     return {"prompt_tokens": req.prompt_tokens, "completion_tokens": done, "total_tokens": req.prompt_tokens + done,
             "fusionrag": reuse_json(req)}
 
 
-def fusionrag_json(req: DecodeRequest) -> dict[str, Any]:
+def fusionrag_json(req: Request) -> dict[str, Any]:
     """The ``fusionrag`` extension object: the engine's TTFT breakdown plus the server's queueing view."""
-    out = req.answer.to_json()
+    out = req.to_json()
     out.pop("answer", None)  # already the message content
     out["request_id"] = req.id
     out["server"] = {
         "queue_ms": round(req.queue_ms, 2),
-        "ttft_ms": None if req.ttft_ms is None else round(req.ttft_ms, 2),
+        "ttft_ms": None if req.server_ttft_ms is None else round(req.server_ttft_ms, 2),
         "latency_ms": None if req.finished_at is None else round((req.finished_at - req.submitted_at) * 1000.0, 2),
     }
     return out
@@ -119,9 +118,9 @@ class Shape:
         return f"data: {json.dumps(body)}\n\n"
 
 
-def completion_json(req: DecodeRequest, done: Event, shape: Shape, logprobs: Logprobs | None) -> dict[str, Any]:
+def completion_json(req: Request, done: Event, shape: Shape, logprobs: Logprobs | None) -> dict[str, Any]:
     """The non-streamed body of a request that ended with the ``done`` event."""
-    text = req.text.strip() if shape.chat else req.text
+    text = req.emitted.strip() if shape.chat else req.emitted
     if shape.chat:
         lp = logprobs.chat() if logprobs is not None else None
         choice = {"index": 0, "message": {"role": "assistant", "content": text},
@@ -132,8 +131,8 @@ def completion_json(req: DecodeRequest, done: Event, shape: Shape, logprobs: Log
             "choices": [choice], "usage": usage_json(req), "fusionrag": fusionrag_json(req)}
 
 
-async def sse_stream(req: DecodeRequest, first: Event, events: asyncio.Queue, shape: Shape, gen: GenerateRequest,
-                     logprobs: Logprobs | None, on_done: Callable[[DecodeRequest], None],
+async def sse_stream(req: Request, first: Event, events: asyncio.Queue, shape: Shape, include_usage: bool,
+                     logprobs: Logprobs | None, on_done: Callable[[Request], None],
                      timeout: float) -> AsyncIterator[str]:
     """OpenAI chunk stream: text deltas (chat: the role first), a final chunk, optional usage, ``[DONE]``.
 
@@ -166,7 +165,7 @@ async def sse_stream(req: DecodeRequest, first: Event, events: asyncio.Queue, sh
         if ev.text or not sent_first:  # text held back until the end (an unfinished stop-string prefix)
             yield shape.chunk([shape.choice(ev.text, None, None, first=not sent_first)])
         yield shape.chunk([shape.choice("", ev.finish_reason, None, final=True)], fusionrag=fusionrag_json(req))
-        if gen.include_usage:
+        if include_usage:
             yield shape.chunk([], usage=usage_json(req))
         yield "data: [DONE]\n\n"
     except TimeoutError:

@@ -12,10 +12,11 @@ import threading
 from dataclasses import dataclass, field
 from typing import Annotated, Any
 
-from fastapi import Depends, Request
+from fastapi import Depends
+from fastapi import Request as HTTPRequest
 
-from fusionrag.online.scheduled import DecodeRequest
 from fusionrag.online.scheduler import BatchScheduler
+from fusionrag.online.state import Request, Status
 from fusionrag.serve.api_errors import APIError
 from fusionrag.serve.documents import DocumentJobs
 from fusionrag.serve.metrics import Metrics
@@ -30,11 +31,11 @@ class RecentAnswers:
         self._items: collections.OrderedDict[str, tuple[str, Any]] = collections.OrderedDict()
         self._lock = threading.Lock()
 
-    def add(self, req: DecodeRequest) -> None:
-        if not self.keep or req.answer is None:
+    def add(self, req: Request) -> None:
+        if not self.keep or req.status != Status.FINISHED:
             return
         with self._lock:
-            self._items[req.id] = (req.question, req.answer)
+            self._items[req.id] = (req.question, req)
             while len(self._items) > self.keep:
                 self._items.popitem(last=False)
 
@@ -96,12 +97,12 @@ class ServerState:
             raise APIError(409, "the store is read-only (read-only media or no write permission): documents cannot "
                                 "be added or deleted; questions are answered as usual", code="read_only_store")
 
-    def on_done(self, req: DecodeRequest) -> None:
+    def on_done(self, req: Request) -> None:
         self.metrics.observe_answer(req)
         self.recent.add(req)
 
 
-def server_state(request: Request) -> ServerState:
+def server_state(request: HTTPRequest) -> ServerState:
     return request.app.state.fusionrag
 
 
@@ -109,7 +110,7 @@ def server_state(request: Request) -> ServerState:
 State = Annotated[ServerState, Depends(server_state)]
 
 
-def check_api_key(settings: ServerSettings, request: Request) -> None:
+def check_api_key(settings: ServerSettings, request: HTTPRequest) -> None:
     if not settings.api_key:
         return
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
@@ -118,6 +119,6 @@ def check_api_key(settings: ServerSettings, request: Request) -> None:
                        "authentication_error", "invalid_api_key")
 
 
-def require_api_key(request: Request) -> None:
+def require_api_key(request: HTTPRequest) -> None:
     """The dependency of every keyed route: ``Authorization: Bearer KEY`` when the server has a key."""
     check_api_key(server_state(request).settings, request)

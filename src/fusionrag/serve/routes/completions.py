@@ -7,7 +7,7 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request, Response
 
 from fusionrag.serve.generation import generate
-from fusionrag.serve.protocol import GenerateRequest, parse_chat, parse_completion
+from fusionrag.serve.protocol import Parsed, parse_chat, parse_completion
 from fusionrag.serve.schemas import ChatCompletionRequest, CompletionRequest, body_schema
 from fusionrag.serve.settings import ServerSettings
 from fusionrag.serve.state import State, require_api_key
@@ -24,7 +24,7 @@ async def chat_completions(request: Request, server: State) -> Response:
 async def completions(request: Request, server: State) -> Response:
     tokenizer = server.engine.lm.tokenizer
 
-    def parse(body: Any, settings: ServerSettings) -> GenerateRequest:
+    def parse(body: Any, settings: ServerSettings) -> Parsed:
         return parse_completion(body, settings, lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
                                 len(tokenizer))
 
