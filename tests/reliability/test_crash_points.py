@@ -156,7 +156,8 @@ def _server(kb: Path, act: Callable) -> None:
 def _wait_jobs(client, store) -> None:
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
-        if all(status not in ("pending", "running") for _, status, _ in store.jobs.all()):
+        jobs = store.jobs.all()  # empty until the model thread saves the posted job: not done yet
+        if jobs and all(status not in ("pending", "running") for _, status, _ in jobs):
             return
         time.sleep(0.05)
     raise AssertionError("a document job did not finish")
