@@ -84,7 +84,7 @@ budget() {  # CAP [KEEP]: seconds a step may take: at most CAP and what is left 
 } 2>&1 | tee "$out/host.txt"
 step host "$?"
 timeout "$(budget 100 "$serve_s")" $py -m pytest -q -p no:cacheprovider -m gpu \
-  tests/engine/test_forward_backends.py 2>&1 | tee "$out/pytest_gpu.log"
+  tests/execution/test_forward_backends.py 2>&1 | tee "$out/pytest_gpu.log"
 step "pytest -m gpu" "$?"
 # Caps: the first run took doctor ~60 s (6 processes), gpu_bench 80 s, gpu_profile ~60 s on one H200; the packed
 # kernel's autotuning adds a few seconds per query-count bucket. The profile is the optional one: it gets what

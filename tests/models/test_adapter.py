@@ -18,7 +18,7 @@ def test_adapter_reads_the_shapes_the_cache_has(tiny_lm):
 def test_finished_queries_are_the_models_rotary_embedding_applied_per_head(tiny_lm):
     """The adapter's queries are the raw projection rotated with the model's own (cos, sin) at their
     positions (the tiny families have no per-head norm); the eager-attention check of the selection
-    scores (tests/engine/test_policies.py) covers the rest of the path."""
+    scores (tests/online/test_policies.py) covers the rest of the path."""
     a = tiny_lm.adapter
     assert getattr(a.last_attention, "q_norm", None) is None
     pos = torch.arange(3, 7)

@@ -7,7 +7,7 @@ import time
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tests.unit.html_tree_reference import reference_page_text
+from tests.retrieval.html_tree_reference import reference_page_text
 
 from fusionrag.retrieval.html_text import page_text
 
