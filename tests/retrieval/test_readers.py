@@ -108,3 +108,13 @@ def test_passages_from_text_of_a_pdf_page_and_without_source():
     assert passages_from_text("Page text.", "/data/paper.pdf") == [Passage("paper", "Page text.", "paper.pdf")]
     assert passages_from_text("Just text.", None, "T") == [Passage("T", "Just text.", "")]
     assert passages_from_text("   ", "a.txt") == []
+
+
+def test_a_file_that_reads_as_no_text_is_named(tmp_path):
+    """A text file holding only a UTF-8 byte-order mark (not whitespace to bytes.strip) gave no passage and
+    no word (found by the reader property test)."""
+    from fusionrag.retrieval.readers import parse_file
+
+    problems: list = []
+    assert parse_file(tmp_path / "bom.txt", b"\xef\xbb\xbf", problems).passages == []
+    assert [p.message for p in problems] == ["no text in the file"]

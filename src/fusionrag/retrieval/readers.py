@@ -167,7 +167,11 @@ def parse_file(path: Path, data: bytes, problems: list[Problem]) -> ParsedFile:
     if fmt.text and b"\x00" in data[:8192]:
         problems.append(Problem(str(path), None, "binary file (contains NUL bytes); skipped", file_skipped=True))
         return ParsedFile(path.stem, [])
-    return fmt.read(path, data, problems)
+    said = len(problems)
+    parsed = fmt.read(path, data, problems)
+    if not parsed.passages and len(problems) == said:  # e.g. only a byte-order mark: nothing read is said
+        problems.append(Problem(str(path), None, "no text in the file"))
+    return parsed
 
 
 def read_passages(path: Path, problems: list[Problem]) -> list[Passage]:
