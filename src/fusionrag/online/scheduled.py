@@ -8,13 +8,10 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import logging
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
