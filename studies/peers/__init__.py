@@ -1,12 +1,13 @@
-"""The newest peers in the same engine: APE's hyper-parameter sweep, registered as study methods.
+"""The newest peers in the same engine: APE as a plugin, and its hyper-parameter sweep as study methods.
 
-``ape`` (the product's baseline, APE's released default T = S = 0.9) and ``prophetkv`` live in the
-package; this registers the sweep's other settings, ``ape-t{T}-s{S}``, for ``python -m studies.quality_cli``.
+``prophetkv`` lives in the package. APE lives here (:mod:`studies.peers.ape`): importing this package
+registers ``ape`` (APE's released default T = S = 0.9) through the engine's generic placement hook;
+:func:`register` adds the sweep's other settings, ``ape-t{T}-s{S}``, for ``python -m studies.quality_cli``.
 """
 
 from __future__ import annotations
 
-from fusionrag.online.methods import register_parallel
+from studies.peers.ape import register_ape
 
 #: APE's search space (its section 4.4: T and S in [0.1, 1.0]), thinned to what a short sweep affords.
 TEMPERATURES = (0.5, 0.7, 0.9, 1.0)
@@ -21,7 +22,7 @@ def register() -> None:
     """Register every sweep setting (idempotent)."""
     for t in TEMPERATURES:
         for s in SCALES:
-            register_parallel(ape_name(t, s), t, s, description=f"APE with temperature {t}, scale {s}")
+            register_ape(ape_name(t, s), t, s)
 
 
 def sweep_methods() -> list[str]:

@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import studies.peers.ape  # noqa: F401  (the plugin registers the study method ape)
 import torch
 
 from fusionrag.cli import main

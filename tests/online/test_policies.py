@@ -92,7 +92,7 @@ def test_cacheblend_score_equals_explicit_layer1_deviation(tiny_lm):
 def test_unknown_method_is_clear():
     with pytest.raises(FusionRAGError, match="unknown method"):
         make_policy("magic")
-    assert methods() == ["full", "reuse", "fusionrag", "auto", "cacheblend", "cachecraft", "epic", "prophetkv", "ape"]
+    assert methods() == ["full", "reuse", "fusionrag", "auto", "cacheblend", "cachecraft", "epic", "prophetkv"]
 
 
 def test_a_registered_policy_is_a_method_every_door_accepts_but_the_product_does_not_list():

@@ -11,6 +11,7 @@ import threading
 import time
 
 import pytest
+import studies.peers.ape  # noqa: F401  (the plugin registers the study method ape)
 import torch
 
 from fusionrag.errors import FusionRAGError, QueueFullError, RequestCancelledError
@@ -85,7 +86,8 @@ REQUESTS = [
     ("When did Marie Curie win the Nobel Prize?", 16, {"method": "cacheblend", "ratio": 0.3, "top_k": 3}),
     ("Who studied uranium rays?", 1, {"method": "fusionrag", "ratio": 0.5, "top_k": 5}),
     ("What did the Curies discover in 1898?", 7, {"method": "fusionrag", "ratio": 0.15, "top_k": 6}),
-    # APE rows read their context through its rule inside the shared batch; ProphetKV is a selection like any
+    # APE rows (a study plugin) read their context through its rule inside the shared batch; ProphetKV is a
+    # selection like any
     ("Where did Marie Curie study?", 10, {"method": "ape", "top_k": 3}),
     ("Who was Pierre Curie?", 8, {"method": "prophetkv", "ratio": 0.2, "top_k": 3}),
 ]

@@ -160,7 +160,7 @@ def plan_runs(spec: QualitySpec) -> list[Run]:
             kinds = [kv] if kv else ["plain", "fused"]
             runs.extend(Run("reuse", k, 0.0, 0) for k in kinds if k == "plain")
             runs.extend(Run("reuse", k, 0.0, n) for k in kinds if k != "plain" for n in top_ns)
-        elif method_info(m).parallel is not None:  # APE: no recompute, one cell per KV kind at ratio 0
+        elif method_info(m).placement is not None:  # a placement: no recompute, one cell per KV kind at ratio 0
             kind = kv or method_info(m).kv
             runs.append(Run(m, kind, 0.0, main_n if reads_store(m, kind) else 0))
         else:

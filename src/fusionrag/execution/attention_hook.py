@@ -7,7 +7,10 @@ transformers' SDPA function: with no mask that is the causal kernel with shared 
 (Full Attention, ``S``), with a 4D mask the masked kernel (the padded decode batch).
 Inside :func:`sparse_pass` it ignores the cache's past (the cache holds only the pass's
 fresh KV) and calls the pass's backend with the reused past of that layer and the
-positions of the queries (see :mod:`fusionrag.execution.attention_backends`).
+positions of the queries (see :mod:`fusionrag.execution.attention_backends`). A past whose KV
+carries a read rule (``KV.read_rule``, set by a method's placement) is read through that rule
+instead, whatever the backend (:mod:`~fusionrag.execution.attention_backends.ruled`); inside
+:func:`read_rules` the decoder's rows with such a prompt are too.
 
 Transformers builds no mask for an attention function it has no mask function for, so a
 pass with ``attention_mask=None`` reaches us with ``None`` whatever its positions are.
@@ -35,10 +38,8 @@ from typing import Any
 
 import torch
 
-from fusionrag.execution.attention_backends import Attend, AttendInPlace, SparseQuery
-from fusionrag.execution.attention_backends.parallel import attend as parallel_attend
-from fusionrag.execution.attention_backends.parallel import parallel_attention
-from fusionrag.kvcache.kv import KV, ParallelContext
+from fusionrag.execution.attention_backends import Attend, AttendInPlace, SparseQuery, ruled
+from fusionrag.kvcache.kv import KV, ReadRule
 
 ATTN_IMPL = "fusionrag"
 
@@ -69,14 +70,14 @@ _STOP_AT: ContextVar[int | None] = ContextVar("fusionrag_stop_at_attention", def
 
 
 @dataclass(frozen=True)
-class DecodeParallel:
-    """The rows of a decode batch whose prompt was placed in parallel (APE): their context keys and rule."""
+class RowRules:
+    """The rows of a decode batch whose prompt KV carries a read rule: each row's rule and its slots."""
 
-    rules: tuple[ParallelContext | None, ...]  # per batch row
-    context: torch.Tensor  # [B, W] bool: each row's context slots (the step's own token included, False)
+    rules: tuple[ReadRule | None, ...]  # per batch row
+    spans: torch.Tensor  # [B, W] bool: each row's slots read through its rule (the step's own token: False)
 
 
-_DECODE: ContextVar[DecodeParallel | None] = ContextVar("fusionrag_decode_parallel", default=None)
+_ROW_RULES: ContextVar[RowRules | None] = ContextVar("fusionrag_row_rules", default=None)
 
 
 class _Stopped(Exception):
@@ -97,15 +98,14 @@ def fusionrag_attention(module: Any, query: torch.Tensor, key: torch.Tensor, val
     if active is None:
         out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                         **kwargs)
-        decode = _DECODE.get()
-        if decode is not None:  # rows of a parallel prompt (APE) read their context through its rule
+        rows = _ROW_RULES.get()
+        if rows is not None:  # rows whose prompt carries a read rule read through it
             scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-            for b, rule in enumerate(decode.rules):
+            for b, rule in enumerate(rows.rules):
                 if rule is not None:
                     allowed = torch.ones(query.shape[2], key.shape[2], dtype=torch.bool, device=query.device) \
                         if attention_mask is None else attention_mask[b, 0] > torch.finfo(attention_mask.dtype).min / 2
-                    out[b] = parallel_attention(query[b], key[b], value[b], allowed, decode.context[b], rule,
-                                                scale).transpose(0, 1)
+                    out[b] = rule.attend(query[b], key[b], value[b], allowed, rows.spans[b], scale).transpose(0, 1)
         return out, None
     if query.shape[0] != 1:
         raise RuntimeError("a sparse pass takes one row (the backend applies the visibility rule)")
@@ -118,7 +118,7 @@ def fusionrag_attention(module: Any, query: torch.Tensor, key: torch.Tensor, val
         out = active.in_place(query[0], active.past.keys[layer], active.past.values[layer],
                               active.spec.positions[-n:], active.past.base_position, scale, active.spec.memo)
         return out.transpose(0, 1)[None], None
-    attend = parallel_attend if active.spec.parallel is not None else active.attend
+    attend = ruled.attend if active.spec.read_rule is not None else active.attend
     assert attend is not None
     out = attend(query[0], active.past.keys[layer], active.past.values[layer], key[0], value[0], active.spec, scale)
     return out.transpose(0, 1)[None], None  # [1, n, Hq, D], as transformers' functions return
@@ -166,13 +166,13 @@ def in_place_pass(work: KV, spec: SparseQuery, attend: AttendInPlace) -> Iterato
 
 
 @contextmanager
-def decode_parallel(state: DecodeParallel | None) -> Iterator[None]:
-    """Inside: the decoder's forward reads the parallel rows' context through their rule (APE)."""
-    token = _DECODE.set(state)
+def read_rules(rows: RowRules | None) -> Iterator[None]:
+    """Inside: the decoder's forward reads each ruled row's slots through its rule (``KV.read_rule``)."""
+    token = _ROW_RULES.set(rows)
     try:
         yield
     finally:
-        _DECODE.reset(token)
+        _ROW_RULES.reset(token)
 
 
 @contextmanager

@@ -10,9 +10,9 @@ slots are hidden by an additive float mask (:func:`~fusionrag.execution.forward.
 padding changes nothing a row sees. Rows join and leave between steps: joining pads to the
 widest row, leaving drops the row and compacts the padding once it is over half the cache.
 
-A row whose prompt was placed in parallel (APE, :class:`~fusionrag.kvcache.kv.ParallelContext`)
-keeps which of its slots are that context; a step with such rows reads them through APE's rule
-(:func:`~fusionrag.execution.attention_hook.decode_parallel`), the other rows as ever.
+A row whose prompt KV carries a read rule (:class:`~fusionrag.kvcache.kv.ReadRule`, set by a
+method's placement) keeps which of its slots the rule covers; a step with such rows reads them
+through their rules (:func:`~fusionrag.execution.attention_hook.read_rules`), the other rows as ever.
 
 Copies: a row joining an empty decoder is adopted without a copy (views of its KV; the
 forward's cache appends into new tensors, so the caller's KV is never written); joining a
@@ -28,7 +28,7 @@ from transformers import DynamicCache
 
 from fusionrag.execution import attention_hook
 from fusionrag.execution.forward import additive_mask
-from fusionrag.kvcache.kv import KV, ParallelContext
+from fusionrag.kvcache.kv import KV, ReadRule
 from fusionrag.models.registry import LoadedModel
 
 
@@ -46,8 +46,8 @@ class BatchDecoder:
         self._keys: list[torch.Tensor] = []  # per layer [B, H, W, D]
         self._values: list[torch.Tensor] = []
         self._valid: torch.Tensor | None = None  # [B, W] bool: which slots of each row hold its KV
-        self._rules: list[ParallelContext | None] = []  # per row: its prompt's parallel context (APE), if any
-        self._context: torch.Tensor | None = None  # [B, W] bool: each row's parallel-context slots
+        self._rules: list[ReadRule | None] = []  # per row: its prompt's read rule, if any
+        self._spans: torch.Tensor | None = None  # [B, W] bool: each row's slots read through its rule
 
     def __len__(self) -> int:
         return len(self._rows)
@@ -61,14 +61,14 @@ class BatchDecoder:
         if row in self._rows:
             raise ValueError(f"row {row!r} is already decoding")
         n_layers = kv.num_layers
-        context = torch.zeros(len(kv), dtype=torch.bool, device=kv.keys.device)
-        if kv.parallel is not None:
-            context[kv.parallel.start: kv.parallel.stop] = True
+        span = torch.zeros(len(kv), dtype=torch.bool, device=kv.keys.device)
+        if kv.read_rule is not None:
+            span[kv.read_rule.start: kv.read_rule.stop] = True
         if self._valid is None:  # adopt without a copy
             self._keys = [kv.keys[i].unsqueeze(0) for i in range(n_layers)]
             self._values = [kv.values[i].unsqueeze(0) for i in range(n_layers)]
             self._valid = torch.ones(1, len(kv), dtype=torch.bool, device=kv.keys.device)
-            self._context = context[None]
+            self._spans = span[None]
         else:
             b_old, heads, w_old, dim = self._keys[0].shape
             dtype, device = self._keys[0].dtype, self._keys[0].device
@@ -86,12 +86,12 @@ class BatchDecoder:
             valid = torch.zeros(b_old + 1, width, dtype=torch.bool, device=device)
             valid[:b_old, :w_old] = self._valid
             valid[b_old, : len(kv)] = True
-            ctx = torch.zeros_like(valid)
-            assert self._context is not None
-            ctx[:b_old, :w_old] = self._context
-            ctx[b_old, : len(kv)] = context.to(device)
-            self._keys, self._values, self._valid, self._context = keys, values, valid, ctx
-        self._rules.append(kv.parallel)
+            spans = torch.zeros_like(valid)
+            assert self._spans is not None
+            spans[:b_old, :w_old] = self._spans
+            spans[b_old, : len(kv)] = span.to(device)
+            self._keys, self._values, self._valid, self._spans = keys, values, valid, spans
+        self._rules.append(kv.read_rule)
         self._rows.append(row)
         self._next_pos.append(kv.base_position + len(kv))
 
@@ -109,17 +109,17 @@ class BatchDecoder:
         positions = torch.tensor([[p] for p in self._next_pos], dtype=torch.long, device=device)
         valid = torch.cat([self._valid, torch.ones(batch, 1, dtype=torch.bool, device=device)], dim=1)
         cache = DynamicCache(ddp_cache_data=list(zip(self._keys, self._values, strict=True)))
-        assert self._context is not None
-        context = torch.cat([self._context, torch.zeros(batch, 1, dtype=torch.bool, device=device)], dim=1)
-        parallel = attention_hook.DecodeParallel(tuple(self._rules), context) if any(self._rules) else None
-        with attention_hook.decode_parallel(parallel):
+        assert self._spans is not None
+        spans = torch.cat([self._spans, torch.zeros(batch, 1, dtype=torch.bool, device=device)], dim=1)
+        rows = attention_hook.RowRules(tuple(self._rules), spans) if any(self._rules) else None
+        with attention_hook.read_rules(rows):
             out = self.lm.model(input_ids=input_ids, position_ids=positions,
                                 attention_mask=additive_mask(valid[:, None, :], self.lm.model.dtype),
                                 **{attention_hook.cache_keyword(self.lm.model.forward): cache},
                                 use_cache=True, logits_to_keep=1)
         self._keys = [layer.keys for layer in cache.layers]
         self._values = [layer.values for layer in cache.layers]
-        self._valid, self._context = valid, context
+        self._valid, self._spans = valid, spans
         self._next_pos = [p + 1 for p in self._next_pos]
         logits = out.logits[:, -1].float()
         return {r: logits[b] for b, r in enumerate(self._rows)}
@@ -139,29 +139,29 @@ class BatchDecoder:
             return
         assert self._valid is not None
         idx = torch.tensor(keep, device=self._valid.device)
-        assert self._context is not None
+        assert self._spans is not None
         self._rows = [self._rows[b] for b in keep]
         self._next_pos = [self._next_pos[b] for b in keep]
         self._rules = [self._rules[b] for b in keep]
         keys = [k.index_select(0, idx) for k in self._keys]
         values = [v.index_select(0, idx) for v in self._values]
         valid = self._valid.index_select(0, idx)
-        context = self._context.index_select(0, idx)
+        spans = self._spans.index_select(0, idx)
         used = valid.any(dim=0)
         if not bool(used.all()):  # e.g. the tail of a longer row that just left
             cols = used.nonzero().squeeze(1)
             keys = [k.index_select(2, cols) for k in keys]
             values = [v.index_select(2, cols) for v in values]
             valid = valid.index_select(1, cols)
-            context = context.index_select(1, cols)
+            spans = spans.index_select(1, cols)
         counts = valid.sum(dim=1)
         if int(counts.sum()) * 2 < valid.numel():
             width = int(counts.max())
             packed_k, packed_v = [], []
-            packed_c = torch.zeros(len(keep), width, dtype=torch.bool, device=context.device)
+            packed_s = torch.zeros(len(keep), width, dtype=torch.bool, device=spans.device)
             for b in range(len(keep)):
-                packed_c[b, : int(counts[b])] = context[b][valid[b]]
-            context = packed_c
+                packed_s[b, : int(counts[b])] = spans[b][valid[b]]
+            spans = packed_s
             for k, v in zip(keys, values, strict=True):
                 nk = k.new_zeros(k.shape[0], k.shape[1], width, k.shape[3])
                 nv = v.new_zeros(nk.shape)
@@ -174,7 +174,7 @@ class BatchDecoder:
             keys, values = packed_k, packed_v
             valid = torch.arange(width, device=counts.device)[None, :] < counts[:, None]
             self.compactions += 1
-        self._keys, self._values, self._valid, self._context = keys, values, valid, context
+        self._keys, self._values, self._valid, self._spans = keys, values, valid, spans
 
     def clear(self) -> None:
         """Drop every row (e.g. after a failed step)."""

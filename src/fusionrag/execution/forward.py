@@ -89,7 +89,7 @@ def _run(lm: LoadedModel, input_ids: torch.Tensor, positions: torch.Tensor, past
         return _call(lm, input_ids, positions, cache, logits_to_keep, n_layers, stop_at), cache
     base = 0 if past is None else past.base_position
     stale = None if past_hidden is None else past_hidden.to(device=device, dtype=torch.bool)
-    spec = SparseQuery(positions, base, past_len, stale, parallel=None if past is None else past.parallel)
+    spec = SparseQuery(positions, base, past_len, stale, read_rule=None if past is None else past.read_rule)
     if past is None:  # the reference path without a past: an empty one
         empty = torch.zeros(lm.adapter.empty_kv_shape(lm.num_layers), dtype=lm.dtype, device=device)
         past = KV(empty, empty, 0)

@@ -52,8 +52,6 @@ def sparse_recompute(
     if suffix_ids.numel() == 0:
         raise ValueError("the suffix (question) must have at least one token")
     idx = torch.unique(torch.as_tensor(recompute_idx, dtype=torch.long).reshape(-1))  # sorted, no repeats
-    if idx.numel() and context.parallel is not None:
-        raise ValueError("a context placed in parallel (APE) is read as stored: it recomputes no tokens")
     if idx.numel() and (idx[0] < 0 or idx[-1] >= total):
         raise ValueError("recompute indices must lie inside the context")
     device = lm.device
@@ -62,7 +60,7 @@ def sparse_recompute(
     positions = torch.cat([idx, torch.arange(total, total + suffix_ids.numel(), device=device)])
     ids = torch.cat([context_ids.to(device)[idx], suffix_ids.to(device)])
     r = idx.numel()
-    if context.parallel is None and in_place_available(lm):
+    if context.read_rule is None and in_place_available(lm):
         # The request's prompt KV, reused context then room for the question, is the pass's own
         # buffer: each layer writes its fresh KV over the stale slots and after the context (decision 050).
         work = KV(*(t.new_empty((*t.shape[:2], total + suffix_ids.numel(), t.shape[3]))
@@ -82,4 +80,4 @@ def sparse_recompute(
         t[:, :, idx] = fresh[:, :, :r].to(t.dtype)
         t[:, :, total:] = fresh[:, :, r:].to(t.dtype)
         out.append(t)
-    return RecomputeResult(KV(out[0], out[1], 0, context.parallel), res.logits[-1], r)
+    return RecomputeResult(KV(out[0], out[1], 0, context.read_rule), res.logits[-1], r)

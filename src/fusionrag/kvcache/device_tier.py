@@ -29,7 +29,6 @@ from dataclasses import replace
 
 import torch
 
-from fusionrag.kvcache.kv import KV
 from fusionrag.kvcache.sources import KVSource, MemoryTier
 from fusionrag.kvcache.store import KVEntry
 
@@ -39,8 +38,7 @@ def map_entry(entry: KVEntry, fn: Callable[[torch.Tensor], torch.Tensor]) -> KVE
     kv = entry.kv
     scores = None if entry.scores is None else fn(entry.scores)
     scales = None if entry.scales is None else (fn(entry.scales[0]), fn(entry.scales[1]))
-    return replace(entry, kv=KV(fn(kv.keys), fn(kv.values), kv.base_position, kv.parallel), scores=scores,
-                   scales=scales)
+    return replace(entry, kv=replace(kv, keys=fn(kv.keys), values=fn(kv.values)), scores=scores, scales=scales)
 
 
 def pin_entry(entry: KVEntry) -> KVEntry:

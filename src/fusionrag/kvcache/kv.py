@@ -8,28 +8,33 @@ one call each. Every operation returns a new object: stored/shared KV is never m
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Protocol
 
 import torch
 
 from fusionrag.models.rope import rotate_into, rotate_keys, rotation
 
 
-@dataclass(frozen=True)
-class ParallelContext:
-    """How later tokens read a prompt whose chunks were placed in parallel (APE, ICLR 2025).
+class ReadRule(Protocol):
+    """How the tokens after a prompt read slots ``start:stop`` of its KV, when not by plain attention.
 
-    Slots ``start:stop`` of the prompt KV are the chunks, all encoded at the same positions right
-    after ``S``; a token after them attends to those slots with the logits divided by
-    ``temperature`` and the context block's log-sum-exp multiplied by ``scale * temperature``
-    (APE section 4.3-4.4; :func:`fusionrag.execution.attention_backends.parallel.parallel_attention`).
-    ``temperature = scale = 1`` is plain attention over the parallel layout."""
+    A method's placement (:func:`fusionrag.online.methods.register_placement`) may set one on the KV it
+    assembles; the prompt KV carries it (``KV.read_rule``) and every later reader honours it: the
+    question's pass, teacher forcing and the decoder call ``attend`` for the rows of such a prompt
+    (:mod:`fusionrag.execution.attention_backends.ruled`). A prompt with a rule is read as stored: no
+    pass recomputes its slots (the placement may have put any of them anywhere)."""
 
     start: int
     stop: int
-    temperature: float = 0.9
-    scale: float = 0.9
+
+    def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, allowed: torch.Tensor,
+               span: torch.Tensor, scale: float) -> torch.Tensor:
+        """``[Hq, n, D]``: ``q [Hq, n, D]`` over ``keys``/``values [Hkv, N, D]`` (grouped heads shared),
+        ``allowed [n, N]`` bool (what each query sees), ``span [N]`` bool (the keys that are slots
+        ``start:stop``)."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -37,8 +42,8 @@ class KV:
     keys: torch.Tensor
     values: torch.Tensor
     base_position: int = 0
-    #: Set on a prompt assembled in parallel (APE): every later token reads slots start:stop with its rule.
-    parallel: ParallelContext | None = None
+    #: Set by a method's placement: every later token reads slots ``start:stop`` through this rule.
+    read_rule: ReadRule | None = None
 
     def __post_init__(self) -> None:
         if self.keys.shape != self.values.shape or self.keys.dim() != 4:
@@ -74,7 +79,7 @@ class KV:
         keys, values = self.keys.to(device=device, dtype=dtype), self.values.to(device=device, dtype=dtype)
         if keys is self.keys and values is self.values:
             return self
-        return KV(keys, values, self.base_position, self.parallel)
+        return replace(self, keys=keys, values=values)
 
     def moved_to(self, new_base: int, inv_freq: torch.Tensor) -> KV:
         """This segment re-positioned to start at ``new_base`` (keys rotated, values shared)."""
@@ -100,32 +105,24 @@ class KV:
         )
 
 
-def parallel_shift(chunks: Sequence[KV]) -> int:
-    """How far a parallel layout rotates every key forward: the chunks' total length minus the longest.
-
-    In APE's layout every chunk starts right after ``S`` and the question comes after the longest
-    chunk; the cache still stores the chunks one after another (slot = bookkeeping position, so
-    the visibility rule, decoding and teacher forcing need nothing new). Rotating ``S`` and every
-    chunk forward by this shift puts the question, at slot ``len(S) + sum``, exactly as far from
-    each key as APE puts it (RoPE scores depend only on the distance)."""
-    return sum(len(c) for c in chunks) - max((len(c) for c in chunks), default=0)
-
-
-def _layout(prefix: KV, chunks: Sequence[KV], parallel: bool = False) -> tuple[list[tuple[int, int]], list[int]]:
-    """Each chunk's ``(start, stop)`` span after ``prefix`` and the positions it moves by to get there
-    (``parallel``: every chunk to the same position, see :func:`parallel_shift`)."""
+def _layout(prefix: KV, chunks: Sequence[KV]) -> tuple[list[tuple[int, int]], list[int]]:
+    """Each chunk's ``(start, stop)`` span after ``prefix`` and the positions it moves by to get there."""
     spans, deltas = [], []
     pos = prefix.base_position + len(prefix)
-    parallel_at = pos + parallel_shift(chunks)
     for chunk in chunks:
         spans.append((pos - prefix.base_position, pos - prefix.base_position + len(chunk)))
-        deltas.append((parallel_at if parallel else pos) - chunk.base_position)
+        deltas.append(pos - chunk.base_position)
         pos += len(chunk)
     return spans, deltas
 
 
+#: A method's own layout of a prompt's chunks: called as :func:`assemble` is, returns what it returns (the
+#: prompt's KV, maybe carrying a :class:`ReadRule`, and each chunk's span); see ``online.methods.register_placement``.
+Placement = Callable[..., tuple[KV, list[tuple[int, int]]]]
+
+
 def assemble(prefix: KV, chunks: Sequence[KV], inv_freq: torch.Tensor, device: torch.device | str | None = None,
-             dtype: torch.dtype = torch.float32, parallel: bool = False) -> tuple[KV, list[tuple[int, int]]]:
+             dtype: torch.dtype = torch.float32) -> tuple[KV, list[tuple[int, int]]]:
     """``prefix + chunk_1 + ... + chunk_k`` at consecutive positions (TurboRAG "reordered").
 
     The chunks move to ``device`` as stored (fp16, or int8 entries dequantised to fp16, travel small)
@@ -136,15 +133,11 @@ def assemble(prefix: KV, chunks: Sequence[KV], inv_freq: torch.Tensor, device: t
     :func:`assemble_per_chunk`, in a few ops per layer instead of a dozen per chunk. Returns the
     assembled KV and each chunk's ``(start, stop)`` token span within it.
 
-    ``parallel`` (APE): every chunk at the same positions after ``S``, the keys of ``S`` and the
-    chunks rotated forward by :func:`parallel_shift`; spans and slots are as without it.
+    Each chunk's rotation is its target position minus its ``base_position``: a caller placing chunks
+    elsewhere (a method's own placement) can relabel a chunk's base (no copy) to move it anywhere.
     """
-    head = prefix.to(device=device).to(torch.float32)
-    if parallel:
-        head = head.moved_to(prefix.base_position + parallel_shift(chunks), inv_freq)
-        head = KV(head.keys, head.values, prefix.base_position)
-    head = head.to(dtype)
-    spans, deltas = _layout(prefix, chunks, parallel)
+    head = prefix.to(device=device).to(torch.float32).to(dtype)
+    spans, deltas = _layout(prefix, chunks)
     if not chunks:
         return KV.concat([head]), spans  # a new tensor, as with chunks: the prefix may be shared
     dev = head.keys.device

@@ -27,7 +27,7 @@ import json
 import os
 import re
 import stat
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -131,7 +131,7 @@ class KVEntry:
             return self
         keys, values = dequantize_kv({"keys": self.kv.keys, "values": self.kv.values,
                                       "key_scales": self.scales[0], "value_scales": self.scales[1]})
-        return KVEntry(KV(keys, values, self.kv.base_position, self.kv.parallel), self.scores, self.metadata)
+        return KVEntry(replace(self.kv, keys=keys, values=values), self.scores, self.metadata)
 
     @property
     def extra(self) -> dict[str, Any]:

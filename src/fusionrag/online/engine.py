@@ -226,10 +226,10 @@ class Engine:
         if method == "full":
             kv_kind, ratio = "none", 1.0
 
-        fallbacks, cached = 0, None
-        keys = [] if method_info(method).parallel is not None else \
+        fallbacks, cached, info = 0, None, method_info(method)
+        keys = [] if info.placement is not None else \
             context_keys(self.context_cache, self.prompt.system_token_ids, token_ids, method, ratio, kv_kind,
-                         self.lm.dtype)  # APE's parallel layout is read through its own rule: not cached
+                         self.lm.dtype)  # a method's own layout (maybe read through a rule) is not cached
         if keys:
             cached = self.context_cache.get(keys)
         if cached is not None:  # the same S + chunks computed before: only the question is prefilled
@@ -243,11 +243,10 @@ class Engine:
             pre = prefill_full(self.lm, self.prompt.system_token_ids, token_ids, question_token_ids)
         else:
             entries, fallbacks = self.loader.load(chunk_ids, passages, token_ids, kv_kind)
-            parallel = method_info(method).parallel  # APE: side by side, read through its rule
             ctx, ctx_ids, spans = assemble_context(self.lm, self.system_kv, [e.kv for e in entries],
-                                                   self.prompt.system_token_ids, token_ids, parallel)
+                                                   self.prompt.system_token_ids, token_ids, info.placement)
             clock.lap("load")
-            if method == "reuse" or parallel is not None:
+            if info.recomputes_nothing:
                 idx = None
             else:
                 scores = self.loader.cachecraft_scores(chunk_ids, entries, kv_kind) if method == "cachecraft" else []

@@ -1,8 +1,8 @@
 """The reuse methods a request can name, one registry for every door (CLI, server, Python, bench).
 
-A method is ``full`` (Full Attention), ``reuse`` (Full Reuse), a parallel placement (``ape``: no
-recompute, the chunks side by side after ``S`` and read through APE's attention rule) or a
-selection policy. Each
+A method is ``full`` (Full Attention), ``reuse`` (Full Reuse), a selection policy, or a placement
+(:func:`register_placement`: the chunks laid out by the method's own function instead of
+:func:`~fusionrag.kvcache.kv.assemble`, nothing recomputed). Each
 policy has a default KV kind, the stored KV it reuses unless a request says otherwise, so
 ``fusionrag`` means the same thing in ``ask``, ``serve``, :class:`~fusionrag.Engine` and
 ``bench``: query-guided selection on fused KV with the prompt's first chunk plain
@@ -10,8 +10,9 @@ policy has a default KV kind, the stored KV it reuses unless a request says othe
 measured closer to Full Attention: ``docs/decisions/``).
 
 The product offers ``full``, ``reuse``, ``fusionrag`` and the published baselines
-(``cacheblend``, ``cachecraft``, ``epic``, ``prophetkv``, ``ape``). Research variants (other scorings, controls)
-register themselves with :func:`register_policy` from outside the package (``studies/``);
+(``cacheblend``, ``cachecraft``, ``epic``, ``prophetkv``). Research variants (other scorings, controls, other
+placements) register themselves with :func:`register_policy` / :func:`register_placement` from outside the
+package (``studies/``);
 they are usable through the Python API and ``bench quality`` once registered, and never
 shown by the product's CLI or server.
 """
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 from typing import Literal, get_args
 
 from fusionrag.errors import FusionRAGError
+from fusionrag.kvcache.kv import Placement
 from fusionrag.online.policies import CacheBlend, CacheCraft, Epic, Policy, ProphetKV, QueryGuided
 
 #: Stored KV a request can reuse: plain (each chunk after ``S`` alone), fused (after its nearest
@@ -37,16 +39,30 @@ class MethodInfo:
     """What a method name means: how to build its policy and which KV it reuses by default."""
 
     name: str
-    factory: Callable[[], Policy] | None  # None: full / reuse (no selection)
+    factory: Callable[[], Policy] | None  # None: full / reuse / auto / a placement (no selection)
     kv: str  # default KV kind ("none" for Full Attention)
     kind: Kind
     reads_stored_scores: bool = False  # Cache-Craft: scores recorded with the fused KV
     description: str = ""
-    #: APE's (temperature, scale): the chunks placed in parallel and read through its rule (no selection).
-    parallel: tuple[float, float] | None = None
+    #: Lays the chunks out instead of ``assemble`` (called as it is); no selection (see :func:`register_placement`).
+    placement: Placement | None = None
+
+    @property
+    def recomputes_nothing(self) -> bool:
+        """Full Reuse and a placement: ratio 0 whatever a request says."""
+        return self.name == "reuse" or self.placement is not None
 
 
 _REGISTRY: dict[str, MethodInfo] = {}
+
+
+def _register(info: MethodInfo) -> MethodInfo:
+    if info.kv not in KV_KINDS:
+        raise FusionRAGError(f"kv must be one of {', '.join(KV_KINDS)}, got {info.kv!r}")
+    if info.name in ("full", "reuse", "auto"):
+        raise FusionRAGError(f"'{info.name}' is built in and cannot be replaced")
+    _REGISTRY[info.name] = info
+    return info
 
 
 def register_policy(name: str, factory: Callable[[], Policy], *, kv: str = "plain", kind: Kind = "study",
@@ -55,26 +71,20 @@ def register_policy(name: str, factory: Callable[[], Policy], *, kv: str = "plai
 
     ``factory()`` returns a fresh policy (an object with ``scores(SelectionInput)``); ``kv`` is the
     KV kind it reuses by default. Registering a name again replaces it (a study re-run in one process)."""
-    if kv not in KV_KINDS:
-        raise FusionRAGError(f"kv must be one of {', '.join(KV_KINDS)}, got {kv!r}")
-    if name in ("full", "reuse", "auto"):
-        raise FusionRAGError(f"'{name}' is not a selection policy and cannot be replaced")
-    info = MethodInfo(name, factory, kv, kind, reads_stored_scores, description)
-    _REGISTRY[name] = info
-    return info
+    return _register(MethodInfo(name, factory, kv, kind, reads_stored_scores, description))
 
 
-def register_parallel(name: str, temperature: float, scale: float, *, kv: str = "plain", kind: Kind = "study",
-                      description: str = "") -> MethodInfo:
-    """Make ``name`` an APE-style method: no recompute, every chunk at the same positions after ``S``,
-    later tokens reading them with ``temperature`` and ``scale`` (:class:`~fusionrag.kvcache.kv.ParallelContext`)."""
-    if kv not in KV_KINDS:
-        raise FusionRAGError(f"kv must be one of {', '.join(KV_KINDS)}, got {kv!r}")
-    if not (0 < temperature <= 4 and 0 < scale <= 4):
-        raise FusionRAGError(f"APE's temperature and scale must lie in (0, 4], got {temperature}, {scale}")
-    info = MethodInfo(name, None, kv, kind, description=description, parallel=(float(temperature), float(scale)))
-    _REGISTRY[name] = info
-    return info
+def register_placement(name: str, placement: Placement, *, kv: str = "plain", kind: Kind = "study",
+                       description: str = "") -> MethodInfo:
+    """Make ``name`` a method that lays a prompt's chunks out with ``placement`` and recomputes nothing.
+
+    ``placement(prefix, chunks, inv_freq, device=, dtype=)`` is called as
+    :func:`~fusionrag.kvcache.kv.assemble` is and returns what it returns: the prompt's ``S`` + chunks KV
+    (slot ``i`` = the ``i``-th token, whatever position its keys were rotated to) and each chunk's span.
+    The KV may carry a :class:`~fusionrag.kvcache.kv.ReadRule`: every later token of the prompt (the
+    question, teacher forcing, decoding) then reads it through that rule. Such a context is read as
+    stored (ratio 0) and is not kept by the whole-context cache. Registering a name again replaces it."""
+    return _register(MethodInfo(name, None, kv, kind, description=description, placement=placement))
 
 
 _REGISTRY["full"] = MethodInfo("full", None, "none", "product", description="Full Attention (recompute everything)")
@@ -91,9 +101,6 @@ register_policy("cachecraft", CacheCraft, kind="baseline", reads_stored_scores=T
 register_policy("epic", Epic, kind="baseline", description="baseline: EPIC (each chunk's first tokens)")
 register_policy("prophetkv", ProphetKV, kind="baseline",
                 description="baseline: ProphetKV (the question's attention over the context, every layer)")
-#: APE's released default (its README and demo: temperature 0.9, scale 0.9); the paper tunes both per task.
-register_parallel("ape", 0.9, 0.9, kind="baseline",
-                  description="baseline: APE (chunks in parallel, attention temperature and scale, no recompute)")
 
 
 def method_info(name: str) -> MethodInfo:
@@ -118,7 +125,7 @@ def all_methods() -> list[str]:
 def make_policy(method: str) -> Policy:
     """A fresh policy object for a selection method."""
     info = method_info(method)
-    if info.factory is None or info.parallel is not None:
+    if info.factory is None:
         raise FusionRAGError(f"'{method}' selects nothing (it is not a selection policy)")
     return info.factory()
 

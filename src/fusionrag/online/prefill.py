@@ -17,7 +17,7 @@ import torch
 
 from fusionrag.execution.forward import prefill
 from fusionrag.execution.recompute import sparse_recompute
-from fusionrag.kvcache.kv import KV, ParallelContext, assemble
+from fusionrag.kvcache.kv import KV, Placement, assemble
 from fusionrag.models.registry import LoadedModel
 
 
@@ -56,22 +56,18 @@ def prefill_full(
 
 def assemble_context(
     lm: LoadedModel, system_kv: KV, chunk_kvs: Sequence[KV], system_token_ids: Sequence[int],
-    chunk_token_ids: Sequence[Sequence[int]], parallel: tuple[float, float] | None = None,
+    chunk_token_ids: Sequence[Sequence[int]], placement: Placement | None = None,
 ) -> tuple[KV, torch.Tensor, list[tuple[int, int]]]:
     """``S`` + chunks at consecutive positions, the matching token ids, and chunk spans.
 
     Stored KV (CPU, fp16/int8/fp32) moves to the model's device here, is rotated there in
     fp32 math and cast to the compute dtype once, so the passes get KV ready to use.
-    ``parallel`` (APE's temperature and scale): every chunk at the positions right after ``S``
-    instead, the returned KV carrying the rule later tokens read it with."""
+    ``placement`` (a method's own layout, called as :func:`~fusionrag.kvcache.kv.assemble` is) lays the
+    chunks out instead; the KV it returns may carry the read rule later tokens read it with."""
     for kv, ids in zip(chunk_kvs, chunk_token_ids, strict=True):
         if len(kv) != len(ids):
             raise ValueError(f"chunk KV has {len(kv)} tokens but its ids have {len(ids)}")
-    context, spans = assemble(system_kv, chunk_kvs, lm.inv_freq, device=lm.device, dtype=lm.dtype,
-                              parallel=parallel is not None)
-    if parallel is not None and spans:
-        rule = ParallelContext(spans[0][0], spans[-1][1], *parallel)
-        context = KV(context.keys, context.values, context.base_position, rule)
+    context, spans = (placement or assemble)(system_kv, chunk_kvs, lm.inv_freq, device=lm.device, dtype=lm.dtype)
     ids = torch.tensor([*system_token_ids, *(t for c in chunk_token_ids for t in c)], dtype=torch.long)
     return context, ids, spans
 

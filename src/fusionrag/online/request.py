@@ -88,7 +88,7 @@ class ReuseRequest:
         ratio = check_ratio(self.ratio)
         if info.name == "full":
             ratio = 1.0
-        elif info.name == "reuse" or info.parallel is not None:  # APE recomputes nothing
+        elif info.recomputes_nothing:
             ratio = 0.0
         kv = self.kv if self.kv is not None else info.kv
         if info.name != "full" and kv not in KV_KINDS:

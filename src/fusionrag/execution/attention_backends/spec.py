@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fusionrag.kvcache.kv import ParallelContext
+from fusionrag.kvcache.kv import ReadRule
 
 
 @dataclass(frozen=True)
@@ -18,8 +18,8 @@ class SparseQuery:
     past_len: int
     stale: torch.Tensor | None = None  # [past_len] bool, on the compute device
     memo: dict = field(default_factory=dict, compare=False)  # per-pass precomputation of a backend
-    #: The past is a prompt with chunks placed in parallel (APE): read through its rule, whatever the backend.
-    parallel: ParallelContext | None = None
+    #: The past is a prompt whose KV carries a read rule: read through it, whatever the backend (``ruled``).
+    read_rule: ReadRule | None = None
 
     def __post_init__(self) -> None:
         if self.positions.dim() != 1 or self.positions.numel() == 0:

@@ -1,20 +1,23 @@
-"""APE (parallel placement + its attention rule): the rule against its three-part definition, the layout
-against computing at APE's positions, T = S = 1 with one chunk against Full Attention, and every reader
-of the prompt (the question's pass, teacher forcing, the shared decoder) applying the same rule."""
+"""APE, the plugin (studies/peers/ape.py: a placement and a read rule through the engine's generic hooks):
+the rule against its three-part definition, the layout against computing at APE's positions, T = S = 1
+with one chunk against Full Attention, and every reader of the prompt (the question's pass, teacher
+forcing, the shared decoder) applying the same rule."""
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
+from studies.peers.ape import ApeRule, parallel_shift, place, register_ape
 
-from fusionrag.execution.attention_backends.parallel import parallel_attention
 from fusionrag.execution.decoder import BatchDecoder
 from fusionrag.execution.forward import to_dynamic_cache
 from fusionrag.execution.generate import greedy_tokens
 from fusionrag.execution.recompute import sparse_recompute
 from fusionrag.execution.teacher_forcing import continuation_logprobs
-from fusionrag.kvcache.kv import KV, ParallelContext, parallel_shift
-from fusionrag.online.methods import method_info, methods, register_parallel
+from fusionrag.kvcache.kv import KV
+from fusionrag.online.methods import all_methods, method_info, methods
 from fusionrag.online.prefill import assemble_context, prefill_full, prefill_reused
 from fusionrag.online.request import ReuseRequest
 from policy_helpers import selection_setup
@@ -46,8 +49,7 @@ def test_rule_equals_its_three_part_definition(temperature, scale):
     context[3:16] = True
     allowed = torch.ones(4, 20, dtype=torch.bool)
     allowed[:, 16:] = torch.tril(torch.ones(4, 4, dtype=torch.bool))  # the queries' own keys, causal
-    rule = ParallelContext(3, 16, temperature, scale)
-    got = parallel_attention(q, k, v, allowed, context, rule, 0.35)
+    got = ApeRule(3, 16, temperature, scale).attend(q, k, v, allowed, context, 0.35)
     torch.testing.assert_close(got, _three_part(q, k, v, allowed, context, temperature, scale, 0.35),
                                atol=1e-5, rtol=1e-5)
     if temperature == scale == 1.0:  # plain softmax attention
@@ -61,14 +63,15 @@ def _parallel_prompt(lm, lengths=(40, 29, 35), rule=(1.0, 1.0)):
     kvs = [inp.context.slice(a, b) for a, b in inp.spans]  # the chunks' KV at consecutive positions
     kvs = [kv.moved_to(len(system), lm.inv_freq) for kv in kvs]  # as stored: each right after S
     s_kv = inp.context.slice(0, len(system))
-    ctx, ids, spans = assemble_context(lm, s_kv, kvs, system, chunks, parallel=rule)
+    ctx, ids, spans = assemble_context(lm, s_kv, kvs, system, chunks,
+                                       partial(place, temperature=rule[0], scale=rule[1]))
     return system, chunks, question, kvs, s_kv, ctx, ids, spans
 
 
 def test_layout_equals_computing_at_apes_positions(tiny_lm):
     """T = S = 1: the question over S at 0.., every chunk at len(S).., itself after the longest chunk."""
     system, chunks, question, kvs, s_kv, ctx, ids, spans = _parallel_prompt(tiny_lm)
-    assert ctx.parallel == ParallelContext(len(system), spans[-1][1], 1.0, 1.0)
+    assert ctx.read_rule == ApeRule(len(system), spans[-1][1], 1.0, 1.0)
     assert parallel_shift(kvs) == sum(map(len, chunks)) - max(map(len, chunks))
     got = prefill_reused(tiny_lm, ctx, ids, spans, question)
     # Reference: the model's eager path over the stored KV as is (S at 0, each chunk at len(S)), the
@@ -99,7 +102,7 @@ def test_one_chunk_with_t_s_one_is_full_attention(tiny_lm):
 def test_teacher_forcing_and_the_shared_decoder_read_the_same_rule(tiny_lm):
     *_, question, _kvs, _s, ctx, ids, spans = _parallel_prompt(tiny_lm, rule=(0.7, 0.8))
     pre = prefill_reused(tiny_lm, ctx, ids, spans, question)
-    assert pre.kv.parallel == ctx.parallel  # the prompt KV carries its rule to every later reader
+    assert pre.kv.read_rule == ctx.read_rule  # the prompt KV carries its rule to every later reader
     answer = list(greedy_tokens(tiny_lm, pre.kv, pre.last_logits, 6, stop_ids=[]))
     forced = continuation_logprobs(tiny_lm, pre.kv, pre.last_logits, answer)
     assert answer == [int(t) for t in forced[:-1].argmax(-1)]  # the decoder's choices are teacher forcing's
@@ -126,11 +129,15 @@ def test_teacher_forcing_and_the_shared_decoder_read_the_same_rule(tiny_lm):
             tok_p = int(other.last_logits.argmax())
 
 
-def test_ape_is_a_baseline_that_recomputes_nothing(tiny_llama):
-    assert "ape" in methods() and method_info("ape").parallel == (0.9, 0.9)
+def test_ape_is_a_study_method_that_recomputes_nothing(tiny_llama):
+    info = method_info("ape")  # registered by importing the plugin; the product never lists it
+    assert "ape" in all_methods() and "ape" not in methods() and info.recomputes_nothing
+    assert info.placement.keywords == {"temperature": 0.9, "scale": 0.9}
     assert ReuseRequest("q", "ape", ratio=0.5).validated().ratio == 0.0
     *_, question, _kvs, _s, ctx, ids, _spans = _parallel_prompt(tiny_llama)
-    with pytest.raises(ValueError, match="parallel"):
+    with pytest.raises(ValueError, match="read as stored"):
         sparse_recompute(tiny_llama, ctx, ids, torch.tensor([50, 51]), torch.tensor(question))
-    info = register_parallel("ape-test", 0.5, 1.0)
+    info = register_ape("ape-test", 0.5, 1.0)
     assert info.kind == "study" and "ape-test" not in methods()
+    with pytest.raises(Exception, match=r"\(0, 4\]"):
+        register_ape("ape-bad", 0.0, 1.0)
