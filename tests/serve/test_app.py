@@ -248,14 +248,14 @@ def test_engine_errors_never_crash_the_server(app, client, monkeypatch):
     def user_error(*a, **k):
         raise FusionRAGError("the knowledge store is empty")
 
-    monkeypatch.setattr(engine, "prepare", user_error)
+    monkeypatch.setattr(engine, "prepare_pieces", user_error)
     err = error_of(client.post("/v1/chat/completions", json={"messages": USER}), 400, "invalid_request")
     assert "empty" in err["message"]
 
     def bug(*a, **k):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(engine, "prepare", bug)
+    monkeypatch.setattr(engine, "prepare_pieces", bug)
     error_of(client.post("/v1/chat/completions", json={"messages": USER}), 500, "internal_error")
     r = client.post("/v1/chat/completions", json={"messages": USER, "stream": True})
     error_of(r, 500, "internal_error")  # a stream that fails before its first token is a plain JSON error

@@ -18,10 +18,10 @@ rule itself. The ``reference`` backend is the old path (a dense additive float m
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from transformers import DynamicCache
@@ -31,6 +31,8 @@ from fusionrag.execution.attention_backends import AttentionBackend, SparseQuery
 from fusionrag.execution.masks import additive_mask, visibility  # noqa: F401  (re-exported)
 from fusionrag.kvcache.kv import KV
 from fusionrag.models.registry import LoadedModel
+
+T = TypeVar("T")
 
 
 def to_dynamic_cache(kv: KV | None) -> DynamicCache:
@@ -145,7 +147,8 @@ def in_place_available(lm: LoadedModel) -> bool:
     return backend_of(lm).supports_in_place
 
 
-def forward_in_place(lm: LoadedModel, input_ids: torch.Tensor, positions: torch.Tensor, work: KV) -> torch.Tensor:
+def forward_in_place(lm: LoadedModel, input_ids: torch.Tensor, positions: torch.Tensor, work: KV,
+                     keep_logits: bool = True) -> torch.Tensor | None:
     """Run ``input_ids`` at ``positions`` over ``work``, writing their fresh KV into it; the last row's logits.
 
     ``work`` is the request's own KV (slot ``t`` at position ``work.base_position + t``), holding
@@ -155,7 +158,8 @@ def forward_in_place(lm: LoadedModel, input_ids: torch.Tensor, positions: torch.
     saves is the past + new concatenation, the stale columns and the final copy into the prompt
     KV (decision 050). The slots of ``positions`` inside the reused part are the stale ones. Only
     the last row's logits are needed, so the last layer runs its attention and MLP for that row
-    alone (:func:`_last_layer_on_last_row`).
+    alone (:func:`_last_layer_on_last_row`). Without ``keep_logits`` (a piece of a pass cut in pieces, whose
+    logits nobody reads) the pass ends once the last layer has written its KV: no attention, MLP or head there.
     """
     backend = backend_of(lm)
     attend = backend.attend_in_place
@@ -167,9 +171,44 @@ def forward_in_place(lm: LoadedModel, input_ids: torch.Tensor, positions: torch.
     spec = SparseQuery(positions, work.base_position, len(work))
     attention_hook.install(lm.model)
     cache = DynamicCache()
+    if not keep_logits:
+        with attention_hook.in_place_pass(work, spec, attend):
+            _call(lm, input_ids, positions, cache, 1, None, stop_at=lm.num_layers - 1)
+        return None
     with attention_hook.in_place_pass(work, spec, attend), _last_layer_on_last_row(lm):
         logits = _call(lm, input_ids, positions, cache, 1, None)
     return logits[-1]
+
+
+def run_pieces(pieces: Generator[None, None, T]) -> T:
+    """Run every piece of a pass cut in pieces (each ``next()`` runs one), back to back; the pass's result."""
+    while True:
+        try:
+            next(pieces)
+        except StopIteration as done:
+            return done.value
+
+
+def forward_in_place_pieces(lm: LoadedModel, input_ids: torch.Tensor, positions: torch.Tensor, work: KV,
+                            piece_tokens: int | None = None) -> Generator[None, None, torch.Tensor]:
+    """:func:`forward_in_place` cut into passes of at most ``piece_tokens`` tokens, in order (``None``: one pass).
+
+    Why it equals the whole pass: positions ascend, so every position a piece reads before its own
+    was written by this piece or an earlier one (every layer's KV, in place), and later ones are
+    never read (causal). Each piece but the last stops once the last layer has written its KV. A
+    scheduler runs decode steps between pieces, so a long prefill does not stall every stream; the
+    work slots a piece has not reached yet must hold finite values (zeros), as some backends read
+    a slot before masking it."""
+    input_ids, positions = _pass_inputs(lm, input_ids, positions)
+    n = input_ids.numel()
+    step = n if not piece_tokens or piece_tokens >= n else int(piece_tokens)
+    last = ((n - 1) // step) * step
+    for a in range(0, last, step):
+        forward_in_place(lm, input_ids[a:a + step], positions[a:a + step], work, keep_logits=False)
+        yield
+    logits = forward_in_place(lm, input_ids[last:], positions[last:], work)
+    assert logits is not None
+    return logits
 
 
 @contextmanager

@@ -18,11 +18,12 @@ Everything runs on the model's device, in its dtype; the returned prompt KV is t
 
 from __future__ import annotations
 
+from collections.abc import Generator
 from dataclasses import dataclass
 
 import torch
 
-from fusionrag.execution.forward import forward, forward_in_place, in_place_available
+from fusionrag.execution.forward import forward, forward_in_place_pieces, in_place_available, run_pieces
 from fusionrag.kvcache.kv import KV
 from fusionrag.models.registry import LoadedModel
 
@@ -42,6 +43,19 @@ def sparse_recompute(
     suffix_ids: torch.Tensor,
 ) -> RecomputeResult:
     """Recompute ``context`` tokens ``recompute_idx`` and append ``suffix_ids`` (see module doc)."""
+    return run_pieces(sparse_recompute_pieces(lm, context, context_ids, recompute_idx, suffix_ids))
+
+
+def sparse_recompute_pieces(
+    lm: LoadedModel,
+    context: KV,
+    context_ids: torch.Tensor,
+    recompute_idx: torch.Tensor,
+    suffix_ids: torch.Tensor,
+    piece_tokens: int | None = None,
+) -> Generator[None, None, RecomputeResult]:
+    """:func:`sparse_recompute` as passes of at most ``piece_tokens`` tokens (where the backend writes in place;
+    otherwise one pass), each ``next()`` one of them (:func:`~fusionrag.execution.forward.forward_in_place_pieces`)."""
     if context.base_position != 0:
         raise ValueError("sparse_recompute expects an assembled context starting at position 0")
     total = len(context)
@@ -65,9 +79,11 @@ def sparse_recompute(
         # buffer: each layer writes its fresh KV over the stale slots and after the context (decision 050).
         work = KV(*(t.new_empty((*t.shape[:2], total + suffix_ids.numel(), t.shape[3]))
                     for t in (context.keys, context.values)), 0)
-        work.keys[:, :, :total] = context.keys
-        work.values[:, :, :total] = context.values
-        return RecomputeResult(work, forward_in_place(lm, ids, positions, work), r)
+        for buffer, reused in ((work.keys, context.keys), (work.values, context.values)):
+            buffer[:, :, :total] = reused
+            buffer[:, :, total:] = 0  # read (masked) by a piece before the question's piece writes it
+        logits = yield from forward_in_place_pieces(lm, ids, positions, work, piece_tokens)
+        return RecomputeResult(work, logits, r)
     stale = torch.zeros(total, dtype=torch.bool, device=device)
     stale[idx] = True
     res = forward(lm, ids, positions, context, past_hidden=stale)

@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from fusionrag.errors import CacheIntegrityError, FusionRAGError
+from fusionrag.execution.forward import run_pieces
 from fusionrag.execution.segments import system_kv as compute_system_kv
 from fusionrag.kvcache.context_cache import CachedContext, ContextCache, context_keys
 from fusionrag.kvcache.device_tier import kv_tiers
@@ -38,7 +39,7 @@ from fusionrag.models.registry import LoadedModel
 from fusionrag.online.kv_loading import ChunkKVLoader
 from fusionrag.online.methods import make_policy, method_info
 from fusionrag.online.policies import SelectionInput, select
-from fusionrag.online.prefill import assemble_context, prefill_full, prefill_reused
+from fusionrag.online.prefill import assemble_context, prefill_full_pieces, prefill_reused_pieces
 from fusionrag.online.request import DEFAULT_MAX_NEW_TOKENS, DEFAULT_TOP_K, ReuseRequest, resolved_kv
 from fusionrag.online.resolved import Resolved
 from fusionrag.online.sampling import SamplingParams
@@ -200,16 +201,28 @@ class Engine:
     def prepare(self, question: str | ReuseRequest | Request, method: str = "fusionrag", ratio: float = 0.15,
                 top_k: int | None = None, chunks: Sequence[dict] | None = None, kv: str | None = None,
                 preamble: str = "", retrieval: bool | None = None, resolved: Resolved | None = None) -> Request:
-        """Everything up to the first answer token, with the TTFT breakdown.
+        """Everything up to the first answer token (greedy), with the TTFT breakdown.
 
         Takes the :class:`Request` admitted at its door (filled in and returned), or a
         :class:`~fusionrag.online.request.ReuseRequest` or its fields (a request is made here). ``preamble`` (a system
         message, earlier turns: :func:`fusionrag.prompt.conversation_preamble`) goes into the question
         segment, after the reused passages; retrieval uses ``question`` alone. ``resolved``: the request's
-        passages found before (:meth:`prefetch`), used unless the store changed since."""
+        passages found before (:meth:`prefetch`), used unless the store changed since. The scheduler runs
+        :meth:`prepare_pieces` instead and picks the first token with the request's own sampling."""
         out = question if isinstance(question, Request) else Request(
             question if isinstance(question, ReuseRequest) else
             ReuseRequest(question, method, ratio, kv, top_k, chunks, preamble, retrieval))
+        run_pieces(self.prepare_pieces(out, resolved))
+        clock = self.clock()
+        out.first_token = int(torch.argmax(out.pre.last_logits))
+        out.picked_first(clock.total())
+        return out
+
+    def prepare_pieces(self, out: Request, resolved: Resolved | None = None,
+                       piece_tokens: int | None = None) -> Generator[None, None, Request]:
+        """:meth:`prepare` up to the first token's logits, as pieces: each ``next()`` runs one, the longest
+        being a forward of at most ``piece_tokens`` tokens (``None``: the prefill in one pass), so a
+        scheduler can decode other requests between them. Returns ``out``, prepared."""
         out.reuse = req = out.reuse.validated()
         question, ratio, kv_kind, preamble = req.question, req.ratio, str(req.kv), req.preamble
         clock = self.clock()
@@ -235,12 +248,14 @@ class Engine:
         if cached is not None:  # the same S + chunks computed before: only the question is prefilled
             clock.skip("load")
             clock.skip("select")
-            pre = prefill_reused(self.lm, cached.kv, cached.ids, cached.spans, question_token_ids)
+            pre = yield from prefill_reused_pieces(self.lm, cached.kv, cached.ids, cached.spans, question_token_ids,
+                                                   piece_tokens=piece_tokens)
             note = note or "context cache: this context's KV was computed by an earlier request"
         elif method == "full":
             clock.skip("load")
             clock.skip("select")
-            pre = prefill_full(self.lm, self.prompt.system_token_ids, token_ids, question_token_ids)
+            pre = yield from prefill_full_pieces(self.lm, self.prompt.system_token_ids, token_ids, question_token_ids,
+                                                 piece_tokens)
         else:
             entries, fallbacks = self.loader.load(chunk_ids, passages, token_ids, kv_kind)
             ctx, ctx_ids, spans = assemble_context(self.lm, self.system_kv, [e.kv for e in entries],
@@ -254,13 +269,12 @@ class Engine:
                                      chunk_scores=scores)
                 idx = select(make_policy(method), inp, float(ratio))
             clock.lap("select")
-            pre = prefill_reused(self.lm, ctx, ctx_ids, spans, question_token_ids, idx)
+            pre = yield from prefill_reused_pieces(self.lm, ctx, ctx_ids, spans, question_token_ids, idx,
+                                                   piece_tokens)
         if keys and cached is None:
             self.context_cache.put(keys[0], CachedContext.of(pre.kv, self.prompt.system_token_ids, token_ids,
                                                              pre.spans), chunk_ids)
         clock.lap("recompute")
-        first_token = int(torch.argmax(pre.last_logits))  # the greedy first token itself (part of TTFT)
-        clock.lap("first_token")
         timings = {**clock.stages, "total": clock.total()}
         pre.timings_ms["recompute"] = timings["recompute"]
         sources = [{"chunk_id": p.chunk_id, "title": p.title, "source": p.source, "score": score,
@@ -268,7 +282,7 @@ class Engine:
         out.pre, out.method, out.kv_kind, out.ratio = pre, method, kv_kind, float(ratio)
         out.chunk_ids, out.passages, out.chunk_token_ids, out.ttft_ms = chunk_ids, passages, token_ids, timings
         out.fused_fallbacks, out.sources, out.note = fallbacks, sources, note
-        out.context_cache_hit, out.first_token, out.status = cached is not None, first_token, Status.PREPARED
+        out.context_cache_hit, out.status = cached is not None, Status.PREPARED
         return out
 
     def resolve_method(self, method: str, context_tokens: int) -> tuple[str, str]:

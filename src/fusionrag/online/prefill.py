@@ -4,19 +4,20 @@
 - :func:`prefill_reused` — assemble ``S`` + stored chunk KVs at consecutive positions,
   then recompute the selected tokens and the question in one sparse pass. With no
   tokens selected this is Full Reuse; with all of them, Full Attention.
-Both return the prompt's KV and the logits for the first answer token, with timings.
+Both return the prompt's KV and the logits for the first answer token, with timings. Their ``_pieces``
+forms run the same pass cut in pieces of a token budget (a scheduler decodes other requests between them).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from fusionrag.execution.forward import prefill
-from fusionrag.execution.recompute import sparse_recompute
+from fusionrag.execution.forward import forward_in_place_pieces, in_place_available, prefill, run_pieces
+from fusionrag.execution.recompute import sparse_recompute_pieces
 from fusionrag.kvcache.kv import KV, Placement, assemble
 from fusionrag.models.registry import LoadedModel
 
@@ -43,15 +44,35 @@ def prefill_full(
     question_token_ids: Sequence[int],
 ) -> Prefilled:
     """Full Attention over ``S + chunks + Q`` (the quality reference)."""
+    return run_pieces(prefill_full_pieces(lm, system_token_ids, chunk_token_ids, question_token_ids))
+
+
+def prefill_full_pieces(
+    lm: LoadedModel, system_token_ids: Sequence[int], chunk_token_ids: Sequence[Sequence[int]],
+    question_token_ids: Sequence[int], piece_tokens: int | None = None,
+) -> Generator[None, None, Prefilled]:
+    """:func:`prefill_full` as passes of at most ``piece_tokens`` tokens, each ``next()`` one of them.
+
+    One pass (the model's own causal kernel) unless the prompt is longer than ``piece_tokens``
+    and the backend writes in place; then each piece writes its KV into the prompt's buffer and
+    reads the pieces before it (:func:`~fusionrag.execution.forward.forward_in_place_pieces`)."""
     t0 = time.perf_counter()
-    ids = [*system_token_ids, *(t for c in chunk_token_ids for t in c), *question_token_ids]
-    kv, logits = prefill(lm, torch.tensor(ids))
+    ids = torch.tensor([*system_token_ids, *(t for c in chunk_token_ids for t in c), *question_token_ids])
+    if piece_tokens and len(ids) > piece_tokens and in_place_available(lm):
+        shape = lm.adapter.empty_kv_shape(lm.num_layers)
+        shape = (*shape[:2], len(ids), shape[3])
+        kv = KV(torch.zeros(shape, dtype=lm.dtype, device=lm.device),
+                torch.zeros(shape, dtype=lm.dtype, device=lm.device), 0)
+        last = yield from forward_in_place_pieces(lm, ids, torch.arange(len(ids)), kv, piece_tokens)
+    else:
+        kv, logits = prefill(lm, ids)
+        last = logits[-1]
     spans, pos = [], len(system_token_ids)
     for c in chunk_token_ids:
         spans.append((pos, pos + len(c)))
         pos += len(c)
     n_ctx = sum(len(c) for c in chunk_token_ids)
-    return Prefilled(kv, logits[-1], n_ctx, n_ctx, {"recompute": _ms(t0)}, spans=spans)
+    return Prefilled(kv, last, n_ctx, n_ctx, {"recompute": _ms(t0)}, spans=spans)
 
 
 def assemble_context(
@@ -81,9 +102,23 @@ def prefill_reused(
     recompute_idx: torch.Tensor | None = None,
 ) -> Prefilled:
     """Sparse-recompute ``recompute_idx`` (indices into ``context``) and prefill the question."""
+    return run_pieces(prefill_reused_pieces(lm, context, context_ids, spans, question_token_ids, recompute_idx))
+
+
+def prefill_reused_pieces(
+    lm: LoadedModel,
+    context: KV,
+    context_ids: torch.Tensor,
+    spans: list[tuple[int, int]],
+    question_token_ids: Sequence[int],
+    recompute_idx: torch.Tensor | None = None,
+    piece_tokens: int | None = None,
+) -> Generator[None, None, Prefilled]:
+    """:func:`prefill_reused` as passes of at most ``piece_tokens`` tokens, each ``next()`` one of them."""
     t0 = time.perf_counter()
     idx = torch.empty(0, dtype=torch.long) if recompute_idx is None else recompute_idx
-    res = sparse_recompute(lm, context, context_ids, idx, torch.tensor(list(question_token_ids)))
+    res = yield from sparse_recompute_pieces(lm, context, context_ids, idx, torch.tensor(list(question_token_ids)),
+                                             piece_tokens)
     n_ctx = sum(b - a for a, b in spans)
     return Prefilled(res.kv, res.last_logits, n_ctx, res.recomputed, {"recompute": _ms(t0)},
                      selected=idx, spans=spans)

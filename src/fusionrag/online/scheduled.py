@@ -35,6 +35,7 @@ Listener = Callable[[Event], None]
 @dataclass
 class SchedulerStats:
     prefills: int = 0
+    prefill_pieces: int = 0  # passes prefills ran in (more than prefills: long prompts cut to the step budget)
     decode_steps: int = 0
     decode_rows: int = 0  # sum of batch sizes over steps (tokens decoded by batched forwards)
     max_batch_seen: int = 0

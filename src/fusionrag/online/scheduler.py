@@ -4,7 +4,11 @@ Continuous batching: concurrent requests decode together, one forward per step f
 decoding one token is a forward of a single token, dominated by reading the weights (and on CPU by
 per-call overhead); B requests decoding in one forward of B tokens cost
 little more than one, so throughput grows with concurrency. Prefill stays per request
-(its shape and KV-reuse path differ per method) and runs between decode steps.
+(its shape and KV-reuse path differ per method) and runs between decode steps, within a token
+budget per step (``step_tokens``, vLLM's ``max_num_batched_tokens``): while other requests decode, a
+prefill runs in pieces of at most the budget minus the decoding rows, one piece per decode step, so a
+long prompt arriving delays each stream's next token by one piece instead of its whole prefill
+(``benchmarks/scheduler``). With nothing decoding, a prefill runs in one pass: nobody waits on it.
 
 How (see :class:`BatchScheduler`): one *model thread* owns the engine. It admits waiting
 requests by running ``engine.prepare`` (everything up to the first token), then runs
@@ -29,7 +33,7 @@ import collections
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -46,19 +50,27 @@ from fusionrag.online.state import Request, Status
 
 log = logging.getLogger(__name__)
 
+#: Tokens one step computes by default: the decoding rows plus a piece of a prefill. On one CPU thread a
+#: 512-token piece of qwen2.5-0.5b takes ~2-4 s, against ~70 s for a whole 8K prefill (benchmarks/scheduler).
+DEFAULT_STEP_TOKENS = 512
+#: The smallest piece a prefill is cut into, however many rows decode (below it, per-pass overhead dominates).
+MIN_PIECE_TOKENS = 64
+
 
 class BatchScheduler:
     """The model thread: prefill admitted requests, then decode all active requests together.
 
-    ``engine`` is an :class:`~fusionrag.online.engine.Engine` (or anything with its surface:
-    ``lm``, ``lock``, ``prepare``, ``finish``, ``prefetch``, ``prompt_tokens``) or a zero-argument factory that
-    builds one; a factory runs on the model thread (so a store whose SQLite connection is
+    ``engine`` is an :class:`~fusionrag.online.engine.Engine` (or anything with its surface: ``lm``,
+    ``lock``, ``clock``, ``prepare_pieces``, ``finish``, ``prefetch``, ``prompt_tokens``) or a zero-argument factory
+    that builds one; a factory runs on the model thread (so a store whose SQLite connection is
     bound to its creating thread works), and :meth:`wait_ready` reports a failure to load.
 
     ``max_batch`` bounds the rows of a decode step; ``max_queue`` bounds requests waiting for
     prefill (:class:`QueueFullError` beyond it); ``max_prompt_tokens`` refuses longer prompts
     (:class:`PromptTooLongError`); ``prefills_per_step`` bounds how many waiting requests are
-    prefilled between two decode steps (more: lower TTFT under load; fewer: steadier decode).
+    prefilled between two decode steps (more: lower TTFT under load; fewer: steadier decode);
+    ``step_tokens`` is the tokens one step computes, decode rows plus a prefill's piece (``None``: a
+    whole prefill between two decode steps).
     """
 
     def __init__(
@@ -70,18 +82,22 @@ class BatchScheduler:
         prefills_per_step: int | None = None,
         stop_ids: list[int] | None = None,
         autostart: bool = True,
+        step_tokens: int | None = DEFAULT_STEP_TOKENS,
     ) -> None:
         if max_batch < 1:
             raise ValueError("max_batch must be >= 1")
+        if step_tokens is not None and step_tokens < 1:
+            raise ValueError("step_tokens must be >= 1 (or None: no budget)")
         if max_queue < 0:
             raise ValueError("max_queue must be >= 0")
-        self._factory: Callable[[], Any] | None = engine if callable(engine) and not hasattr(engine, "prepare") \
+        self._factory: Callable[[], Any] | None = engine if callable(engine) and not hasattr(engine, "prepare_pieces") \
             else None
         self.engine: Any = None if self._factory is not None else engine
         self.max_batch = int(max_batch)
         self.max_queue = int(max_queue)
         self.max_prompt_tokens = max_prompt_tokens
         self.prefills_per_step = int(prefills_per_step or max_batch)
+        self.step_tokens = step_tokens
         self._stop_override = stop_ids
         self.stop_ids: set[int] = set()
         self.load_error: BaseException | None = None
@@ -98,6 +114,7 @@ class BatchScheduler:
         # batch state (model thread only)
         self._rows: dict[str, Request] = {}  # decoding, by request id (the decoder's row keys)
         self._joining: list[Request] = []
+        self._prefilling: tuple[Request, Generator[None, None, Request]] | None = None  # a prefill in pieces
         self._decoder: BatchDecoder | None = None
         if autostart:
             self.start()
@@ -214,7 +231,9 @@ class BatchScheduler:
         with torch.no_grad():
             self._prefill(req)
             yield from drained(events)
-            while self._rows or self._joining:
+            while self._prefilling or self._rows or self._joining:
+                if self._prefilling:
+                    self._advance()
                 self._step()
                 yield from drained(events)
 
@@ -240,21 +259,30 @@ class BatchScheduler:
                 return
             while True:
                 with self._cond:
-                    while not (self._closed or self._pending or self._tasks or self._rows or self._joining):
+                    while not (self._closed or self._pending or self._tasks or self._rows or self._joining
+                               or self._prefilling):
                         self._idle = True
                         self._cond.wait()
                     self._idle, self._beat = False, time.monotonic()
                     if self._closed:
                         break
-                    task = self._tasks.popleft() if self._tasks else None
-                    n = min(self.max_batch - self.active, self.prefills_per_step, len(self._pending))
+                    # A task waits for a prefill in pieces to end (it may change the store under it).
+                    task = self._tasks.popleft() if self._tasks and self._prefilling is None else None
+                    n = 0 if self._prefilling else min(self.max_batch - self.active, self.prefills_per_step,
+                                                       len(self._pending))
                     admitted = [self._pending.popleft() for _ in range(max(0, n))]
                 if task is not None:
                     self._run_task(task)
                     self._beat = time.monotonic()
-                for req in admitted:
+                if self._prefilling:
+                    self._advance()
+                for i, req in enumerate(admitted):
                     self._prefill(req)
                     self._beat = time.monotonic()
+                    if self._prefilling:  # it runs in pieces: the others wait for it, first in line
+                        with self._cond:
+                            self._pending.extendleft(reversed(admitted[i + 1:]))
+                        break
                 if self._rows or self._joining:
                     try:
                         self._step()
@@ -269,6 +297,10 @@ class BatchScheduler:
         with self._cond:
             pending, self._pending = list(self._pending), collections.deque()
             tasks, self._tasks = list(self._tasks), collections.deque()
+        if self._prefilling:
+            pending.append(self._prefilling[0])
+            self._prefilling[1].close()
+            self._prefilling = None
         for req in [*pending, *self._rows.values(), *self._joining]:
             self._fail(req, exc)
         for task in tasks:
@@ -319,12 +351,16 @@ class BatchScheduler:
 
     def _emit_token(self, req: Request, logits: torch.Tensor) -> bool:
         """Pick the request's next token from ``logits`` and emit it; False once the request has finished."""
+        clock = self.engine.clock() if req.first_token < 0 else None  # picking the first token: TTFT's last stage
         try:
             picked = req.sampler.pick(logits)
         except Exception as exc:  # this request's sampling, not the batch, failed
             log.warning("sampling failed for request %s", req.id, exc_info=True)
             self._fail(req, exc)
             return False
+        if clock is not None:
+            req.first_token = picked.token
+            req.picked_first(clock.total())
         if picked.token in self.stop_ids:
             self._finish(req, "stop")
             return False
@@ -348,6 +384,8 @@ class BatchScheduler:
         return True
 
     def _prefill(self, req: Request) -> None:
+        """Start ``req``'s prefill: in one pass when nothing decodes (nobody waits on it), else in pieces of
+        the step's token budget left by the decoding rows, one piece per decode step (:meth:`_advance`)."""
         req.prefill_started_at = time.perf_counter()
         if req.cancelled:
             self._fail(req, RequestCancelledError("cancelled before prefill"))
@@ -358,17 +396,49 @@ class BatchScheduler:
             resolved = req.prefetched()
             if self.max_prompt_tokens:
                 resolved = check_prompt_length(self.engine, reuse, resolved, self.max_prompt_tokens)
-            with self._lock():
-                self.engine.prepare(req, resolved=resolved)
-            if self.max_prompt_tokens and req.prompt_tokens > self.max_prompt_tokens:
-                raise PromptTooLongError(f"the prompt has {req.prompt_tokens} tokens; this server accepts at most "
-                                         f"{self.max_prompt_tokens} (use a lower top_k)")
+            decoding = len(self._rows) + len(self._joining)
+            piece = None if not decoding or self.step_tokens is None else \
+                max(MIN_PIECE_TOKENS, self.step_tokens - decoding)
+            pieces = self.engine.prepare_pieces(req, resolved, piece)
         except Exception as exc:
+            self.stats.prefills += 1
             self._fail(req, exc)
             return
         finally:
-            self.stats.prefills += 1
             self.stats.prefill_seconds += time.perf_counter() - t0
+        self._prefilling = (req, pieces)
+        self._advance()
+
+    def _advance(self) -> None:
+        """Run the prefill in pieces: its next piece while others decode, else every piece left."""
+        assert self._prefilling is not None
+        req, pieces = self._prefilling
+        t0 = time.perf_counter()
+        try:
+            while True:
+                if req.cancelled:
+                    raise RequestCancelledError("cancelled during its prefill")
+                with self._lock():
+                    next(pieces)
+                self.stats.prefill_pieces += 1
+                if self._rows or self._joining:
+                    return
+        except StopIteration:
+            self.stats.prefill_pieces += 1
+        except Exception as exc:
+            pieces.close()
+            self._prefilling = None
+            self.stats.prefills += 1
+            self._fail(req, exc)
+            return
+        finally:
+            self.stats.prefill_seconds += time.perf_counter() - t0
+        self._prefilling = None
+        self.stats.prefills += 1
+        if self.max_prompt_tokens and req.prompt_tokens > self.max_prompt_tokens:
+            self._fail(req, PromptTooLongError(f"the prompt has {req.prompt_tokens} tokens; this server accepts at "
+                                               f"most {self.max_prompt_tokens} (use a lower top_k)"))
+            return
         if req.max_new_tokens <= 0:
             self._finish(req, "length")
             return

@@ -72,7 +72,7 @@ class Request:
         self.note = ""
         #: The prompt's ``S`` + chunks came from the whole-context cache: only the question was prefilled.
         self.context_cache_hit = False
-        self.first_token = -1  # the greedy first answer token, from the prefill's last logits
+        self.first_token = -1  # the first answer token: Engine.prepare's greedy pick, or the scheduler's sampled one
         # the decode steps and the answer
         self.token_ids: list[int] = []
         self.emitted = ""  # the text sent so far (stop strings cut, held-back tails included at the end)
@@ -105,6 +105,10 @@ class Request:
             return request
         reuse = request if isinstance(request, ReuseRequest) else ReuseRequest(request, **reuse_fields)
         return cls(reuse, max_new_tokens, sampling, listener)
+
+    def picked_first(self, ms: float) -> None:
+        """The first token was picked, in ``ms`` after the prefill: a stage of TTFT (``first_token``)."""
+        self.ttft_ms = {**self.ttft_ms, "first_token": ms, "total": self.ttft_ms.get("total", 0.0) + ms}
 
     @property
     def question(self) -> str:

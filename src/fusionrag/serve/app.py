@@ -63,7 +63,8 @@ def create_app(engine: Any, settings: ServerSettings | None = None,
     """
     s = settings or ServerSettings()
     sched = scheduler or BatchScheduler(engine, max_batch=s.max_batch, max_queue=s.max_queue,
-                                        max_prompt_tokens=s.max_prompt_tokens)
+                                        max_prompt_tokens=s.max_prompt_tokens,
+                                        step_tokens=s.max_num_batched_tokens or None)
     jobs = DocumentJobs(s)
     jobs.resume(sched)  # jobs a previous server left unfinished (runs once the engine is loaded)
     state = ServerState(s, sched, jobs)

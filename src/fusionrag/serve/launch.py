@@ -28,6 +28,8 @@ _FLAGS = (
     ("--api-key", "api_key", str, "require 'Authorization: Bearer KEY'"),
     ("--max-queue", "max_queue", int, "requests waiting for prefill before 429"),
     ("--max-batch", "max_batch", int, "requests decoded together per step"),
+    ("--max-num-batched-tokens", "max_num_batched_tokens", int,
+     "tokens one step computes: decoding rows plus a piece of a prefill (0: whole prefills between steps)"),
     ("--max-body-bytes", "max_body_bytes", int, "request body limit"),
     ("--max-prompt-tokens", "max_prompt_tokens", int, "prompt token limit"),
     ("--method", "default_method", str, "default method of requests that name none"),

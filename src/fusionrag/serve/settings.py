@@ -45,6 +45,9 @@ class ServerSettings(BaseModel):
     max_stop: int = Field(8, ge=0, description="stop strings per request")
     max_queue: int = Field(64, ge=0, description="requests waiting for prefill before 429")
     max_batch: int = Field(8, ge=1, description="requests decoded together per step")
+    max_num_batched_tokens: int = Field(512, ge=0, description="tokens one step computes: the decoding rows plus a "
+                                        "piece of a prefill, so a long prompt does not stall the streams (vLLM's "
+                                        "name; a piece is at least 64 tokens; 0: whole prefills between steps)")
     max_document_jobs: int = Field(16, ge=1, description="document jobs pending at once before 429")
     max_job_chunks: int = Field(512, ge=1, description="chunks one document job may add (413 beyond)")
     max_job_tokens: int = Field(131_072, ge=1, description="tokens one document job may add (413 beyond)")
