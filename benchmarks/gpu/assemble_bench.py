@@ -6,7 +6,7 @@ the store keeps them (``--stored``: fp16, which int8 entries are dequantised to 
 right after ``S`` (plain KV), assembled into the compute ``--dtype`` on ``--device``. Variants, interleaved
 (each round runs each once; medians over ``--rounds``):
 
-- ``per_chunk``: ``kv.assemble_per_chunk`` (the previous path: move, widen, rotate, cast per chunk, then
+- ``per_chunk``: ``tests/kvcache/assemble_reference.py`` (the previous path: move, widen, rotate, cast per chunk, then
   one concatenation);
 - ``batched``: ``kv.assemble`` (one concatenation, the rotation of every token formed once, one
   rotate-half per layer written into the result);
@@ -77,7 +77,11 @@ def inputs(config_name: str, chunks: int, chunk_tokens: int, stored: torch.dtype
 
 
 def run(args: argparse.Namespace) -> dict:
-    from fusionrag.kvcache.kv import assemble, assemble_per_chunk
+    from fusionrag.kvcache.kv import assemble
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "kvcache"))
+    from assemble_reference import assemble_per_chunk  # the previous path, kept as the tests' reference
+
     from fusionrag.models.devices import DTYPES
 
     if args.threads:

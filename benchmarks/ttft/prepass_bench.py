@@ -7,7 +7,7 @@ question over its first passages, fused KV with the first chunk plain, in memory
 interleaved per round (every variant once per round; medians):
 
 - ``reference``: the whole forward of the question (every layer, final norm, LM head), the path
-  before decision 048 (``QueryGuided(reference=True)``);
+  before decision 048 (``tests/online/prepass_reference.py``);
 - ``stopped``: the product's path, the same forward ended where the last layer's attention
   begins (that attention, its MLP, the final norm and the LM head skipped), same selection;
 - ``layer-K`` (``--layers``): the option of scoring an earlier layer's attention (the pass ends
@@ -28,12 +28,16 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+#: The whole-forward pre-pass (before decision 048) is the tests' reference, kept beside them.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "online"))
 
 CAPTURED: list = []
 
@@ -61,13 +65,9 @@ def selection_input(engine, store, question: str, chunk_ids, ratio: float):
 
 def timed_select(lm, inp, layer: int, reference: bool, ratio: float, sync) -> dict:
     """One selection, split into the pass, the scoring and the top-k (ms), and its indices."""
-    from fusionrag.online.policies import (
-        attention_scores,
-        budget,
-        question_queries,
-        question_queries_reference,
-        top_k_of,
-    )
+    from prepass_reference import question_queries_reference
+
+    from fusionrag.online.policies import attention_scores, budget, question_queries, top_k_of
 
     t0 = time.perf_counter()
     qq = question_queries_reference(inp) if reference else question_queries(inp, layer)

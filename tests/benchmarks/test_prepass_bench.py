@@ -31,13 +31,13 @@ def test_in_place_bench_times_both_passes_of_the_same_recompute(tiny_lm):
     *_, inp = selection_setup(tiny_lm)
     call = bench.recompute_call(inp, inp.candidates[::5])
     seen = []
-    real = recompute.forward_in_place
-    recompute.forward_in_place = lambda *a: seen.append(1) or real(*a)
+    real = recompute.forward_in_place_pieces
+    recompute.forward_in_place_pieces = lambda *a: seen.append(1) or real(*a)
     try:
         old_ms, old = bench.run_variant("past + new", call, lambda: None)
         new_ms, new = bench.run_variant("in place", call, lambda: None)
     finally:
-        recompute.forward_in_place = real
+        recompute.forward_in_place_pieces = real
     assert seen == [1]  # only the "in place" variant took the in-place pass
     assert old_ms > 0 and new_ms > 0 and recompute.in_place_available(tiny_lm)
     diff = bench.compare(new, old)

@@ -2,9 +2,10 @@
 
 import pytest
 import torch
+from assemble_reference import assemble_per_chunk
 
 from fusionrag.execution.forward import prefill
-from fusionrag.kvcache.kv import KV, assemble, assemble_per_chunk
+from fusionrag.kvcache.kv import KV, assemble
 from fusionrag.models.rope import rotate_half, rotate_keys
 
 

@@ -5,6 +5,7 @@ import dataclasses
 
 import pytest
 import torch
+from prepass_reference import ReferenceQueryGuided, question_queries_reference, reference_attention
 
 from fusionrag.execution import attention_hook
 from fusionrag.execution.forward import forward, forward_to_attention, prefill
@@ -15,7 +16,6 @@ from fusionrag.online.policies import (
     SelectionInput,
     question_attention,
     question_queries,
-    question_queries_reference,
     select,
 )
 from fusionrag.online.prefill import assemble_context, prefill_reused
@@ -50,11 +50,11 @@ def test_the_stopped_pre_pass_selects_bit_for_bit_what_the_whole_forward_selecte
     inp = _input(lm, kind, stored)
     new, ref = question_queries(inp), question_queries_reference(inp)
     assert torch.equal(new.queries, ref.queries) and torch.equal(new.question_keys, ref.question_keys)
-    assert torch.equal(question_attention(inp), question_attention(inp, reference=True))
+    assert torch.equal(question_attention(inp), reference_attention(inp))
     question = inp.question_token_ids.tolist()
     for ratio in RATIOS:
         idx = select(QueryGuided(), inp, ratio)
-        idx_ref = select(QueryGuided(reference=True), inp, ratio)
+        idx_ref = select(ReferenceQueryGuided(), inp, ratio)
         assert torch.equal(idx, idx_ref), ratio
         out = prefill_reused(lm, inp.context, inp.context_ids, inp.spans, question, idx)
         out_ref = prefill_reused(lm, inp.context, inp.context_ids, inp.spans, question, idx_ref)
@@ -111,6 +111,3 @@ def test_an_earlier_scoring_layer_is_that_layers_attention(tiny_lm, layer):
     assert question_queries(inp, layer).layer == layer
     idx = select(QueryGuided(layer=layer), inp, 0.15)
     assert idx.numel() == round(0.15 * inp.candidates.numel())
-    if layer < tiny_lm.num_layers - 1:
-        with pytest.raises(ValueError, match="last layer only"):
-            question_attention(inp, layer=layer, reference=True)

@@ -53,9 +53,14 @@ def sparse_recompute_pieces(
     recompute_idx: torch.Tensor,
     suffix_ids: torch.Tensor,
     piece_tokens: int | None = None,
+    buffer: KV | None = None,
 ) -> Generator[None, None, RecomputeResult]:
     """:func:`sparse_recompute` as passes of at most ``piece_tokens`` tokens (where the backend writes in place;
-    otherwise one pass), each ``next()`` one of them (:func:`~fusionrag.execution.forward.forward_in_place_pieces`)."""
+    otherwise one pass), each ``next()`` one of them (:func:`~fusionrag.execution.forward.forward_in_place_pieces`).
+
+    ``buffer``: the request's own prompt KV, ``context`` in its first slots (the same memory) and room for
+    the suffix after them; an in-place pass writes into it and returns it, so the context is never copied.
+    Without one (a shared context, e.g. the whole-context cache's) the pass works on a copy."""
     if context.base_position != 0:
         raise ValueError("sparse_recompute expects an assembled context starting at position 0")
     total = len(context)
@@ -77,11 +82,17 @@ def sparse_recompute_pieces(
     if context.read_rule is None and in_place_available(lm):
         # The request's prompt KV, reused context then room for the question, is the pass's own
         # buffer: each layer writes its fresh KV over the stale slots and after the context (decision 050).
-        work = KV(*(t.new_empty((*t.shape[:2], total + suffix_ids.numel(), t.shape[3]))
-                    for t in (context.keys, context.values)), 0)
-        for buffer, reused in ((work.keys, context.keys), (work.values, context.values)):
-            buffer[:, :, :total] = reused
-            buffer[:, :, total:] = 0  # read (masked) by a piece before the question's piece writes it
+        if buffer is not None:
+            if len(buffer) != total + suffix_ids.numel() or buffer.keys.data_ptr() != context.keys.data_ptr() \
+                    or buffer.values.data_ptr() != context.values.data_ptr():
+                raise ValueError("the buffer must hold the context in its first slots and room for the suffix")
+            work = buffer  # its room is zeros (assemble's), read (masked) by a piece before the suffix's writes it
+        else:
+            work = KV(*(t.new_empty((*t.shape[:2], total + suffix_ids.numel(), t.shape[3]))
+                        for t in (context.keys, context.values)), 0)
+            for slots, reused in ((work.keys, context.keys), (work.values, context.values)):
+                slots[:, :, :total] = reused
+                slots[:, :, total:] = 0  # read (masked) by a piece before the question's piece writes it
         logits = yield from forward_in_place_pieces(lm, ids, positions, work, piece_tokens)
         return RecomputeResult(work, logits, r)
     stale = torch.zeros(total, dtype=torch.bool, device=device)

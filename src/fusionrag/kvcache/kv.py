@@ -74,6 +74,10 @@ class KV:
             self.base_position + start,
         )
 
+    def head(self, n: int) -> KV:
+        """Its first ``n`` tokens as a view (no copy: writes to either show in both)."""
+        return KV(self.keys[:, :, :n], self.values[:, :, :n], self.base_position, self.read_rule)
+
     def to(self, dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> KV:
         """This KV in ``dtype`` on ``device`` (itself when nothing changes: no copy)."""
         keys, values = self.keys.to(device=device, dtype=dtype), self.values.to(device=device, dtype=dtype)
@@ -122,7 +126,7 @@ Placement = Callable[..., tuple[KV, list[tuple[int, int]]]]
 
 
 def assemble(prefix: KV, chunks: Sequence[KV], inv_freq: torch.Tensor, device: torch.device | str | None = None,
-             dtype: torch.dtype = torch.float32) -> tuple[KV, list[tuple[int, int]]]:
+             dtype: torch.dtype = torch.float32, room: int = 0) -> tuple[KV, list[tuple[int, int]]]:
     """``prefix + chunk_1 + ... + chunk_k`` at consecutive positions (TurboRAG "reordered").
 
     The chunks move to ``device`` as stored (fp16, or int8 entries dequantised to fp16, travel small)
@@ -130,39 +134,31 @@ def assemble(prefix: KV, chunks: Sequence[KV], inv_freq: torch.Tensor, device: t
     it was computed at, one per chunk) is formed once, in float64 angles; then one rotate-half per
     layer writes all the chunks' keys, fp32 math, straight into the assembled tensor in the compute
     ``dtype`` (per layer: the fp32 temporaries stay one layer's size). Bit for bit the chunk-by-chunk
-    :func:`assemble_per_chunk`, in a few ops per layer instead of a dozen per chunk. Returns the
+    assembly it replaced (``tests/kvcache/assemble_reference.py``), in a few ops per layer instead of a dozen
+    per chunk. Returns the
     assembled KV and each chunk's ``(start, stop)`` token span within it.
 
     Each chunk's rotation is its target position minus its ``base_position``: a caller placing chunks
     elsewhere (a method's own placement) can relabel a chunk's base (no copy) to move it anywhere.
+    ``room`` more slots (zeros) follow the chunks: a prompt's question, computed into the same buffer.
     """
     head = prefix.to(device=device).to(torch.float32).to(dtype)
     spans, deltas = _layout(prefix, chunks)
-    if not chunks:
+    if not chunks and not room:
         return KV.concat([head]), spans  # a new tensor, as with chunks: the prefix may be shared
     dev = head.keys.device
-    (layers, heads, p, dim), total = head.keys.shape, spans[-1][1]
-    keys = torch.empty(layers, heads, total, dim, dtype=dtype, device=dev)
+    (layers, heads, p, dim), total = head.keys.shape, spans[-1][1] if spans else len(head)
+    keys = torch.empty(layers, heads, total + room, dim, dtype=dtype, device=dev)
     values = torch.empty_like(keys)
     keys[:, :, :p], values[:, :, :p] = head.keys, head.values
+    keys[:, :, total:], values[:, :, total:] = 0, 0
+    if not chunks:
+        return KV(keys, values, prefix.base_position), spans
     cos, sin = rotation(torch.tensor(deltas), inv_freq, dev)  # [chunks, dim/2]
     which = torch.repeat_interleave(torch.arange(len(chunks)), torch.tensor([len(c) for c in chunks])).to(dev)
     cos, sin = cos[which], sin[which]  # [tokens, dim/2]: each token its chunk's rotation
     moved = [c.to(device=dev) for c in chunks]
     for layer in range(layers):  # a layer's chunks gathered once (one layer's size: stays in cache on a CPU)
-        rotate_into(keys[layer, :, p:], torch.cat([c.keys[layer] for c in moved], dim=1), cos, sin)
-        torch.cat([c.values[layer] for c in moved], dim=1, out=values[layer, :, p:])
+        rotate_into(keys[layer, :, p:total], torch.cat([c.keys[layer] for c in moved], dim=1), cos, sin)
+        torch.cat([c.values[layer] for c in moved], dim=1, out=values[layer, :, p:total])
     return KV(keys, values, prefix.base_position), spans
-
-
-def assemble_per_chunk(prefix: KV, chunks: Sequence[KV], inv_freq: torch.Tensor,
-                       device: torch.device | str | None = None,
-                       dtype: torch.dtype = torch.float32) -> tuple[KV, list[tuple[int, int]]]:
-    """:func:`assemble` one chunk at a time (move, widen, rotate, cast, then one concatenation): the
-    previous path, kept as the reference the batched one is tested and measured against."""
-    parts = [prefix.to(device=device).to(torch.float32).to(dtype)]
-    spans, _ = _layout(prefix, chunks)
-    for chunk, (start, _stop) in zip(chunks, spans, strict=True):
-        target = prefix.base_position + start
-        parts.append(chunk.to(device=device).to(torch.float32).moved_to(target, inv_freq).to(dtype))
-    return KV.concat(parts), spans

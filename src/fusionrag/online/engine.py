@@ -258,9 +258,15 @@ class Engine:
                                                  piece_tokens)
         else:
             entries, fallbacks = self.loader.load(chunk_ids, passages, token_ids, kv_kind)
-            ctx, ctx_ids, spans = assemble_context(self.lm, self.system_kv, [e.kv for e in entries],
-                                                   self.prompt.system_token_ids, token_ids, info.placement)
+            # One buffer for the prompt: the context, then room for the question, which the pass writes into.
+            buffer, ctx_ids, spans = assemble_context(self.lm, self.system_kv, [e.kv for e in entries],
+                                                      self.prompt.system_token_ids, token_ids, info.placement,
+                                                      room=len(question_token_ids) if info.placement is None else 0)
+            ctx = buffer.head(len(ctx_ids))
             clock.lap("load")
+            cut = piece_tokens is not None and len(ctx_ids) > piece_tokens  # a prompt over the step budget
+            if cut:
+                yield  # loading was a piece: a decode step may run before the selection
             if info.recomputes_nothing:
                 idx = None
             else:
@@ -269,8 +275,10 @@ class Engine:
                                      chunk_scores=scores)
                 idx = select(make_policy(method), inp, float(ratio))
             clock.lap("select")
+            if cut and idx is not None:
+                yield  # the selection's pre-pass was a piece too
             pre = yield from prefill_reused_pieces(self.lm, ctx, ctx_ids, spans, question_token_ids, idx,
-                                                   piece_tokens)
+                                                   piece_tokens, buffer if len(buffer) > len(ctx) else None)
         if keys and cached is None:
             self.context_cache.put(keys[0], CachedContext.of(pre.kv, self.prompt.system_token_ids, token_ids,
                                                              pre.spans), chunk_ids)

@@ -30,11 +30,10 @@ from fusionrag.errors import FusionRAGError
 from fusionrag.execution.attention import (
     attention_probs,
     attention_scale,
-    capture_last_layer_queries,
     capture_queries,
     finish_queries,
 )
-from fusionrag.execution.forward import forward, forward_first_layers, forward_to_attention, visibility
+from fusionrag.execution.forward import forward_first_layers, forward_to_attention, visibility
 from fusionrag.kvcache.kv import KV
 from fusionrag.models.registry import LoadedModel
 from fusionrag.online.prefill import all_chunk_indices
@@ -109,7 +108,7 @@ def question_queries(inp: SelectionInput, layer: int = -1) -> QuestionQueries:
     The pass ends as soon as they exist (:func:`~fusionrag.execution.forward.forward_to_attention`):
     for the last layer it skips that layer's attention and MLP, the final norm and the LM head,
     which scoring never reads; the queries and keys are bit for bit those of the whole pass
-    (:func:`question_queries_reference`, the path before decision 048). Public so that scoring
+    (``tests/online/prepass_reference.py``, the path before decision 048). Public so that scoring
     variants (``studies/selection``) can score the same queries differently."""
     lm, T = inp.lm, len(inp.context)
     q_pos = torch.arange(T, T + inp.question_token_ids.numel())
@@ -118,25 +117,10 @@ def question_queries(inp: SelectionInput, layer: int = -1) -> QuestionQueries:
     return QuestionQueries(finish_queries(lm, captured[-1], q_pos, layer), keys, q_pos, layer)
 
 
-def question_queries_reference(inp: SelectionInput) -> QuestionQueries:
-    """The reference: one whole forward of the question (every layer, the LM head), capturing its
-    last-layer queries. What :func:`question_queries` computed before it stopped early."""
-    lm, T = inp.lm, len(inp.context)
-    q_pos = torch.arange(T, T + inp.question_token_ids.numel())
-    with capture_last_layer_queries(lm) as captured:
-        res = forward(lm, inp.question_token_ids, q_pos, inp.context)
-    return QuestionQueries(finish_queries(lm, captured[-1], q_pos), res.keys[-1], q_pos)
-
-
-def question_attention(inp: SelectionInput, layer: int = -1, reference: bool = False) -> torch.Tensor:
+def question_attention(inp: SelectionInput, layer: int = -1) -> torch.Tensor:
     """Critical score per candidate: the question's attention at ``layer`` (the last by default), summed over
-    question tokens and heads (:func:`attention_scores` of :func:`question_queries`).
-
-    ``reference`` runs the whole forward (:func:`question_queries_reference`; last layer only): the same scores.
-    """
-    if reference and range(inp.lm.num_layers)[layer] != inp.lm.num_layers - 1:
-        raise ValueError("the reference pre-pass scores the last layer only")
-    return attention_scores(inp, question_queries_reference(inp) if reference else question_queries(inp, layer))
+    question tokens and heads (:func:`attention_scores` of :func:`question_queries`)."""
+    return attention_scores(inp, question_queries(inp, layer))
 
 
 def attention_scores(inp: SelectionInput, qq: QuestionQueries) -> torch.Tensor:
@@ -158,15 +142,13 @@ class QueryGuided:
     """FusionRAG's online selection: the tokens the question attends to most (:func:`question_attention`).
 
     ``layer``: the layer whose attention scores (default the last, the paper's; an earlier one
-    stops the pre-pass sooner and is an option measured in decision 048, not a default).
-    ``reference``: score through the whole forward, as before decision 048 (same selection)."""
+    stops the pre-pass sooner and is an option measured in decision 048, not a default)."""
 
     name: str = "fusionrag"
     layer: int = -1
-    reference: bool = False
 
     def scores(self, inp: SelectionInput) -> torch.Tensor:
-        return question_attention(inp, self.layer, self.reference)
+        return question_attention(inp, self.layer)
 
 
 # --- ProphetKV ------------------------------------------------------------------------

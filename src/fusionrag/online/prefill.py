@@ -77,9 +77,13 @@ def prefill_full_pieces(
 
 def assemble_context(
     lm: LoadedModel, system_kv: KV, chunk_kvs: Sequence[KV], system_token_ids: Sequence[int],
-    chunk_token_ids: Sequence[Sequence[int]], placement: Placement | None = None,
+    chunk_token_ids: Sequence[Sequence[int]], placement: Placement | None = None, room: int = 0,
 ) -> tuple[KV, torch.Tensor, list[tuple[int, int]]]:
     """``S`` + chunks at consecutive positions, the matching token ids, and chunk spans.
+
+    ``room``: the KV has that many slots (zeros) after the context, for the question: the prompt's
+    one buffer, which the recompute pass writes into (:func:`prefill_reused`'s ``buffer``; the
+    context is its first ``len(ids)`` slots). A ``placement`` makes no room.
 
     Stored KV (CPU, fp16/int8/fp32) moves to the model's device here, is rotated there in
     fp32 math and cast to the compute dtype once, so the passes get KV ready to use.
@@ -88,7 +92,10 @@ def assemble_context(
     for kv, ids in zip(chunk_kvs, chunk_token_ids, strict=True):
         if len(kv) != len(ids):
             raise ValueError(f"chunk KV has {len(kv)} tokens but its ids have {len(ids)}")
-    context, spans = (placement or assemble)(system_kv, chunk_kvs, lm.inv_freq, device=lm.device, dtype=lm.dtype)
+    if placement is None:
+        context, spans = assemble(system_kv, chunk_kvs, lm.inv_freq, device=lm.device, dtype=lm.dtype, room=room)
+    else:
+        context, spans = placement(system_kv, chunk_kvs, lm.inv_freq, device=lm.device, dtype=lm.dtype)
     ids = torch.tensor([*system_token_ids, *(t for c in chunk_token_ids for t in c)], dtype=torch.long)
     return context, ids, spans
 
@@ -113,12 +120,15 @@ def prefill_reused_pieces(
     question_token_ids: Sequence[int],
     recompute_idx: torch.Tensor | None = None,
     piece_tokens: int | None = None,
+    buffer: KV | None = None,
 ) -> Generator[None, None, Prefilled]:
-    """:func:`prefill_reused` as passes of at most ``piece_tokens`` tokens, each ``next()`` one of them."""
+    """:func:`prefill_reused` as passes of at most ``piece_tokens`` tokens, each ``next()`` one of them.
+    ``buffer``: the request's own KV holding ``context`` and room for the question (:func:`assemble_context`'s
+    ``room``), written in place instead of a copy of the context."""
     t0 = time.perf_counter()
     idx = torch.empty(0, dtype=torch.long) if recompute_idx is None else recompute_idx
     res = yield from sparse_recompute_pieces(lm, context, context_ids, idx, torch.tensor(list(question_token_ids)),
-                                             piece_tokens)
+                                             piece_tokens, buffer)
     n_ctx = sum(b - a for a, b in spans)
     return Prefilled(res.kv, res.last_logits, n_ctx, res.recomputed, {"recompute": _ms(t0)},
                      selected=idx, spans=spans)
