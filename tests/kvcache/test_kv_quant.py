@@ -103,12 +103,12 @@ def test_int8_store_end_to_end(tmp_path, lm):
         build.fuse(s, lm, top_n=2, progress=False)
     for cid in q8.chunk_ids():
         for kind in ("plain", "fused"):
-            assert q8.kv_header(cid, kind)["dtype"] == "int8"
-            err = relative_error(ref.load_kv(cid, kind).keys, q8.load_kv(cid, kind).keys)
+            assert q8.kv.header(cid, kind)["dtype"] == "int8"
+            err = relative_error(ref.kv.load(cid, kind).keys, q8.kv.load(cid, kind).keys)
             assert err < 0.02, (cid, kind, err)
-    assert q8.kv_header(None, "system")["dtype"] == "float32"  # S stays full precision
+    assert q8.kv.header(None, "system")["dtype"] == "float32"  # S stays full precision
     assert q8.settings["kv_dtype"] == "int8"
-    sizes = [sum(p.stat().st_size for p in s.kv_files("plain")) for s in (q8, ref)]
+    sizes = [sum(p.stat().st_size for p in s.kv.files("plain")) for s in (q8, ref)]
     assert sizes[0] < 0.3 * sizes[1]  # against float32 (tiny entries: headers weigh more than at 256 tokens)
     ref.close()
     q8.close()

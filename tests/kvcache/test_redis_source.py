@@ -130,7 +130,7 @@ def test_corrupt_foreign_and_stale_values_are_refused_and_reread_from_disk(serve
     client.set(key, bytes(flipped))  # corrupted
     entry = ra.get_many([(cid, kind)])[0]
     assert ra.stats()["redis"].refused == 1 and client.get(key) == good  # re-read from disk, shared copy repaired
-    assert entry.metadata["checksum"] == a.store.kv_header(cid, kind)["checksum"]
+    assert entry.metadata["checksum"] == a.store.kv.header(cid, kind)["checksum"]
 
     foreign = KVStore(store_dir / "other", "another-model", a.store.prompt.system_hash, "int8")
     path = foreign.save(cid, kind, entry.kv, a.store.chunk(cid).token_ids, scores=entry.scores, extra=entry.extra)
@@ -140,10 +140,10 @@ def test_corrupt_foreign_and_stale_values_are_refused_and_reread_from_disk(serve
 
     # Stale: the disk entry was rewritten since the shared copy was made (another server re-fused).
     old = good
-    a.store.save_kv(cid, kind, entry.kv, a.store.chunk(cid).token_ids, scores=entry.scores * 0.5, extra=entry.extra)
+    a.store.kv.save(cid, kind, entry.kv, a.store.chunk(cid).token_ids, scores=entry.scores * 0.5, extra=entry.extra)
     client.set(key, old)
     fresh = ra.get_many([(cid, kind)])[0]
-    assert ra.stats()["redis"].refused == 3 and fresh.metadata["checksum"] == a.store.kv_header(cid, kind)["checksum"]
+    assert ra.stats()["redis"].refused == 3 and fresh.metadata["checksum"] == a.store.kv.header(cid, kind)["checksum"]
     assert a.answer(QUESTION, method="fusionrag", kv="fused", ratio=0.15, max_new_tokens=4).text == ref.text
 
 

@@ -34,7 +34,7 @@ def _store(path, lm, dtype="float32"):
 
 
 def _checksums(store, kind):
-    return {c: (store.kv_header(c, kind) or {}).get("checksum") for c in store.chunk_ids()}
+    return {c: (store.kv.header(c, kind) or {}).get("checksum") for c in store.chunk_ids()}
 
 
 def test_fused_only_store_matches_a_full_store_through_incremental_updates(tmp_path, lm):
@@ -44,7 +44,7 @@ def test_fused_only_store_matches_a_full_store_through_incremental_updates(tmp_p
     compact.set_plain_kv(slim, "drop")
     removed = compact.drop_plain(slim)
     assert sorted(removed) == [(c, "plain") for c in sorted(slim.chunk_ids())]
-    assert not slim.kv_files("plain") and len(slim.kv_files("fused")) == len(PASSAGES)
+    assert not slim.kv.files("plain") and len(slim.kv.files("fused")) == len(PASSAGES)
 
     # Serving on fused KV needs nothing else: same answer, same first-token logits.
     from fusionrag.online.engine import Engine
@@ -62,9 +62,9 @@ def test_fused_only_store_matches_a_full_store_through_incremental_updates(tmp_p
         report = build.fuse(s, lm, progress=False)
     assert report.new == len(MORE) and set(report.changed_keys) >= {(c, "plain") for c in slim.chunk_ids()
                                                                     if (c, "plain") in report.removed_keys}
-    assert report.removed_keys and not slim.kv_files("plain")
+    assert report.removed_keys and not slim.kv.files("plain")
     assert _checksums(slim, "fused") == _checksums(full, "fused")
-    assert len(full.kv_files("plain")) == len(PASSAGES) + len(MORE)
+    assert len(full.kv.files("plain")) == len(PASSAGES) + len(MORE)
 
     compact.set_plain_kv(slim, "keep")  # back to keeping plain KV: the next fuse re-creates all of it
     build.fuse(slim, lm, progress=False)
@@ -75,14 +75,14 @@ def test_fused_only_store_matches_a_full_store_through_incremental_updates(tmp_p
 
 def test_convert_to_int8_rewrites_every_chunk_entry_and_stays_current(tmp_path, lm):
     s = _store(tmp_path / "kb", lm, dtype="float16")
-    before = {c: s.load_kv(c, "fused") for c in s.chunk_ids()}
+    before = {c: s.kv.load(c, "fused") for c in s.chunk_ids()}
     changed = compact.convert_kv_dtype(s, "int8")
     assert sorted(changed) == sorted((c, k) for c in s.chunk_ids() for k in ("plain", "fused"))
     assert s.settings["kv_dtype"] == "int8" and s.settings["converted_from"] == "float16"
     for c in s.chunk_ids():
-        assert s.kv_header(c, "fused")["dtype"] == "int8"
+        assert s.kv.header(c, "fused")["dtype"] == "int8"
         assert s.load_entry(c, "fused").scores is not None
-        err = (s.load_kv(c, "fused").keys.float() - before[c].keys.float()).norm() / before[c].keys.float().norm()
+        err = (s.kv.load(c, "fused").keys.float() - before[c].keys.float()).norm() / before[c].keys.float().norm()
         assert err < 0.02
     assert build.fuse(s, lm, progress=False).computed == 0  # converted entries are current: nothing re-fused
     assert compact.convert_kv_dtype(s, "int8") == []

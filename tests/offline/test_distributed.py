@@ -36,7 +36,7 @@ def _checksums(store):
     out = {}
     for kind in ("plain", "fused"):
         for cid in store.chunk_ids():
-            out[(cid, kind)] = store.kv_header(cid, kind)["checksum"]
+            out[(cid, kind)] = store.kv.header(cid, kind)["checksum"]
     return out
 
 
@@ -84,7 +84,7 @@ def test_ray_store_is_identical_to_the_serial_one_and_survives_a_killed_worker(t
     assert _checksums(dist) == ref
 
     # Resuming: an entry removed after the run is the only one recomputed (locally here).
-    dist.remove_kv(dist.chunk_ids()[0], "fused")
+    dist.kv.remove(dist.chunk_ids()[0], "fused")
     again = build.fuse(dist, lm, top_n=3, progress=False)
     assert again.computed == 1 and again.skipped == len(PASSAGES) - 1
     serial.close()

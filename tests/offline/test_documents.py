@@ -62,12 +62,12 @@ def test_an_edited_file_replaces_its_old_version_and_an_unchanged_one_is_skipped
     new = _id(store, "Ash", edited["Ash"])
     assert old not in store.chunk_ids() and not store.kv_path(old, "plain").exists() and store.has_kv(new, "plain")
     assert old not in store.search(SECTIONS["Ash"], 5) and _id(store, "Lava", SECTIONS["Lava"]) == kept
-    assert store.document_chunks(key) == sorted(_id(store, t, x) for t, x in edited.items())
-    assert store.documents_using([new, kept]) == [key] and store.chunk(new).doc == "earth.md"  # id vs group
+    assert store.documents.chunks_of(key) == sorted(_id(store, t, x) for t, x in edited.items())
+    assert store.documents.using([new, kept]) == [key] and store.chunk(new).doc == "earth.md"  # id vs group
 
     again = build.ingest(store, lm, [doc], progress=False)
     assert again.documents["unchanged"] == [key] and again.chunks == 0 and again.removed_ids == []
-    [rec] = store.documents()
+    [rec] = store.documents.all()
     assert (rec.id, rec.source, rec.origin, rec.chunks, rec.title) == (key, key, "file", 5, "Lava")
 
 
@@ -80,7 +80,7 @@ def test_a_chunk_shared_with_another_document_survives_the_others_update(store, 
     report = build.ingest(store, lm, [a, b], progress=False)
     assert report.documents["updated"] == [str(b.resolve())] and report.documents["unchanged"] == [str(a.resolve())]
     assert report.removed_ids == [] and _id(store, "Lava", SECTIONS["Lava"]) == lava  # a still uses it
-    mine = store.document_chunks(str(a.resolve()))
+    mine = store.documents.chunks_of(str(a.resolve()))
     assert build.delete_documents(store, lm, [str(a.resolve())]).removed_ids == mine  # b no longer uses Lava
     assert _id(store, "Lava", SECTIONS["Lava"]) is None
 
@@ -89,7 +89,7 @@ def test_a_re_fuse_after_an_update_re_fuses_the_chunks_that_had_the_removed_one_
     doc = _md(tmp_path / "earth.md")
     build.ingest(store, lm, [doc], progress=False)
     build.fuse(store, lm, top_n=2, progress=False)
-    users = {c: [x for x in store.chunk_ids() if c in (store.neighbours_of(x) or [])] for c in store.chunk_ids()}
+    users = {c: [x for x in store.chunk_ids() if c in (store.chunks.neighbours_of(x) or [])] for c in store.chunk_ids()}
     gone_title = next(t for t, x in SECTIONS.items() if users[_id(store, t, x)])
     gone = _id(store, gone_title, SECTIONS[gone_title])
     _md(doc, {**SECTIONS, gone_title: SECTIONS[gone_title] + " Changed."})
@@ -97,7 +97,7 @@ def test_a_re_fuse_after_an_update_re_fuses_the_chunks_that_had_the_removed_one_
     assert report.removed_ids == [gone] and report.fuse is not None
     refused = {c for c, kind in report.changed_keys if kind == "fused"}
     assert set(users[gone]) <= refused  # every chunk that had it as a neighbour was re-fused ...
-    assert all(gone not in store.neighbours_of(c) for c in store.chunk_ids())  # ... without it
+    assert all(gone not in store.chunks.neighbours_of(c) for c in store.chunk_ids())  # ... without it
     assert all(store.has_kv(c, "fused") for c in store.chunk_ids())
 
 
@@ -107,7 +107,7 @@ def test_an_id_names_one_file_and_the_same_id_replaces_it(store, lm, tmp_path):
     assert build.ingest(store, lm, [v1], progress=False, doc_id="guide").documents["added"] == ["guide"]
     report = build.ingest(store, lm, [v2], progress=False, doc_id="guide")
     assert report.documents["updated"] == ["guide"] and len(report.removed_ids) == 1
-    assert [d.source for d in store.documents()] == [str(v2.resolve())]
+    assert [d.source for d in store.documents.all()] == [str(v2.resolve())]
     with pytest.raises(FusionRAGError, match="one file"):
         build.ingest(store, lm, [v1, v2], progress=False, doc_id="guide")
 
@@ -122,7 +122,7 @@ def test_sync_removes_only_the_gone_files_under_the_given_folders(store, lm, tmp
     report = build.ingest(store, lm, [a], progress=False, sync=True)
     assert report.documents["removed"] == [str(files[1].resolve())] and len(report.removed_ids) == 1
     assert report.documents["unchanged"] == [str(files[0].resolve())]
-    assert str(files[2].resolve()) in {d.id for d in store.documents()}  # b was not synced
+    assert str(files[2].resolve()) in {d.id for d in store.documents.all()}  # b was not synced
     gone = build.ingest(store, lm, [b / "three.md"], progress=False, sync=True)  # a missing path given with --sync
     assert gone.documents["removed"] == [str(files[2].resolve())] and not gone.problems
     assert build.ingest(store, lm, [tmp_path / "never"], progress=False, sync=True).failed_files == [
@@ -142,11 +142,11 @@ def test_an_old_store_with_bare_file_names_opens_lists_and_is_replaced_by_a_re_i
     db.close()
     assert [(d.id, d.origin, d.chunks) for d in list_documents(tmp_path / "kb")] == [("earth.md", "legacy", 5)]
     store = KnowledgeStore.open(tmp_path / "kb", lm, embedder=HashingEmbedder(64))  # writable: migrated
-    assert [(d.id, d.origin) for d in store.documents()] == [("earth.md", "legacy")]
+    assert [(d.id, d.origin) for d in store.documents.all()] == [("earth.md", "legacy")]
     _md(doc, {**SECTIONS, "Ash": "Ash, edited."})
     report = build.ingest(store, lm, [doc], progress=False)
     assert report.documents["removed"] == ["earth.md"] and report.removed_ids == [old]
-    assert [(d.id, d.chunks) for d in store.documents()] == [(str(doc.resolve()), 5)]
+    assert [(d.id, d.chunks) for d in store.documents.all()] == [(str(doc.resolve()), 5)]
     store.close()
 
 
@@ -156,4 +156,5 @@ def test_a_passage_source_splits_like_the_reader_and_set_document_replaces(store
     assert [store.chunk(i).title for i in ids] == ["A", "B"]
     keys = build.set_document(store, "posted", ids[:1], source="notes.md", title="A")
     assert keys == [(ids[1], "plain"), (ids[1], "fused")]
-    assert [(d.id, d.origin, d.chunks, d.source) for d in store.documents()] == [("posted", "passages", 1, "notes.md")]
+    assert [(d.id, d.origin, d.chunks, d.source)
+            for d in store.documents.all()] == [("posted", "passages", 1, "notes.md")]

@@ -14,8 +14,9 @@ from fusionrag.kvcache.kv import KV
 from fusionrag.models import load_model
 from fusionrag.offline import build
 from fusionrag.prompt import chunk_text, passage_hash
+from fusionrag.retrieval.chunk_table import UnknownChunkError
 from fusionrag.retrieval.embedder import HashingEmbedder
-from fusionrag.retrieval.knowledge import KnowledgeStore, UnknownChunkError
+from fusionrag.retrieval.knowledge import KnowledgeStore
 from fusionrag.retrieval.store_info import store_info, stored_model
 
 PASSAGES = [
@@ -65,7 +66,7 @@ def test_store_lifecycle(tmp_path, lm):
 
     # plain KV = S + chunk prefill, verified, at base len(S)
     s_len = len(ks.prompt.system_token_ids)
-    plain = ks.load_kv(2, "plain")
+    plain = ks.kv.load(2, "plain")
     assert plain.base_position == s_len and len(plain) == ks.chunk(2).n_tokens
     ref = chunk_kv_plain(lm, ks.load_system_kv(), ks.chunk(2).token_ids)
     torch.testing.assert_close(plain.keys, ref.keys)
@@ -90,7 +91,7 @@ def test_store_lifecycle(tmp_path, lm):
     (tmp_path / "kb" / "index.faiss").unlink()
     assert stored_model(tmp_path / "kb") == "tiny-llama"
     ks2 = KnowledgeStore.open(tmp_path / "kb", lm=load_model(stored_model(tmp_path / "kb")))
-    assert ks2.fingerprint == lm.fingerprint and ks2.indexed_chunks() == 6
+    assert ks2.fingerprint == lm.fingerprint and len(ks2.index) == 6
     assert ks2.search("Dogs bark.", 1) == [5]
     torch.testing.assert_close(ks2.load_system_kv().keys, build.ensure_system_kv(ks2, lm).keys)
 
@@ -117,7 +118,7 @@ def test_corrupted_store_file_detected_on_load(tmp_path, lm):
     path = ks.kv_path(1, "plain")
     path.write_bytes(path.read_bytes()[:-100])
     with pytest.raises(CacheIntegrityError, match="chunk 1"):
-        ks.load_kv(1, "plain")
+        ks.kv.load(1, "plain")
 
 
 def test_cli_ingest_preprocess_info(tmp_path, capsys):
@@ -167,14 +168,32 @@ def test_delete_doc_removes_chunks_vectors_and_kv(tmp_path):
     assert reopened.chunk_ids() == keep
 
 
-def test_the_store_keeps_its_database_index_and_kv_files_private():
-    """Callers use the store's operations (neighbours, is_current, convert_kv_dtype, jobs, ...), never its
-    SQLite connection, FAISS index or KV file layer."""
-    from fusionrag.retrieval.knowledge import KnowledgeStore
+def test_the_store_owns_its_collaborators_and_keeps_its_database_index_and_kv_files_private(tmp_path, lm):
+    """The store is no mixin: it owns one object per responsibility (chunks, index, kv, documents, jobs).
+    Callers use their operations and the store's (neighbours, convert_kv_dtype, kv_source, ...), never the
+    SQLite connection, the FAISS index or the KV file layer underneath."""
+    import sqlite3
 
-    public = {n for n in dir(KnowledgeStore) if not n.startswith("_")}
-    assert not public & {"db", "kv", "index", "execute"}
-    assert {"neighbours", "vectors", "is_current", "convert_kv_dtype", "jobs", "save_kv", "kv_source"} <= public
+    from fusionrag.kvcache.store import KVStore
+    from fusionrag.retrieval.chunk_table import ChunkTable
+    from fusionrag.retrieval.index import VectorIndex
+    from fusionrag.retrieval.jobs import JobStore
+    from fusionrag.retrieval.store_index import StoreIndex
+    from fusionrag.retrieval.stored_docs import Documents
+    from fusionrag.retrieval.stored_kv import StoredKV
+
+    assert KnowledgeStore.__bases__ == (object,)
+    store = _store(tmp_path, lm)
+    owned = {"chunks": ChunkTable, "index": StoreIndex, "kv": StoredKV, "documents": Documents, "jobs": JobStore}
+    assert {name: type(getattr(store, name)) for name in owned} == owned
+    for obj in (store, *(getattr(store, name) for name in owned)):
+        leaked = [n for n, v in vars(obj).items()
+                  if not n.startswith("_") and isinstance(v, sqlite3.Connection | VectorIndex | KVStore)]
+        assert leaked == [], type(obj).__name__
+    assert {"neighbours", "vectors", "convert_kv_dtype", "kv_source", "insert_chunks", "remove_unreferenced"} <= set(
+        dir(KnowledgeStore))
+    assert {"save", "load_entry", "is_current", "header"} <= set(dir(StoredKV))
+    store.close()
 
 
 def test_a_store_built_in_one_compute_dtype_answers_in_another(tmp_path):
@@ -194,7 +213,7 @@ def test_a_store_built_in_one_compute_dtype_answers_in_another(tmp_path):
         store.close()
         lm = load_model("tiny-llama", dtype=answered)
         store = KnowledgeStore.open(path, lm=lm)
-        assert fingerprint_dtype(store.kv_header(store.chunk_ids()[0], "plain")["fingerprint"]) == built
+        assert fingerprint_dtype(store.kv.header(store.chunk_ids()[0], "plain")["fingerprint"]) == built
         engine = Engine(store, lm)
         kept = store.load_system_kv(answered)
         assert (kept is not None) == (built == "float32")  # a bf16-built S is recomputed by a float32 engine

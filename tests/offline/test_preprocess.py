@@ -72,7 +72,7 @@ def test_top_n_never_includes_itself(ks, lm):
     report = build.fuse(ks, lm, top_n=3, progress=False)
     assert report.computed == 8 and report.new == 8 and report.skipped == 0
     for cid in ks.chunk_ids():
-        nb = ks.neighbours_of(cid)
+        nb = ks.chunks.neighbours_of(cid)
         assert len(nb) == 3 and cid not in nb and len(set(nb)) == 3
         assert ks.load_entry(cid, "fused").extra["neighbours"] == nb
     everything = compute_neighbours(ks, ks.chunk_ids(), top_n=50)
@@ -82,7 +82,7 @@ def test_top_n_never_includes_itself(ks, lm):
 def test_top_n_zero_is_exactly_the_plain_kv(ks, lm):
     build.fuse(ks, lm, top_n=0, progress=False)
     for cid in ks.chunk_ids():
-        fused, plain = ks.load_kv(cid, "fused"), ks.load_kv(cid, "plain")
+        fused, plain = ks.kv.load(cid, "fused"), ks.kv.load(cid, "plain")
         assert torch.equal(fused.keys, plain.keys) and torch.equal(fused.values, plain.values)
         assert fused.base_position == plain.base_position == len(ks.prompt.system_token_ids)
         assert torch.count_nonzero(ks.load_entry(cid, "fused").scores) == 0
@@ -100,8 +100,8 @@ def test_fused_kv_equals_full_attention_prefill(ks, lm, top_n, order):
     build.fuse(ks, lm, top_n=top_n, neighbour_order=order, progress=False)
     s_len = len(ks.prompt.system_token_ids)
     for cid in ks.chunk_ids():
-        fused = ks.load_kv(cid, "fused")
-        ref = _reference(lm, ks, cid, ks.neighbours_of(cid), order)
+        fused = ks.kv.load(cid, "fused")
+        ref = _reference(lm, ks, cid, ks.chunks.neighbours_of(cid), order)
         assert fused.base_position == s_len
         torch.testing.assert_close(fused.keys, ref.keys, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(fused.values, ref.values, atol=1e-4, rtol=1e-4)
@@ -127,7 +127,7 @@ def test_fuse_batch_is_a_pure_function(ks, lm):
 def test_same_document_limits_neighbours(ks, lm):
     build.fuse(ks, lm, top_n=5, same_document=True, progress=False)
     for cid in ks.chunk_ids():
-        nb = ks.neighbours_of(cid)
+        nb = ks.chunks.neighbours_of(cid)
         assert len(nb) == 3 and {ks.chunk(n).doc for n in nb} == {ks.chunk(cid).doc}
     assert ks.settings["fuse"]["same_document"] is True
 
@@ -148,14 +148,14 @@ def test_resume_after_failure_mid_run(ks, lm, monkeypatch):
     done = [c for c in ks.chunk_ids() if ks.has_kv(c, "fused")]
     assert len(done) == 4  # the first batch; the failed batch left nothing behind
     for cid in done:
-        ks.load_kv(cid, "fused")  # complete and verified
+        ks.kv.load(cid, "fused")  # complete and verified
     assert not list(ks.path.rglob("*.tmp"))
 
     report = build.fuse(ks, lm, top_n=2, progress=False)
     assert (report.skipped, report.computed, report.new, report.replaced) == (4, 4, 4, 0)
     for cid in ks.chunk_ids():
-        ref = _reference(lm, ks, cid, ks.neighbours_of(cid), DEFAULT_NEIGHBOUR_ORDER)
-        torch.testing.assert_close(ks.load_kv(cid, "fused").keys, ref.keys, atol=1e-4, rtol=1e-4)
+        ref = _reference(lm, ks, cid, ks.chunks.neighbours_of(cid), DEFAULT_NEIGHBOUR_ORDER)
+        torch.testing.assert_close(ks.kv.load(cid, "fused").keys, ref.keys, atol=1e-4, rtol=1e-4)
     assert build.fuse(ks, lm, top_n=2, progress=False).computed == 0  # nothing left to do
 
     # settings that change the neighbour lists or their order make entries stale
@@ -165,7 +165,7 @@ def test_resume_after_failure_mid_run(ks, lm, monkeypatch):
 def test_incremental_ingest_re_fuses_only_changed_chunks(ks, tmp_path, lm):
     build.fuse(ks, lm, top_n=2, progress=False)
     old_ids = ks.chunk_ids()
-    before = {c: ks.neighbours_of(c) for c in old_ids}
+    before = {c: ks.chunks.neighbours_of(c) for c in old_ids}
     mtimes = {c: ks.kv_path(c, "fused").stat().st_mtime_ns for c in old_ids}
 
     report = build.ingest(ks, lm, [_corpus(tmp_path / "new.jsonl", [("c", NEW)])], progress=False)
@@ -177,7 +177,7 @@ def test_incremental_ingest_re_fuses_only_changed_chunks(ks, tmp_path, lm):
     assert fuse["new"] == 2 and fuse["replaced"] == len(changed) and set(fuse["neighbour_changes"]) == changed
     assert fuse["skipped"] == len(old_ids) - len(changed)
     for c in old_ids:
-        assert ks.neighbours_of(c) == after[c]
+        assert ks.chunks.neighbours_of(c) == after[c]
         same_file = ks.kv_path(c, "fused").stat().st_mtime_ns == mtimes[c]
         assert same_file == (c not in changed)
     assert all(ks.has_kv(c, "fused") for c in ks.chunk_ids())
@@ -188,7 +188,7 @@ def test_fused_kv_fp16_storage_is_close(tmp_path, lm):
                                   embedder=HashingEmbedder(256))
     build.ingest(store, lm, [_corpus(tmp_path / "a.jsonl", [("a", DOC_A)])], progress=False)
     build.fuse(store, lm, top_n=2, progress=False)
-    kv = store.load_kv(0, "fused")
+    kv = store.kv.load(0, "fused")
     assert kv.keys.dtype == torch.float16 and store.settings["kv_dtype"] == "float16"
-    ref = _reference(lm, store, 0, store.neighbours_of(0), DEFAULT_NEIGHBOUR_ORDER)
+    ref = _reference(lm, store, 0, store.chunks.neighbours_of(0), DEFAULT_NEIGHBOUR_ORDER)
     torch.testing.assert_close(kv.keys.float(), ref.keys, atol=2e-2, rtol=1e-2)

@@ -178,7 +178,7 @@ def test_every_write_point_of_a_server_document_job_survives_a_fault(tmp_path, i
             store = app.state.scheduler.engine.store
             report = verify_store(store)
             texts = sorted(store.chunk(c).text for c in store.chunk_ids())
-            entries = len(store.kv_files("plain")) + len(store.kv_files("fused"))
+            entries = len(store.kv.files("plain")) + len(store.kv.files("fused"))
         return first | {"final": job["status"], "verify_ok": report.ok}, injector.seen - start, texts, [entries]
 
     clean, points, clean_texts, clean_entries = run(tmp_path / "clean", None)

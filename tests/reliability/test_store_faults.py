@@ -96,11 +96,11 @@ def test_a_reader_sees_another_process_s_writes_before_its_next_use(tmp_path, lm
     writer = _reopen(tmp_path / "kb", lm)  # another process: its own connection
     new_ids = build.add_passages(writer, lm, [{"title": "New", "text": "a brand new passage about zebras"}])
     assert server_view.refresh() is True and server_view.refresh() is False
-    assert server_view.indexed_chunks() == n + 1
+    assert len(server_view.index) == n + 1
     assert server_view.search("a brand new passage about zebras", 1) == new_ids
     # the reader can write next without tripping over the other's chunk ids
     more = build.add_passages(server_view, lm, [{"title": "More", "text": "and one more about giraffes"}])
-    assert more[0] == new_ids[0] + 1 and server_view.indexed_chunks() == n + 2 and verify_store(server_view).ok
+    assert more[0] == new_ids[0] + 1 and len(server_view.index) == n + 2 and verify_store(server_view).ok
 
 
 def test_a_deleted_metadata_file_never_lets_old_kv_files_be_reused(tmp_path, lm):
@@ -194,7 +194,7 @@ def test_a_kv_path_that_is_not_an_entry_is_never_read(tmp_path, lm, what):
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     report = verify_store(store)
     assert not report.ok and any("chunk 5" in p.what for p in report.problems)
-    assert store.kv_header(5, "fused") is None and (what != "fifo" or not store.has_kv(5, "fused"))
+    assert store.kv.header(5, "fused") is None and (what != "fifo" or not store.has_kv(5, "fused"))
     engine = Engine(store, lm)
     res = engine.answer("topic 1 item 5", method="fusionrag", ratio=0.15, kv="fused",
                         chunks=[{"title": "T5", "text": PASSAGES[5]["text"]}], max_new_tokens=2)

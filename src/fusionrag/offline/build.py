@@ -162,7 +162,7 @@ def ensure_system_kv(store: KnowledgeStore, lm: LoadedModel) -> KV:
     kv = store.load_system_kv()
     if kv is None:
         kv = compute_system_kv(lm, store.prompt.system_token_ids)
-        store.save_system_kv(kv)
+        store.kv.save_system(kv)
     return kv.to(lm.model.dtype)
 
 
@@ -186,7 +186,7 @@ def ingest(store: KnowledgeStore, lm: LoadedModel, paths: Iterable[Path | str], 
     """
     t0 = time.perf_counter()
     report = IngestReport()
-    store.remove_temp_kv_files()
+    store.kv.remove_temp_files()
     given = [Path(p).expanduser() for p in paths]
     if doc_id is not None and (len(given) != 1 or given[0].is_dir()):
         raise FusionRAGError("--id names one document: give exactly one file with it")
@@ -210,7 +210,7 @@ def ingest(store: KnowledgeStore, lm: LoadedModel, paths: Iterable[Path | str], 
                                                                refs=[first_user[c.content_hash] for c in new])
     report.new_chunks = len(new)
     for plan in plans:  # each document now uses exactly its new chunks (shared ones stay shared)
-        store.set_document(plan.record, [store.find_by_hash(c.content_hash) for c in plan.chunks])
+        store.documents.set(plan.record, [store.find_by_hash(c.content_hash) for c in plan.chunks])
         report.documents["updated" if plan.existed else "added"].append(plan.record.id)
     gone = [*gone, *file_docs.replaced_legacy(store, plans)]
     report.removed_ids = store.drop_documents(gone)  # and every chunk no document uses any more
@@ -273,7 +273,7 @@ def _add_refs(store: KnowledgeStore, chunks: Sequence[Chunk]) -> None:
         if cid is not None:
             by_doc.setdefault(c.doc, []).append(cid)
     for doc, ids in by_doc.items():
-        store.add_refs(ids, doc)
+        store.documents.add_refs(ids, doc)
 
 
 @_writes
@@ -297,7 +297,7 @@ def fuse(store: KnowledgeStore, lm: LoadedModel, top_n: int | None = None, *, se
         raise FusionRAGError("give fuse settings either whole (settings=) or as single values, not both")
     if record and neighbour_lists is None:
         store.update_settings(fuse=settings.to_dict())
-    store.remove_temp_kv_files()
+    store.kv.remove_temp_files()
     return _fuse(store, lm, ensure_system_kv(store, lm), settings, chunk_ids, progress, batch_size, verify, runner,
                  neighbour_lists)
 
@@ -337,7 +337,7 @@ def set_document(store: KnowledgeStore, doc: str, chunk_ids: Sequence[int], sour
                  title: str = "", digest: str | None = None) -> list[Key]:
     """Make ``chunk_ids`` exactly what document ``doc`` uses (a posted document replacing its earlier
     version) and record it; chunks no document uses any more are removed: returns their entries."""
-    store.set_document(DocumentRecord(doc, "passages", source, digest, title=title), chunk_ids)
+    store.documents.set(DocumentRecord(doc, "passages", source, digest, title=title), chunk_ids)
     return _keys(store.remove_unreferenced())
 
 

@@ -38,7 +38,7 @@ def _record_model_path(store, model: str | None) -> None:
     """A store that recorded its model as a relative folder (before paths were made absolute) records
     the absolute folder it was just opened with (the same weights: the fingerprint matched)."""
     from fusionrag.models import KNOWN_NAMES
-    from fusionrag.retrieval.knowledge import model_reference
+    from fusionrag.retrieval.store_settings import model_reference
 
     recorded = str(store.settings["model"])
     if (model and not store.read_only and recorded not in KNOWN_NAMES and not Path(recorded).is_absolute()
@@ -204,10 +204,10 @@ def cmd_delete(args: argparse.Namespace) -> int:
 
 def _document_id(store, store_dir: Path, target: str) -> str:
     """A document named by its id, or by its file's path (resolved: relative paths work)."""
-    if store.document(target) is not None:
+    if store.documents.get(target) is not None:
         return target
     path = str(Path(target).expanduser().resolve())
-    found = store.document_by_source(path) or store.document(path)
+    found = store.documents.by_source(path) or store.documents.get(path)
     if found is None:
         raise FusionRAGError(f"no document '{target}' in the store at {store_dir} (list them with: fusionrag "
                              f"documents --store {store_dir})")

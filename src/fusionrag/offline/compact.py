@@ -55,7 +55,7 @@ def drop_plain(store: KnowledgeStore) -> list[Key]:
     """Remove the plain KV of every chunk that has a fused entry; returns the removed keys."""
     removed = []
     for cid in store.chunk_ids():
-        if store.has_kv(cid, "fused") and store.remove_kv(cid, "plain"):
+        if store.has_kv(cid, "fused") and store.kv.remove(cid, "plain"):
             removed.append((cid, "plain"))
     return removed
 

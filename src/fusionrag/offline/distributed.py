@@ -109,7 +109,7 @@ class RayRunner:
         self.store = store
         n = workers or max(1, int(ray.cluster_resources().get("CPU", 1)) // threads_per_worker)
         actor = ray.remote(num_cpus=threads_per_worker, max_restarts=-1, max_task_retries=-1)(KVWorker)
-        root, fingerprint, system_hash, _dtype = store.kv_identity()
+        root, fingerprint, system_hash, _dtype = store.kv.identity()
         self.actors = [actor.remote(model, root, fingerprint, system_hash, threads_per_worker) for _ in range(n)]
         self.on_result = on_result
         self.restarts_seen = 0

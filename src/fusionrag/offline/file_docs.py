@@ -41,7 +41,7 @@ def read_document(store: KnowledgeStore, path: Path, doc_id: str | None, problem
                   outcomes: dict[str, list[str]]) -> FileDocument | None:
     """The file as a document to (re)place, or None: unchanged (listed in ``outcomes``) or nothing usable."""
     source = str(path.resolve())
-    existing = store.document(doc_id) if doc_id is not None else store.document_by_source(source)
+    existing = store.documents.get(doc_id) if doc_id is not None else store.documents.by_source(source)
     did = doc_id if doc_id is not None else existing.id if existing is not None else source
     data = load_bytes(path, problems)
     if data is None:
@@ -65,14 +65,14 @@ def replaced_legacy(store: KnowledgeStore, plans: Sequence[FileDocument]) -> lis
     groups = {g for plan in plans for g in plan.groups} - {plan.record.id for plan in plans}
     if not groups:
         return []
-    return [d.id for d in store.documents() if d.origin == "legacy" and d.id in groups]
+    return [d.id for d in store.documents.all() if d.origin == "legacy" and d.id in groups]
 
 
 def synced_away(store: KnowledgeStore, given: Sequence[Path], problems: list[Problem]) -> list[str]:
     """Ingested documents under the given paths whose files are gone; a missing given path under which
     no document lies is a problem (as without ``--sync``)."""
     roots = [str(p.resolve()) for p in given]
-    docs = [d for d in store.documents() if d.origin == "file"]
+    docs = [d for d in store.documents.all() if d.origin == "file"]
     for p, root in zip(given, roots, strict=True):
         if not p.exists() and not any(lies_under(d.source, root) for d in docs):
             problems.append(Problem(str(p), None, "no such file or folder", file_skipped=True))

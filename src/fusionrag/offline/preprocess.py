@@ -143,7 +143,7 @@ class PlainCache:
         if chunk_id in self._items:
             self._items.move_to_end(chunk_id)
             return self._items[chunk_id]
-        kv = self.store.load_kv(chunk_id, "plain").to(torch.float32)
+        kv = self.store.kv.load(chunk_id, "plain").to(torch.float32)
         self._items[chunk_id] = kv
         if len(self._items) > self.size:
             self._items.popitem(last=False)
@@ -197,12 +197,12 @@ def fuse_key(neighbours: Sequence[int], neighbour_order: str) -> dict[str, Any]:
 
 def entry_is_current(store: KnowledgeStore, chunk_id: int, key: dict[str, Any],
                      kind: str = "fused", verify: bool = True) -> tuple[bool, bool]:
-    """``(exists, current)`` for one of the chunk's entries (:meth:`KnowledgeStore.is_current`).
+    """``(exists, current)`` for one of the chunk's entries (:meth:`StoredKV.is_current`, ``store.kv``).
 
     ``verify=False`` trusts the header: a server's incremental re-fuse, where reading every entry
     of the store per document job would cost more than the job.
     """
-    return store.is_current(chunk_id, kind, key, verify)
+    return store.kv.is_current(chunk_id, kind, key, verify)
 
 
 class LocalRunner:
@@ -260,11 +260,11 @@ def save_entry(store: KnowledgeStore, cid: int, kind: str, kv: KV, token_ids: Se
     The estimate is the mean size of the store's entries of that kind (or this entry's KV) times the
     entries left; nothing already written is lost and the same command resumes."""
     try:
-        store.save_kv(cid, kind, kv, token_ids, **fields)
+        store.kv.save(cid, kind, kv, token_ids, **fields)
     except OSError as exc:
         if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise
-        sizes = [f.stat().st_size for f in store.kv_files(kind)[:64]]
+        sizes = [f.stat().st_size for f in store.kv.files(kind)[:64]]
         per_entry = sum(sizes) / len(sizes) if sizes else kv.nbytes
         free = shutil.disk_usage(store.kv_root if store.kv_root.exists() else store.path).free
         raise StorageFullError(
@@ -330,7 +330,7 @@ def fuse_store(store: KnowledgeStore, lm: LoadedModel, system_kv: KV, settings: 
     compute_plain(store, lm, system_kv, progress=progress, runner=runner,
                   chunk_ids=None if keeps_plain(store) else plain_needed(todo, neighbours))
     todo_set = set(todo)
-    store.record_neighbours({c: neighbours[c] for c in ids if c not in todo_set})
+    store.chunks.record_neighbours({c: neighbours[c] for c in ids if c not in todo_set})
     if not todo:
         return report
     t0 = time.perf_counter()
@@ -345,7 +345,7 @@ def fuse_store(store: KnowledgeStore, lm: LoadedModel, system_kv: KV, settings: 
                              "same_document": bool(same_document), "min_similarity": min_similarity}
                     save_entry(store, cid, "fused", f.kv, tokens[cid], left=len(todo) - report.computed,
                                scores=f.scores, extra=extra)
-                    store.record_neighbours({cid: f.neighbours})
+                    store.chunks.record_neighbours({cid: f.neighbours})
                     report.computed += 1
                     report.changed.append(cid)
                     report.tokens += len(tokens[cid])

@@ -105,7 +105,7 @@ def _check_system(store: KnowledgeStore, report: VerifyReport, repair: bool) -> 
 def _check_documents(store: KnowledgeStore, report: VerifyReport, repair: bool) -> None:
     """The documents table against the chunks: every chunk used by some document, every reference to a chunk
     that exists (``repair``: unused chunks removed, dangling references dropped)."""
-    unused, dangling = store.reference_problems()
+    unused, dangling = store.documents.reference_problems()
     if unused:
         problem = Problem("documents", f"{len(unused)} chunk(s)", "used by no document (a run stopped between its "
                           "steps)")
@@ -116,7 +116,7 @@ def _check_documents(store: KnowledgeStore, report: VerifyReport, repair: bool) 
     if dangling:
         problem = Problem("documents", f"{len(dangling)} reference(s)", "to chunks that do not exist")
         if repair:
-            store.drop_dangling_references()
+            store.documents.drop_dangling_references()
             problem.repaired = "dropped"
         report.problems.append(problem)
 
@@ -134,7 +134,7 @@ def _check_index(store: KnowledgeStore, report: VerifyReport, repair: bool) -> N
         return
     problem = Problem("index", str(path.name), why)
     if repair:
-        store.rebuild_index()  # from the SQLite embeddings
+        store.index.rebuild()  # from the SQLite embeddings
         problem.repaired = "rebuilt from SQLite"
     report.problems.append(problem)
 

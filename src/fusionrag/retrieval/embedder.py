@@ -119,6 +119,18 @@ class HashingEmbedder:
         return normalise(out)
 
 
+def embed_all(embedder: Embedder, texts: Sequence[str], progress: bool = False, step: int = 256) -> np.ndarray:
+    """Many texts' vectors (float32 rows in order), embedded ``step`` at a time under a progress bar."""
+    from tqdm.auto import tqdm
+
+    vecs = []
+    with tqdm(total=len(texts), unit="chunk", desc=f"embed ({embedder.name})", disable=not progress) as bar:
+        for i in range(0, len(texts), step):
+            vecs.append(embedder.embed(texts[i:i + step]))
+            bar.update(len(texts[i:i + step]))
+    return np.concatenate(vecs).astype(np.float32)
+
+
 def get_embedder(name: str | None = None) -> Embedder:
     """An embedder by the name a store records (default: all-MiniLM-L6-v2)."""
     if name in (None, MINILM_NAME, "minilm"):

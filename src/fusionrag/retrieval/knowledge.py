@@ -11,6 +11,16 @@ A store folder holds:
 Opening a store with another model, or loading a cache made after another ``S``, raises
 :class:`CacheIntegrityError`.
 
+:class:`KnowledgeStore` opens the folder (settings, the writer lock, the generation readers follow)
+and owns one collaborator per responsibility, each given the connection, the store's lock and the
+paths it needs: ``chunks`` (:mod:`~fusionrag.retrieval.chunk_table`: the chunk rows), ``index``
+(:mod:`~fusionrag.retrieval.store_index`: the vector index, kept true to SQLite), ``kv``
+(:mod:`~fusionrag.retrieval.stored_kv`: the KV files, verified against the chunks' tokens),
+``documents`` (:mod:`~fusionrag.retrieval.stored_docs`: documents and the chunks they use) and
+``jobs`` (:mod:`~fusionrag.retrieval.jobs`). What spans them is the store's: adding chunks,
+removing those no document uses, searching by text (it owns the embedder), converting the KV dtype.
+The reads the engine, the server, ``bench`` and the studies use are the store's methods too.
+
 This module is data and file access only: it never runs the model. Building (ingest,
 plain and fused KV, the offline stage) is :mod:`fusionrag.offline.build`; reading KV
 online goes through :meth:`KnowledgeStore.kv_source` (:mod:`fusionrag.kvcache.sources`).
@@ -21,79 +31,55 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 import shutil
 import sqlite3
 import threading
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from tqdm.auto import tqdm
 
-from fusionrag.errors import FusionRAGError, StoragePermissionError, StoreMismatchError
-from fusionrag.kvcache.store import DEFAULT_KV_DTYPE, KVStore, canonical_dtype
-from fusionrag.models.fingerprint import same_weights
-from fusionrag.models.registry import KNOWN_NAMES, LoadedModel
+from fusionrag.errors import FusionRAGError, StoragePermissionError
+from fusionrag.kvcache.kv import KV
+from fusionrag.kvcache.sources import ColdDiskSource, DiskSource
+from fusionrag.kvcache.store import DEFAULT_KV_DTYPE, KVEntry, canonical_dtype
+from fusionrag.models.registry import LoadedModel
 from fusionrag.prompt import DEFAULT_SYSTEM_PROMPT, PromptBuilder, chunk_text
+from fusionrag.retrieval.chunk_table import ChunkRecord, ChunkTable
 from fusionrag.retrieval.chunking import DEFAULT_CHUNK_TOKENS, Chunk
-from fusionrag.retrieval.embedder import Embedder, get_embedder
-from fusionrag.retrieval.indexed import IndexedChunks
+from fusionrag.retrieval.embedder import Embedder, embed_all, get_embedder
 from fusionrag.retrieval.jobs import JobStore
 from fusionrag.retrieval.store_files import (
     SCHEMA,
     bump_generation,
     connect,
+    create_database,
     migrate_documents,
     migrate_refs,
     read_generation,
     store_is_writable,
     writer_lock,
 )
+from fusionrag.retrieval.store_index import StoreIndex
 from fusionrag.retrieval.store_info import DB_NAME, INDEX_NAME, KV_DIR, read_settings
-from fusionrag.retrieval.stored_docs import StoredDocuments
+from fusionrag.retrieval.store_settings import check_usable, new_settings
+from fusionrag.retrieval.stored_docs import Documents
 from fusionrag.retrieval.stored_kv import StoredKV
 
 log = logging.getLogger(__name__)
 
-STORE_FORMAT = "fusionrag-store/1"
-
-
-
-def model_reference(model: str) -> str:
-    """What a store records to reload its model: a packaged or test model's name as it is, a local
-    checkpoint folder as its resolved absolute path (so the store works from any working directory)."""
-    if model in KNOWN_NAMES:
-        return model
-    folder = Path(model).expanduser()
-    return str(folder.resolve()) if folder.is_dir() else model
-
-
-class UnknownChunkError(FusionRAGError, KeyError):
-    """No chunk with that id in the store."""
-
-
-@dataclass(frozen=True)
-class ChunkRecord:
-    id: int
-    doc: str
-    title: str
-    text: str
-    token_ids: list[int]
-    n_tokens: int
-    content_hash: str
-
-
-class KnowledgeStore(IndexedChunks, StoredKV, StoredDocuments):
+class KnowledgeStore:
     """A store folder: chunks, vectors and KV files, bound to one model's fingerprint and ``S``.
 
     Holds no model: the model that built the store is named in its settings
     (:func:`stored_model`), and whoever runs a model (the online engine, the offline
     builder) passes it in. ``lm`` given to :meth:`create` / :meth:`open` is only checked
     against the store (fingerprint, tokenizer's ``S``), never kept.
+
+    Owns ``chunks``, ``index``, ``kv``, ``documents`` and ``jobs`` (module docstring); they share its
+    database connection and its lock.
     """
 
     def __init__(self, path: Path, fingerprint: str, prompt: PromptBuilder, settings: dict[str, Any],
@@ -106,15 +92,19 @@ class KnowledgeStore(IndexedChunks, StoredKV, StoredDocuments):
         self.settings = settings
         self._db = db
         self._embedder = embedder
-        self._kv = KVStore(self.path / KV_DIR, fingerprint, self.prompt.system_hash, settings["kv_dtype"])
-        self._records: dict[int, ChunkRecord] = {}
         self._lock = threading.RLock()
         self._writing = 0  # depth of writer() in this process (the file lock is taken once)
         if not read_only:
             migrate_refs(db)
             migrate_documents(db)
         self._generation = self.generation()
-        self._index = self.load_index()
+        self.chunks = ChunkTable(db, self._lock, self.path)
+        self.documents = Documents(db, self._lock)
+        self.jobs = JobStore(db, self._lock)  #: the server's document jobs, kept in this store's database
+        self.kv = StoredKV(self.path / KV_DIR, fingerprint, prompt, settings["kv_dtype"], self.chunks.token_ids,
+                           store_id=f"{self.path.name}|{settings.get('created')}")
+        self.index = StoreIndex(db, self._lock, self.chunks, self.path / INDEX_NAME, settings["embedding_dim"],
+                                record=self.update_settings, read_only=read_only)
 
     # ------------------------------------------------------------ create / open
 
@@ -138,39 +128,13 @@ class KnowledgeStore(IndexedChunks, StoredKV, StoredDocuments):
         kv_dtype = canonical_dtype(kv_dtype)
         embedder = embedder if embedder is not None else get_embedder(None)
         prompt = PromptBuilder(lm.tokenizer, system_prompt)
-        settings = {
-            "format": STORE_FORMAT,
-            "model": model_reference(model_source or lm.name),
-            "fingerprint": lm.fingerprint,
-            "system_hash": prompt.system_hash,
-            "system_tokens": len(prompt.system_token_ids),
-            "system_prompt": system_prompt,
-            "chunk_tokens": int(chunk_tokens),
-            "kv_dtype": kv_dtype,
-            "embedder": embedder.name,
-            "embedding_dim": int(embedder.dim),
-            "fuse": None,  # the offline stage's settings, recorded by the first fuse (offline.build)
-            "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        }
+        settings = new_settings(lm, prompt, chunk_tokens, kv_dtype, embedder, model_source)
         path.mkdir(parents=True, exist_ok=True)
         # KV files with no metadata (e.g. store.sqlite deleted by hand) would be reused for other
         # chunks that get the same ids: they are orphans, removed before the new store starts.
         shutil.rmtree(path / KV_DIR, ignore_errors=True)
         (path / INDEX_NAME).unlink(missing_ok=True)
-        # The database appears whole or not at all: made under a temporary name, then renamed, so a create
-        # interrupted by a full disk leaves no settings-less store.sqlite that no later run could open.
-        tmp = path / (DB_NAME + ".creating")
-        for leftover in (tmp, tmp.with_name(tmp.name + "-wal"), tmp.with_name(tmp.name + "-shm")):
-            leftover.unlink(missing_ok=True)
-        db = connect(tmp, SCHEMA)
-        try:
-            with db:
-                db.executemany("INSERT INTO settings(key, value) VALUES (?, ?)",
-                               [(k, json.dumps(v)) for k, v in settings.items()])
-        finally:
-            db.close()
-        os.replace(tmp, path / DB_NAME)
-        db = connect(path / DB_NAME, SCHEMA)
+        db = create_database(path / DB_NAME, settings)
         return cls(path, lm.fingerprint, prompt, settings, db, embedder)
 
     @classmethod
@@ -187,24 +151,7 @@ class KnowledgeStore(IndexedChunks, StoredKV, StoredDocuments):
             read_only = not store_is_writable(path)
         db = connect(path / DB_NAME, None if read_only else SCHEMA, read_only=read_only)
         settings = read_settings(db)
-        if settings.get("format") != STORE_FORMAT:
-            raise FusionRAGError(f"{path}: unsupported store format {settings.get('format')!r}")
-        if not same_weights(str(settings["fingerprint"]), lm.fingerprint):  # any compute dtype: decision 052
-            raise StoreMismatchError(
-                f"the knowledge base at {path} was built with model {settings['model']} ({settings['fingerprint']}); "
-                f"the loaded model {lm.name} ({lm.fingerprint}) cannot reuse its caches. Use --model "
-                f"{settings['model']} or build a new store."
-            )
-        prompt = PromptBuilder.for_store(lm.tokenizer, settings)
-        if prompt.system_hash != settings["system_hash"]:
-            raise StoreMismatchError(
-                f"the knowledge base at {path} was built with another system prompt "
-                f"({settings['system_hash']} != {prompt.system_hash}); its caches cannot be reused"
-            )
-        if embedder is not None and embedder.name != settings["embedder"]:
-            raise FusionRAGError(
-                f"the knowledge base at {path} was embedded with {settings['embedder']}, not {embedder.name}"
-            )
+        prompt = check_usable(path, settings, lm, embedder)
         return cls(path, lm.fingerprint, prompt, settings, db, embedder, read_only)
 
     def close(self) -> None:
@@ -273,69 +220,49 @@ class KnowledgeStore(IndexedChunks, StoredKV, StoredDocuments):
             if current == self._generation:
                 return False
             self.settings = read_settings(self._db)
-            self._records.clear()
-            self._index = self.load_index()
+            self.chunks.forget()
+            self.index.reload()
             self._generation = current
             return True
-
-    # ------------------------------------------------------------ chunks
-
-    def _query(self, sql: str, args: tuple = ()) -> list[tuple]:
-        with self._lock:
-            return self._db.execute(sql, args).fetchall()
-
-    @property
-    def jobs(self) -> JobStore:
-        """The server's document jobs, kept in this store's database."""
-        return JobStore(self._db, self._lock)
 
     def recorded_settings(self) -> dict[str, Any]:
         """The settings as the database holds them now (``settings`` is the copy read at open/refresh)."""
         with self._lock:
             return read_settings(self._db)
 
+    # ------------------------------------------------------------ reading: chunks and search
+
     def chunk_ids(self) -> list[int]:
-        return [r[0] for r in self._query("SELECT id FROM chunks ORDER BY id")]
+        return self.chunks.ids()
 
     def chunk(self, chunk_id: int) -> ChunkRecord:
-        rec = self._records.get(int(chunk_id))
-        if rec is not None:
-            return rec
-        rows = self._query(
-            "SELECT id, doc, title, text, token_ids, n_tokens, content_hash FROM chunks WHERE id = ?", (int(chunk_id),))
-        row = rows[0] if rows else None
-        if row is None:
-            raise UnknownChunkError(f"no chunk with id {chunk_id} in the knowledge base at {self.path}")
-        rec = ChunkRecord(row[0], row[1], row[2], row[3], json.loads(row[4]), row[5], row[6])
-        if len(self._records) > 8192:
-            self._records.clear()
-        self._records[rec.id] = rec
-        return rec
+        return self.chunks.get(chunk_id)
 
     def find_by_hash(self, content_hash: str) -> int | None:
-        rows = self._query("SELECT id FROM chunks WHERE content_hash = ?", (content_hash,))
-        return int(rows[0][0]) if rows else None
+        return self.chunks.find_by_hash(content_hash)
 
     def doc_groups(self) -> dict[str, list[int]]:
-        groups: dict[str, list[int]] = {}
-        for cid, doc in self._query("SELECT id, doc FROM chunks ORDER BY id"):
-            groups.setdefault(doc, []).append(cid)
-        return groups
+        return self.chunks.doc_groups()
 
     def chunk_ids_of_docs(self, docs: Sequence[str]) -> list[int]:
         """The chunks these documents use (any of them), in id order (= their order in the document)."""
-        docs = [str(d) for d in docs]
-        if not docs:
-            return []
-        rows = self._query(f"SELECT DISTINCT chunk_id FROM chunk_refs WHERE doc IN ({','.join('?' * len(docs))}) "
-                           "ORDER BY chunk_id", tuple(docs))
-        return [int(r[0]) for r in rows]
+        return self.documents.chunks_of_any(docs)
 
     def source_of(self, chunk_id: int) -> str:
         """Where a chunk came from, for citing: its document's id (an ingested file's resolved path, a
         posted id), else the name its reader gave it."""
-        docs = self.documents_using([chunk_id])
+        docs = self.documents.using([chunk_id])
         return docs[0] if docs else self.chunk(chunk_id).doc
+
+    def search(self, query: str, k: int) -> list[int]:
+        """Chunk ids ranked by similarity to ``query`` (at most ``k``)."""
+        return [cid for cid, _ in self.search_scored(query, k)]
+
+    def search_scored(self, query: str, k: int) -> list[tuple[int, float]]:
+        """``(chunk id, cosine similarity)`` ranked by similarity to ``query`` (at most ``k``)."""
+        if k <= 0 or len(self.index) == 0:
+            return []
+        return self.index.search(self.embedder.embed([query]), k)
 
     def retrieve(self, query: str, k: int) -> list[dict[str, Any]]:
         """The ``k`` chunks most similar to ``query`` as passages (``chunk_id, title, text, source, score``):
@@ -347,16 +274,48 @@ class KnowledgeStore(IndexedChunks, StoredKV, StoredDocuments):
                         "score": round(float(score), 4)})
         return out
 
-    def neighbours_of(self, chunk_id: int) -> list[int] | None:
-        """The neighbour list the chunk's fused KV was computed with (None if never fused)."""
-        rows = self._query("SELECT neighbours FROM chunks WHERE id = ?", (int(chunk_id),))
-        return None if not rows or rows[0][0] is None else json.loads(rows[0][0])
+    def neighbours(self, chunk_ids: Sequence[int], top_n: int, among: dict[int, set[int]] | None = None,
+                   min_similarity: float | None = None) -> dict[int, list[int]]:
+        """Each chunk's ``top_n`` most similar chunks (:meth:`StoreIndex.neighbours`)."""
+        return self.index.neighbours(chunk_ids, top_n, among=among, min_similarity=min_similarity)
 
-    def record_neighbours(self, neighbours: dict[int, Sequence[int]]) -> None:
-        if neighbours:
-            with self._lock, self._db:
-                self._db.executemany("UPDATE chunks SET neighbours = ? WHERE id = ?",
-                                    [(json.dumps([int(n) for n in v]), int(k)) for k, v in neighbours.items()])
+    def vectors(self, chunk_ids: Sequence[int]) -> np.ndarray:
+        """The chunks' unit embeddings (rows in the order given)."""
+        return self.index.vectors(chunk_ids)
+
+    # ------------------------------------------------------------ reading: KV files (store.kv)
+
+    def has_kv(self, chunk_id: int, kind: str) -> bool:
+        return self.kv.has(chunk_id, kind)
+
+    def kv_path(self, chunk_id: int | None, kind: str) -> Path:
+        return self.kv.path(chunk_id, kind)
+
+    @property
+    def kv_root(self) -> Path:
+        return self.kv.root
+
+    @property
+    def kv_dtype(self) -> str:
+        return self.kv.dtype
+
+    def load_system_kv(self, dtype: str | None = None) -> KV | None:
+        return self.kv.load_system(dtype)
+
+    def load_entry(self, chunk_id: int, kind: str = "fused") -> KVEntry:
+        return self.kv.load_entry(chunk_id, kind)
+
+    def kv_source(self) -> DiskSource:
+        """The store's KV files as a :class:`~fusionrag.kvcache.sources.KVSource` (verified reads)."""
+        return self.kv.source()
+
+    def cold_kv_source(self) -> ColdDiskSource:
+        return self.kv.cold_source()
+
+    def shared_kv_source(self, url: str) -> Any:
+        return self.kv.shared_source(url)
+
+    # ------------------------------------------------------------ writing what spans the collaborators
 
     def insert_chunks(self, chunks: Sequence[Chunk], progress: bool = False,
                       refs: Sequence[str] | None = None) -> tuple[list[int], float]:
@@ -366,39 +325,64 @@ class KnowledgeStore(IndexedChunks, StoredKV, StoredDocuments):
         if not chunks:
             return [], 0.0
         t0 = time.perf_counter()
-        texts = [chunk_text(c.title, c.text) for c in chunks]
-        vecs = []
-        step = 256
-        with tqdm(total=len(texts), unit="chunk", desc=f"embed ({self.settings['embedder']})",
-                  disable=not progress) as bar:
-            for i in range(0, len(texts), step):
-                vecs.append(self.embedder.embed(texts[i:i + step]))
-                bar.update(len(texts[i:i + step]))
-        vectors = np.concatenate(vecs).astype(np.float32)
+        vectors = embed_all(self.embedder, [chunk_text(c.title, c.text) for c in chunks], progress)
         embed_s = time.perf_counter() - t0
         with self._lock:
             with self._db:  # one transaction: all or none (SQLite is the source of truth)
-                row = self._db.execute("SELECT MAX(id) FROM chunks").fetchone()
-                first = 0 if row[0] is None else int(row[0]) + 1
-                ids = list(range(first, first + len(chunks)))
-                users = [c.doc for c in chunks] if refs is None else [str(r) for r in refs]
-                self._ensure_documents(users)
-                self._db.executemany("INSERT INTO chunk_refs(chunk_id, doc) VALUES (?, ?)",
-                                     list(zip(ids, users, strict=True)))
-                self._db.executemany(
-                    "INSERT INTO chunks(id, doc, title, text, token_ids, n_tokens, content_hash, embedding) "
-                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                    [(i, c.doc, c.title, c.text, json.dumps(list(c.token_ids)), c.n_tokens, c.content_hash,
-                      vectors[j].tobytes()) for j, (i, c) in enumerate(zip(ids, chunks, strict=True))],
-                )
-            # A crash before this save leaves the index behind SQLite; the next open rebuilds it.
-            self._index.add(ids, vectors)
-            self._save_index()
+                ids = self.chunks.next_ids(len(chunks))
+                self.documents.reference_new(ids, [c.doc for c in chunks] if refs is None else [str(r) for r in refs])
+                self.chunks.insert(ids, chunks, vectors)
+            self.index.add(ids, vectors)
         return ids, embed_s
 
-    def add_refs(self, chunk_ids: Sequence[int], doc: str) -> None:
-        """Record that document ``doc`` uses these (existing) chunks, e.g. a passage posted again."""
-        with self._lock, self._db:
-            self._ensure_documents([doc])
-            self._db.executemany("INSERT OR IGNORE INTO chunk_refs(chunk_id, doc) VALUES (?, ?)",
-                                [(int(c), doc) for c in chunk_ids])
+    def remove_unreferenced(self) -> list[int]:
+        """Remove every chunk no document uses (metadata, vectors, KV files); returns their ids. Also mends
+        a run stopped between changing references and removing chunks."""
+        with self._lock:
+            with self._db:
+                ids = self.chunks.unreferenced()
+                self.chunks.delete(ids)
+            if ids:
+                self.index.remove(ids)
+            self.kv.remove_chunks(ids)
+        return ids
+
+    def drop_documents(self, doc_ids: Iterable[str]) -> list[int]:
+        """Remove these documents (rows and references) and every chunk no other document uses;
+        returns the removed chunk ids."""
+        self.documents.drop(doc_ids)
+        return self.remove_unreferenced()
+
+    def delete_doc(self, doc: str) -> list[int]:
+        """Remove document ``doc``: its references, and every chunk no other document still uses
+        (metadata, vectors and KV files). Returns the removed chunk ids.
+
+        Chunk ids are never reused. Fused KVs of other chunks that had a removed chunk
+        among their neighbours stay valid caches; the next fuse sees their neighbour
+        lists change and re-fuses them (incremental update). Online tiers holding the
+        removed entries must be told: :func:`fusionrag.offline.build.delete_document`
+        returns their keys.
+        """
+        return self.drop_documents([doc]) if self.documents.chunks_of(doc) or self.documents.get(doc) else []
+
+    def sweep_interrupted(self) -> dict[str, int]:
+        """Finish what a removal killed midway left (the caller holds the writer lock): chunks no document
+        uses, KV files of chunks that are gone, an index that no longer counts the chunks. Counts of each."""
+        removed = self.remove_unreferenced()
+        orphans = self.kv.orphans(self.chunk_ids())
+        for path in orphans:
+            path.unlink(missing_ok=True)
+        stale_index = self.recorded_settings().get("index_count") != len(self.chunk_ids())
+        if stale_index:
+            self.index.rebuild()
+        return {"chunks_removed": len(removed), "kv_files_removed": len(orphans), "index_rebuilt": int(stale_index)}
+
+    def convert_kv_dtype(self, dtype: str) -> list[tuple[int, str]]:
+        """Re-encode every chunk entry in ``dtype`` (no model run) and record it; returns the rewritten keys
+        (:meth:`StoredKV.convert`: each entry verified first; interrupted, running it again finishes)."""
+        dtype = canonical_dtype(dtype)
+        old = self.kv.dtype
+        if dtype == old:
+            return []
+        self.update_settings(kv_dtype=dtype, converted_from=old)
+        return self.kv.convert(dtype, self.chunk_ids())

@@ -113,7 +113,7 @@ def _split(store, prompt: PromptBuilder, chunk_tokens: int, title: str, text: st
 def _candidates(store, text: str, source: str) -> list[int]:
     """Chunks the passage may contain: the documents of what its text retrieves, and its ``source``'s."""
     hits = store.search(text, CANDIDATE_SEARCH)
-    docs = set(store.documents_using(hits))
+    docs = set(store.documents.using(hits))
     if source:
         docs.add(source)
         path = Path(source)

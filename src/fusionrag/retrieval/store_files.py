@@ -22,6 +22,7 @@ import os
 import sqlite3
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from fusionrag.errors import (
     FusionRAGError,
@@ -137,6 +138,24 @@ def connect(path: Path, schema: str | None = None, read_only: bool = False) -> s
     except sqlite3.Error as exc:
         raise sqlite_fault(exc, path, "opening the store") from None
     return db
+
+
+def create_database(path: Path, settings: dict[str, Any]) -> sqlite3.Connection:
+    """A new store's SQLite file holding ``settings``, opened. It appears whole or not at all: made under a
+    temporary name, then renamed, so a create interrupted by a full disk leaves no settings-less file that
+    no later run could open."""
+    tmp = path.with_name(path.name + ".creating")
+    for leftover in (tmp, tmp.with_name(tmp.name + "-wal"), tmp.with_name(tmp.name + "-shm")):
+        leftover.unlink(missing_ok=True)
+    db = connect(tmp, SCHEMA)
+    try:
+        with db:
+            db.executemany("INSERT INTO settings(key, value) VALUES (?, ?)",
+                           [(k, json.dumps(v)) for k, v in settings.items()])
+    finally:
+        db.close()
+    os.replace(tmp, path)
+    return connect(path, SCHEMA)
 
 
 def migrate_refs(db: sqlite3.Connection) -> None:

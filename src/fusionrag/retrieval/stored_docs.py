@@ -9,8 +9,9 @@ document uses it: replacing or removing a document removes the chunks nothing el
 (metadata, index vectors, KV files) and returns their ids, so the caller can invalidate the
 online tiers and the next fuse re-fuses the neighbours whose neighbour lists changed.
 
-A mixin, like :mod:`~fusionrag.retrieval.stored_kv`: it expects ``self._db``, ``self._lock``,
-``self._index``, ``self._kv``, ``self._records`` and ``self._save_index``.
+:class:`Documents` owns the ``documents`` and ``chunk_refs`` tables; removing the chunks no document
+uses touches the chunks, the index and the KV files too, so that is the store's
+(:meth:`KnowledgeStore.remove_unreferenced <fusionrag.retrieval.knowledge.KnowledgeStore.remove_unreferenced>`).
 """
 
 from __future__ import annotations
@@ -22,9 +23,6 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
-
-from fusionrag.kvcache.store import CHUNK_KINDS, KVStore
-from fusionrag.retrieval.index import VectorIndex
 
 _COLUMNS = "id, origin, source, content_hash, mtime, size, title, ingested"
 
@@ -89,41 +87,49 @@ def lies_under(source: str | None, folder: str) -> bool:
     return source is not None and (source == folder or source.startswith(folder.rstrip(os.sep) + os.sep))
 
 
-class StoredDocuments:
-    """Documents, their chunk references and the removal of chunks no document uses (module docstring)."""
+class Documents:
+    """The store's documents and their chunk references (module docstring); ``lock`` is the store's,
+    shared by its collaborators."""
 
-    _db: sqlite3.Connection
-    _lock: threading.RLock
-    _index: VectorIndex
-    _kv: KVStore
-    _records: dict[int, Any]
-
-    def _save_index(self) -> None: ...  # provided by IndexedChunks
+    def __init__(self, db: sqlite3.Connection, lock: threading.RLock) -> None:
+        self._db = db
+        self._lock = lock
 
     # -- reading ---------------------------------------------------------------------------
 
-    def documents(self) -> list[DocumentRecord]:
+    def all(self) -> list[DocumentRecord]:
         with self._lock:
             return query_documents(self._db)
 
-    def document(self, doc_id: str) -> DocumentRecord | None:
+    def get(self, doc_id: str) -> DocumentRecord | None:
         with self._lock:
             found = query_documents(self._db, str(doc_id))
         return found[0] if found else None
 
-    def document_by_source(self, source: str) -> DocumentRecord | None:
+    def by_source(self, source: str) -> DocumentRecord | None:
         """The ingested file's document (the first by id if several share the source)."""
         with self._lock:
             row = self._db.execute("SELECT id FROM documents WHERE source = ? AND origin = 'file' ORDER BY id "
                                    "LIMIT 1", (str(source),)).fetchone()
-        return None if row is None else self.document(row[0])
+        return None if row is None else self.get(row[0])
 
-    def document_chunks(self, doc_id: str) -> list[int]:
+    def chunks_of(self, doc_id: str) -> list[int]:
+        """The chunks one document uses, in id order."""
         with self._lock:
             return [int(r[0]) for r in self._db.execute(
                 "SELECT chunk_id FROM chunk_refs WHERE doc = ? ORDER BY chunk_id", (str(doc_id),))]
 
-    def documents_using(self, chunk_ids: Sequence[int]) -> list[str]:
+    def chunks_of_any(self, docs: Sequence[str]) -> list[int]:
+        """The chunks these documents use (any of them), in id order (= their order in the document)."""
+        docs = [str(d) for d in docs]
+        if not docs:
+            return []
+        with self._lock:
+            return [int(r[0]) for r in self._db.execute(
+                f"SELECT DISTINCT chunk_id FROM chunk_refs WHERE doc IN ({','.join('?' * len(docs))}) "
+                "ORDER BY chunk_id", docs)]
+
+    def using(self, chunk_ids: Sequence[int]) -> list[str]:
         """The ids of the documents that use any of these chunks (``chunk.doc`` is the reader's group
         name, e.g. ``a.txt``; a file's document id is its resolved path)."""
         ids = [int(c) for c in chunk_ids]
@@ -146,23 +152,38 @@ class StoredDocuments:
                 "r.chunk_id) ORDER BY doc, chunk_id")]
         return unused, dangling
 
+    # -- writing (under the store's writer) --------------------------------------------------
+
     def drop_dangling_references(self) -> int:
         """Remove references to chunks that do not exist; how many."""
         with self._lock, self._db:
             return self._db.execute("DELETE FROM chunk_refs WHERE NOT EXISTS (SELECT 1 FROM chunks c WHERE c.id = "
                                     "chunk_refs.chunk_id)").rowcount
 
-    # -- writing (under the store's writer) --------------------------------------------------
+    def reference_new(self, chunk_ids: Sequence[int], docs: Sequence[str]) -> None:
+        """Record that ``docs[i]`` uses the new chunk ``chunk_ids[i]``, giving every document a row (inside
+        the caller's transaction, the one that adds the chunks)."""
+        self._ensure(docs)
+        self._db.executemany("INSERT INTO chunk_refs(chunk_id, doc) VALUES (?, ?)",
+                             list(zip(chunk_ids, docs, strict=True)))
 
-    def _ensure_documents(self, docs: Iterable[str], origin: str = "passages") -> None:
+    def add_refs(self, chunk_ids: Sequence[int], doc: str) -> None:
+        """Record that document ``doc`` uses these (existing) chunks, e.g. a passage posted again."""
+        with self._lock, self._db:
+            self._ensure([doc])
+            self._db.executemany("INSERT OR IGNORE INTO chunk_refs(chunk_id, doc) VALUES (?, ?)",
+                                 [(int(c), doc) for c in chunk_ids])
+
+    def _ensure(self, docs: Iterable[str], origin: str = "passages") -> None:
         """Give every referencing document a row (inside the caller's transaction)."""
         now = time.time()
         self._db.executemany("INSERT OR IGNORE INTO documents(id, origin, title, ingested) VALUES (?, ?, '', ?)",
                              [(d, origin, now) for d in dict.fromkeys(docs)])
 
-    def set_document(self, record: DocumentRecord, chunk_ids: Sequence[int]) -> None:
+    def set(self, record: DocumentRecord, chunk_ids: Sequence[int]) -> None:
         """Make ``record`` the document's row and ``chunk_ids`` exactly the chunks it uses, in one transaction.
-        Chunks it no longer uses stay until :meth:`remove_unreferenced` (other documents may use them)."""
+        Chunks it no longer uses stay until the store removes the unreferenced ones (other documents may
+        use them)."""
         record = replace(record, ingested=record.ingested if record.ingested is not None else time.time())
         ids = sorted({int(c) for c in chunk_ids})
         with self._lock, self._db:
@@ -174,54 +195,11 @@ class StoredDocuments:
             self._db.executemany("INSERT OR IGNORE INTO chunk_refs(chunk_id, doc) VALUES (?, ?)",
                                  [(c, record.id) for c in ids])
 
-    def drop_documents(self, doc_ids: Iterable[str]) -> list[int]:
-        """Remove these documents (rows and references) and every chunk no other document uses;
-        returns the removed chunk ids."""
+    def drop(self, doc_ids: Iterable[str]) -> None:
+        """Remove these documents' rows and references (the chunks they used stay: the store removes the
+        ones no document uses)."""
         docs = [str(d) for d in doc_ids]
         if docs:
             with self._lock, self._db:
                 self._db.executemany("DELETE FROM chunk_refs WHERE doc = ?", [(d,) for d in docs])
                 self._db.executemany("DELETE FROM documents WHERE id = ?", [(d,) for d in docs])
-        return self.remove_unreferenced()
-
-    def delete_doc(self, doc: str) -> list[int]:
-        """Remove document ``doc``: its references, and every chunk no other document still uses
-        (metadata, vectors and KV files). Returns the removed chunk ids.
-
-        Chunk ids are never reused. Fused KVs of other chunks that had a removed chunk
-        among their neighbours stay valid caches; the next fuse sees their neighbour
-        lists change and re-fuses them (incremental update). Online tiers holding the
-        removed entries must be told: :func:`fusionrag.offline.build.delete_document`
-        returns their keys.
-        """
-        return self.drop_documents([doc]) if self.document_chunks(doc) or self.document(doc) else []
-
-    def sweep_interrupted(self) -> dict[str, int]:
-        """Finish what a removal killed midway left (the caller holds the writer lock): chunks no document
-        uses, KV files of chunks that are gone, an index that no longer counts the chunks. Counts of each."""
-        removed = self.remove_unreferenced()
-        orphans = self._kv.orphans(set(self.chunk_ids()))
-        for path in orphans:
-            path.unlink(missing_ok=True)
-        stale_index = self.recorded_settings().get("index_count") != len(self.chunk_ids())
-        if stale_index:
-            self.rebuild_index()
-        return {"chunks_removed": len(removed), "kv_files_removed": len(orphans), "index_rebuilt": int(stale_index)}
-
-    def remove_unreferenced(self) -> list[int]:
-        """Remove every chunk no document uses (metadata, vectors, KV files); returns their ids. Also mends
-        a run stopped between changing references and removing chunks."""
-        with self._lock:
-            with self._db:
-                ids = [int(r[0]) for r in self._db.execute(
-                    "SELECT id FROM chunks c WHERE NOT EXISTS (SELECT 1 FROM chunk_refs r WHERE r.chunk_id = c.id) "
-                    "ORDER BY id")]
-                self._db.executemany("DELETE FROM chunks WHERE id = ?", [(i,) for i in ids])
-            if ids:
-                self._index.remove(ids)
-                self._save_index()
-            for cid in ids:
-                self._records.pop(cid, None)
-                for kind in CHUNK_KINDS:
-                    self._kv.path(cid, kind).unlink(missing_ok=True)
-        return ids

@@ -44,7 +44,7 @@ async def list_documents(server: State) -> JSONResponse:
     server.ensure_ready()
     if server.engine.store is None:
         return JSONResponse({"object": "list", "data": []})
-    docs = await asyncio.to_thread(server.engine.store.documents)
+    docs = await asyncio.to_thread(server.engine.store.documents.all)
     return JSONResponse({"object": "list", "data": [document_json(d) for d in docs]})
 
 
@@ -79,7 +79,7 @@ async def _stored_document(server: ServerState, doc_id: str) -> Any:
     """The store's document of that id (a file's path, a posted id, ``api:JOB``), or a 404."""
     server.ensure_ready()
     server.has_store()
-    found = await asyncio.to_thread(server.engine.store.document, doc_id)
+    found = await asyncio.to_thread(server.engine.store.documents.get, doc_id)
     if found is None:
         raise APIError(404, f"no document job and no document '{doc_id}'", code="not_found")
     return found
