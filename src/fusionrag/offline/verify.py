@@ -29,8 +29,6 @@ from fusionrag.offline import build
 from fusionrag.offline.compact import keeps_plain
 from fusionrag.offline.preprocess import compute_plain
 from fusionrag.retrieval.knowledge import KnowledgeStore
-from fusionrag.retrieval.store_files import index_digest
-from fusionrag.retrieval.store_info import INDEX_NAME
 
 
 @dataclass
@@ -122,17 +120,10 @@ def _check_documents(store: KnowledgeStore, report: VerifyReport, repair: bool) 
 
 
 def _check_index(store: KnowledgeStore, report: VerifyReport, repair: bool) -> None:
-    path = store.path / INDEX_NAME
-    recorded = store.recorded_settings()
-    n = len(store.chunk_ids())
-    why = None
-    if not path.is_file():
-        why = "missing"
-    elif recorded.get("index_count") != n or recorded.get("index_sha256") != index_digest(path):
-        why = "does not match the metadata (digest or vector count)"
+    why = store.index.mismatch()
     if why is None:
         return
-    problem = Problem("index", str(path.name), why)
+    problem = Problem("index", store.index.path.name, why)
     if repair:
         store.index.rebuild()  # from the SQLite embeddings
         problem.repaired = "rebuilt from SQLite"

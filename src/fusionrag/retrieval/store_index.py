@@ -65,6 +65,18 @@ class StoreIndex:
 
     # -- reading ---------------------------------------------------------------------------
 
+    def mismatch(self) -> str | None:
+        """Why the index file cannot be trusted (missing, or another digest or vector count than SQLite
+        records), or None: what ``store verify`` reports and every open checks."""
+        with self._lock:
+            if not self.path.is_file():
+                return "missing"
+            recorded: dict[str, Any] = read_settings(self._db)
+            if recorded.get("index_count") != self._chunks.count() or recorded.get("index_sha256") != index_digest(
+                    self.path):
+                return "does not match the metadata (digest or vector count)"
+        return None
+
     def search(self, query_vectors: np.ndarray, k: int) -> list[tuple[int, float]]:
         """``(chunk id, cosine similarity)`` ranked by similarity to the (one) query vector, at most ``k``."""
         if k <= 0 or len(self._index) == 0:
@@ -106,10 +118,7 @@ class StoreIndex:
 
     def _load(self) -> VectorIndex:
         """The index file if it matches SQLite (digest and vector count), else rebuilt from the embeddings."""
-        n = self._chunks.count()
-        recorded: dict[str, Any] = read_settings(self._db)
-        if (self.path.is_file() and recorded.get("index_count") == n
-                and recorded.get("index_sha256") == index_digest(self.path)):
+        if self.mismatch() is None:
             try:
                 return VectorIndex.load(self.path, self._dim)
             except FusionRAGError:
