@@ -103,3 +103,12 @@ def bench_ttft_rows() -> list[dict]:
                              context_tokens=target + 7, ttft_ms=300.0, retrieve_ms=2.0, load_ms=20.0, select_ms=5.0,
                              recompute_ms=250.0, first_token_ms=23.0, speedup_vs_full=3.0))  # fmt: skip
     return rows
+
+
+def other_file(tmp_path):
+    """Another HotpotQA file (same dataset name): the sample's last two questions, renamed."""
+    path = tmp_path / "other" / "hotpotqa_other.jsonl"
+    path.parent.mkdir()
+    rows = [{**ex, "id": f"other-{ex['id']}"} for ex in load_sample()[3:5]]
+    path.write_text("".join(json.dumps(ex) + "\n" for ex in rows))
+    return path

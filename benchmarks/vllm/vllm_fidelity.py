@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))  # the studies' stores (studies/harness), run as a script from anywhere
 MODEL = "qwen2.5-0.5b"
 REFERENCE = ROOT / "studies" / "paper" / "results" / "full_reference"
 REFERENCE_MAX_NEW_TOKENS = 16  # the study's reference files (studies/paper/run.sh: --max-new-tokens 16)
@@ -50,7 +51,8 @@ TOP_N = 10  # the offline stage's neighbours (the study's default, corpus top-10
 @dataclass
 class StudyStoreSettings:
     """The paper study's store settings (``kb_stores.StoreSettings``): ``--limit 50 --kb-limit 100
-    --fuse-only-evaluated``, corpus top-10 neighbours, float16 KV (``studies.quality_cli``'s default)."""
+    --fuse-only-evaluated``, corpus top-10 neighbours, float16 KV (``studies.quality_cli``'s default);
+    ``stores`` is the studies' store variant (:class:`studies.harness.stores.StudyStores`)."""
 
     model: str = MODEL
     limit: int | None = 50
@@ -61,7 +63,7 @@ class StudyStoreSettings:
     out: Path = ROOT / "runs" / "vllm_fidelity"
     progress: bool = True
     kv_dtype: str = "float16"
-    neighbours: object | None = None
+    stores: object | None = None
     max_passages: int | None = None
     extra: dict = field(default_factory=dict)
 
@@ -70,13 +72,18 @@ class StudyStoreSettings:
             from fusionrag.offline.preprocess import FuseSettings
 
             self.fuse = FuseSettings()
+        if self.stores is None:
+            from studies.harness.stores import StudyStores
+
+            self.stores = StudyStores(fuse_only_evaluated=True)
 
 
 def study_store(spec: StudyStoreSettings, dataset: str, kb_examples: list, examples: list, lm) -> tuple[object, str]:
     """The study's store for this setting, opened read-only when it already holds what the questions read
     (plain KV of every prompt's first chunk, fused KV of the others), else built/completed as the study does."""
+    from studies.harness.membership import membership
+
     from fusionrag.bench.kb_stores import open_store, store_name
-    from fusionrag.bench.membership import membership
     from fusionrag.retrieval.knowledge import KnowledgeStore
 
     path = spec.cache_dir / "stores" / store_name(spec, dataset, TOP_N)
@@ -93,7 +100,7 @@ def study_store(spec: StudyStoreSettings, dataset: str, kb_examples: list, examp
             return store, "reused"
         store.close()
     print(f"[vllm fidelity] {path.name}: building/completing it as the study does", file=sys.stderr, flush=True)
-    open_store(spec, dataset, kb_examples, TOP_N, lm, fused=True, fuse_only=examples).close()
+    open_store(spec, dataset, kb_examples, TOP_N, lm, fused=True, evaluated=examples).close()
     return KnowledgeStore.open(path, lm=lm, read_only=True), "built"
 
 

@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from fusionrag.bench.membership import Membership
 from fusionrag.errors import FusionRAGError
+from studies.harness.membership import Membership
 
 if TYPE_CHECKING:  # the store pulls in faiss: `fusionrag doctor` must parse its arguments without it
     from fusionrag.retrieval.knowledge import KnowledgeStore
@@ -77,7 +77,7 @@ def neighbour_composition(store: KnowledgeStore, members: Membership, lists: Map
 
 @dataclass(frozen=True)
 class NeighbourSource:
-    """A neighbour source as ``bench quality``'s store hook (``QualitySpec.neighbours``)."""
+    """A neighbour source as the studies' stores take it (``StudyStores.neighbours``, :mod:`studies.harness.stores`)."""
 
     name: str
 

@@ -140,13 +140,13 @@ def test_cli_ingest_preprocess_info(tmp_path, capsys):
     assert json.loads(out.out)["new_chunks"] == 5 and "bad.jsonl:1: bad JSON" in out.err
     with pytest.raises(FusionRAGError, match="cannot change after creation"):
         run("ingest", str(corpus), "--store", store, "--chunk-tokens", "64", "--quiet")
-    assert run("preprocess", "--store", store, "--top-n", "2", "--same-document", "--quiet") == 0
+    assert run("preprocess", "--store", store, "--top-n", "2", "--quiet") == 0
     rep = json.loads(capsys.readouterr().out)
-    assert rep["computed"] == 5 and rep["same_document"] is True
+    assert rep["computed"] == 5 and rep["same_document"] is False
     assert run("store", "info", "--store", store) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["fused_kv"] == 5 and info["settings"]["kv_dtype"] == "int8"  # fusionrag ingest's default
-    assert info["settings"]["fuse"] == {"top_n": 2, "neighbour_order": "nearest_first", "same_document": True,
+    assert info["settings"]["fuse"] == {"top_n": 2, "neighbour_order": "nearest_first", "same_document": False,
                                         "min_similarity": None}
 
 

@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 
 import pytest
+from studies.harness.membership import membership
+from studies.harness.stores import StudyStores
 from studies.neighbours.sources import NeighbourSource, neighbour_composition, neighbour_lists
 
 from bench_helpers import sample_data
 from fusionrag.bench.datasets import QAExample, cut_passages
-from fusionrag.bench.membership import membership
 from fusionrag.bench.quality import QualitySpec, run_quality
 from fusionrag.models import load_model
 from fusionrag.offline import build
@@ -119,8 +120,8 @@ def test_a_neighbour_source_store_is_seeded_from_the_same_knowledge_base(tmp_pat
                   kv_dtype="float16")
     run_quality(QualitySpec(out=tmp_path / "corpus", **common))
     capsys.readouterr()
-    run_quality(QualitySpec(out=tmp_path / "pre", neighbours=NeighbourSource("preceding"), fuse_only_evaluated=True,
-                            **common))
+    preceding = StudyStores(NeighbourSource("preceding"), fuse_only_evaluated=True)
+    run_quality(QualitySpec(out=tmp_path / "pre", stores=preceding, **common))
     assert "seeded from tiny-llama-hotpotqa-n3-top2-nearest_first " in capsys.readouterr().out
     stores = sorted(p.name for p in (tmp_path / "cache" / "stores").iterdir())
     assert stores == ["tiny-llama-hotpotqa-n3-top2-nearest_first",

@@ -11,7 +11,6 @@ from pathlib import Path
 from fusionrag.kvcache.store import DEFAULT_KV_DTYPE, STORAGE_DTYPES
 from fusionrag.models.devices import add_device_args
 from fusionrag.models.registry import DEFAULT_MODEL
-from fusionrag.offline.preprocess import DEFAULT_NEIGHBOUR_ORDER, NEIGHBOUR_ORDERS
 
 
 def _floats(text: str) -> list[float]:
@@ -31,7 +30,7 @@ def _command() -> str:
 
 
 def quality_spec(args: argparse.Namespace, **overrides):
-    """The ``QualitySpec`` of parsed ``bench quality`` arguments (studies add their own fields as overrides)."""
+    """The ``QualitySpec`` of parsed ``bench quality`` arguments (the studies' driver adds its own fields)."""
     from fusionrag.bench.quality import QualitySpec
     from fusionrag.offline.preprocess import FuseSettings
 
@@ -40,27 +39,22 @@ def quality_spec(args: argparse.Namespace, **overrides):
         out=Path(args.out),
         model=args.model,
         limit=args.limit,
-        kb_limit=args.kb_limit,
         methods=args.methods,
         ratios=args.ratios,
         top_n=args.top_n,
         max_new_tokens=args.max_new_tokens,
-        max_passage_words=args.max_passage_words,
         seed=args.seed,
         cache_dir=Path(args.cache_dir) if args.cache_dir else None,
-        fuse=FuseSettings(neighbour_order=args.neighbour_order, same_document=args.same_document,
-                          min_similarity=args.min_similarity),
-        reuse_full_cache=args.reuse_full_cache,
+        fuse=FuseSettings(min_similarity=args.min_similarity),
         kv_dtype=args.kv_dtype,
         max_passages=args.max_passages,
         decode=not args.no_decode,
-        fuse_only_evaluated=args.fuse_only_evaluated,
-        full_reference=Path(args.full_reference) if args.full_reference else None,
         command=_command(),
-        extra_meta={"neighbour_order": args.neighbour_order, "same_document": args.same_document,
-                    "kv_dtype": args.kv_dtype},
     )
     fields.update(overrides)
+    fuse = fields["fuse"]
+    fields["extra_meta"] = {"neighbour_order": fuse.neighbour_order, "same_document": fuse.same_document,
+                            "kv_dtype": fields["kv_dtype"], **fields.get("extra_meta", {})}
     return QualitySpec(**fields)
 
 
@@ -199,44 +193,31 @@ def _add_faults(bsub: argparse._SubParsersAction) -> None:
 
 
 def add_quality_args(q: argparse.ArgumentParser) -> None:
-    """``bench quality``'s options (shared with the studies' driver, which adds its own)."""
+    """``bench quality``'s options (shared with the studies' driver, ``python -m studies.quality_cli``, which
+    adds the knowledge-base, offline-ablation and reference options only the studies use)."""
     from fusionrag.online.methods import KV_KINDS, methods
 
     q.add_argument("--data", nargs="+", required=True, help="JSONL files in the ../shared/data schema")
     q.add_argument("--limit", type=int, default=50, help="first N questions of each file")
-    q.add_argument("--kb-limit", type=int, default=None,
-                   help="knowledge base = passages of the first N questions (>= --limit; default --limit): "
-                        "fix it at the study's target size so adding questions later keeps earlier records valid")
     q.add_argument("--methods", type=_names, default="full,reuse,cacheblend,cachecraft,epic,fusionrag:plain,fusionrag",
                    help=f"comma-separated METHOD or METHOD:KV ({', '.join(methods())}; KV one of "
                         f"{', '.join(KV_KINDS)}); each runs on the KV it reuses in 'ask' and 'serve' unless :KV says "
                         "otherwise (fusionrag: plain-first). Default includes fusionrag:plain, the same selection "
                         "without the offline stage")
     q.add_argument("--ratios", type=_floats, default="0,0.05,0.1,0.15,0.3")
-    q.add_argument("--top-n", type=_ints, default="10", help="offline neighbours; a list runs the ablation")
+    q.add_argument("--top-n", type=_ints, default="10", help="offline neighbours; a list runs one store each")
     q.add_argument("--model", default=DEFAULT_MODEL)
     q.add_argument("--max-new-tokens", type=int, default=24)
-    q.add_argument("--max-passage-words", type=int, default=None, help="truncate passages (context length control)")
     q.add_argument("--seed", type=int, default=0)
     q.add_argument("--cache-dir", default=None, help="Full Attention cache and stores (default OUT/cache)")
-    q.add_argument("--neighbour-order", choices=NEIGHBOUR_ORDERS, default=DEFAULT_NEIGHBOUR_ORDER,
-                   help="offline: where the most similar neighbour goes (as 'fusionrag preprocess')")
-    q.add_argument("--same-document", action="store_true",
-                   help="offline: neighbours only from the chunk's own question/document (as 'fusionrag preprocess')")
     q.add_argument("--kv-dtype", choices=list(STORAGE_DTYPES), default=DEFAULT_KV_DTYPE,
                    help=f"storage dtype of the run's stores (default {DEFAULT_KV_DTYPE}, as 'fusionrag ingest')")
     q.add_argument("--min-similarity", type=float, default=None, metavar="COS",
                    help="offline: keep only neighbours at least this similar (up to --top-n)")
     q.add_argument("--max-passages", type=int, default=None,
                    help="passages per question: the supporting ones, then the earliest others (MuSiQue 20 -> 10)")
-    q.add_argument("--fuse-only-evaluated", action="store_true",
-                   help="offline: fuse only the evaluated questions' chunks (a --limit below --kb-limit costs less)")
     q.add_argument("--no-decode", action="store_true",
                    help="teacher-forced metrics only (gold NLL, KL to Full Attention): no greedy answer, no F1")
-    q.add_argument("--full-reference", default=None,
-                   help="compact Full Attention reference, meant to be committed (default OUT/full_reference)")
-    q.add_argument("--reuse-full-cache", action="store_true",
-                   help="let a cached Full Attention result serve the `full` cell too (its TTFT is then not reported)")
     q.add_argument("--out", required=True)
 
 

@@ -1,47 +1,51 @@
-"""The knowledge-base stores a quality study reads, kept apart from the driver that fills them in.
+"""The knowledge-base stores a quality run reads, kept apart from the driver that fills them in.
 
 A store is the knowledge base (the passages of the first ``kb_limit`` questions) plus its
 offline settings; its name is what records carry (``kb``) to say which store they read, so
-a changed knowledge base is detected and its cells recomputed rather than mixed in.
-Building one is the expensive offline part: a larger store is seeded from the largest
-smaller one of the same settings, and a store holding other passages is refused.
+a changed knowledge base is detected and its cells recomputed rather than mixed in. A store
+holding other passages is refused. ``bench quality`` builds it as ``fusionrag preprocess``
+would (the corpus top-n); a study builds its own kinds through a :class:`StoreVariant`
+(``studies/harness/stores.py``: other neighbour sources, fusing only the evaluated questions'
+chunks, seeding from a smaller store).
 """
 
 from __future__ import annotations
 
-import os
-import re
 import shutil
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 from fusionrag.bench.datasets import QAExample
-from fusionrag.bench.membership import Membership, membership
 from fusionrag.errors import FusionRAGError
 from fusionrag.offline import build
-from fusionrag.offline.preprocess import FuseSettings, compute_neighbours, compute_plain
+from fusionrag.offline.preprocess import FuseSettings, compute_plain
 from fusionrag.prompt import SHORT_ANSWER_PROMPT
 from fusionrag.retrieval.knowledge import KnowledgeStore
 
 
-class NeighbourSource(Protocol):
-    """Where a study's chunks take their offline neighbours from, instead of the corpus top-n.
+class StoreVariant(Protocol):
+    """How a study builds its stores other than ``fusionrag preprocess`` would (``QualitySpec.stores``)."""
 
-    ``bench quality`` itself fuses as ``fusionrag preprocess`` does (the most similar chunks of the
-    whole knowledge base); a study passes one of these as ``QualitySpec.neighbours`` to fuse with
-    other lists (``studies/neighbours``). Its ``name`` goes into the store's name."""
+    #: Added to the store's name after its neighbour settings ("" when the neighbours are the corpus top-n).
+    suffix: str
 
-    name: str
+    def seed(self, path: Path) -> Path | None:
+        """Put a copy of another store at ``path`` to start from (the source), or None."""
 
-    def lists(self, store: KnowledgeStore, members: Membership, top_n: int,
-              min_similarity: float | None) -> dict[int, list[int]] | None: ...
+    def fuse_chunks(self, store: KnowledgeStore, evaluated: list[QAExample]) -> list[int] | None:
+        """The only chunks to compute KV for (None: every chunk of the knowledge base)."""
 
-    def composition(self, store: KnowledgeStore, members: Membership, lists: Any) -> dict: ...
+    def neighbour_lists(self, store: KnowledgeStore, examples: list[QAExample],
+                        fuse: FuseSettings) -> dict[int, list[int]] | None:
+        """Each chunk's neighbours (None: the corpus top-n, as ``fusionrag preprocess``)."""
+
+    def composition(self, store: KnowledgeStore, examples: list[QAExample], fuse: FuseSettings) -> dict:
+        """What the neighbours of the store are made of, for the report ({}: nothing to add)."""
 
 
 class StoreSettings(Protocol):
-    """What the store functions read of a study's settings; ``bench_quality.QualitySpec`` has them all.
+    """What the store functions read of a run's settings; ``quality.QualitySpec`` has them all.
 
     A protocol rather than the spec itself, so this module does not import the driver that imports it.
     """
@@ -55,7 +59,7 @@ class StoreSettings(Protocol):
     out: Path
     progress: bool
     kv_dtype: str
-    neighbours: NeighbourSource | None  # None: the corpus top-n, as `fusionrag preprocess`
+    stores: StoreVariant | None  # None: built as `fusionrag preprocess` would
     max_passages: int | None
 
 
@@ -74,8 +78,8 @@ def kb_size(spec: StoreSettings) -> int | None:
 def store_name(spec: StoreSettings, dataset: str, top_n: int) -> str:
     """The store (= knowledge base and offline settings) a cell of ``dataset`` at ``top_n`` reads."""
     variant = f"-{spec.fuse.neighbour_order}" + ("-samedoc" if spec.fuse.same_document else "")
-    if spec.neighbours is not None and spec.neighbours.name != "corpus":
-        variant += f"-nb{spec.neighbours.name}"
+    if spec.stores is not None:
+        variant += spec.stores.suffix
     if spec.fuse.min_similarity is not None:
         variant += f"-sim{spec.fuse.min_similarity:g}"
     if spec.max_passages is not None:  # the knowledge base itself differs: passages were cut per question
@@ -83,49 +87,6 @@ def store_name(spec: StoreSettings, dataset: str, top_n: int) -> str:
     if spec.kv_dtype != "float16":  # fp16 stores keep the names they had before int8 storage existed
         variant += f"-{spec.kv_dtype}"
     return f"{spec.model}-{dataset}-n{kb_size(spec)}-top{top_n}" + variant
-
-
-def _seed_from_smaller_store(path: Path) -> Path | None:
-    """Copy the largest store of the same model/dataset/offline settings built on fewer questions,
-    else a store of the same knowledge base under other offline settings.
-
-    The first N questions of a file are a prefix of the first M > N, chunk ids are assigned
-    by content in insertion order, and every fused entry records the neighbour ids and the
-    tokens it was made with, so the copy keeps all plain KV and the fused KV of chunks whose
-    neighbour lists do not change; ``preprocess`` re-fuses only the rest.
-    """
-    m = re.fullmatch(r"(.+)-n(\d+)(-top.+)", path.name)
-    if m is None:
-        return None
-    prefix, n, suffix = m.group(1), int(m.group(2)), m.group(3)
-    smaller = []
-    for p in path.parent.glob(f"{prefix}-n*{suffix}"):
-        mm = re.fullmatch(re.escape(prefix) + r"-n(\d+)" + re.escape(suffix), p.name)
-        if mm and int(mm.group(1)) < n and (p / "store.sqlite").is_file():
-            smaller.append((int(mm.group(1)), p))
-    if not smaller:
-        # The same knowledge base under other offline settings (another neighbour source, a similarity
-        # floor): its plain KV is the same, and fused entries made with other neighbours are re-fused.
-        same_kb = [p for p in path.parent.glob(f"{prefix}-n{n}-top*")
-                   if p != path and (p / "store.sqlite").is_file() and _same_kb_suffix(p.name, path.name)]
-        if not same_kb:
-            return None
-        smaller = [(0, min(same_kb, key=lambda p: (len(p.name), p.name)))]  # the plainest settings
-    source = max(smaller)[1]
-    tmp = path.with_name(path.name + ".seeding")
-    shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(source, tmp)
-    os.replace(tmp, path)
-    return source
-
-
-def _same_kb_suffix(a: str, b: str) -> bool:
-    """Whether two store names describe the same knowledge base (passage cut and KV dtype), whatever
-    their neighbour settings."""
-    def kb_part(name: str) -> tuple:
-        return (re.search(r"-p\d+", name) or [None])[0], (re.search(r"-(int8|float32)$", name) or [None])[0]
-
-    return kb_part(a) == kb_part(b)
 
 
 def _fill_store(spec: StoreSettings, path: Path, dataset: str, examples: list[QAExample], lm):
@@ -156,23 +117,23 @@ def _fill_store(spec: StoreSettings, path: Path, dataset: str, examples: list[QA
 
 
 def open_store(spec: StoreSettings, dataset: str, examples: list[QAExample], top_n: int, lm, fused: bool = True,
-               fuse_only: list[QAExample] | None = None):
+               evaluated: list[QAExample] | None = None):
     """The run's store with plain KV for every chunk, and fused KV too when ``fused`` (the slow part).
 
     Cells on plain KV never read fused entries, so a run of only those skips the offline stage: on
-    MuSiQue's 942-chunk knowledge base that is most of an hour of one core. ``fuse_only`` fuses only
-    these questions' chunks (neighbours still come from the whole knowledge base): a study of 30
-    questions on a 100-question knowledge base pays for 300 fused chunks, not 1,000. Without
-    ``fused``, a ``fuse_only`` run computes only those questions' plain KV (what its cells read; a
-    later fused run completes the rest).
+    MuSiQue's 942-chunk knowledge base that is most of an hour of one core. A study's variant may
+    restrict the KV computed to the ``evaluated`` questions' chunks (neighbours still come from the
+    whole knowledge base); without ``fused`` that is only those chunks' plain KV (what the cells
+    read; a later fused run completes the rest).
     """
     # Stores hold gigabytes of KV: they live in the cache folder, never next to the report.
     path = (spec.cache_dir or spec.out / "cache") / "stores" / store_name(spec, dataset, top_n)
-    seeded = not path.exists() and (source := _seed_from_smaller_store(path)) is not None
+    variant = spec.stores
+    seeded = variant is not None and not path.exists() and (source := variant.seed(path)) is not None
     if seeded:
         print(f"[bench quality] {path.name}: seeded from {source.name} (its plain KV and still-current fused KV)")
     store = _fill_store(spec, path, dataset, examples, lm)
-    if store is None and seeded:  # the smaller store came from another file of the same dataset name
+    if store is None and seeded:  # the seed came from another file of the same dataset name
         print(f"[bench quality] {path.name}: the seed holds passages of other questions; building from scratch")
         shutil.rmtree(path)
         store = _fill_store(spec, path, dataset, examples, lm)
@@ -181,30 +142,22 @@ def open_store(spec: StoreSettings, dataset: str, examples: list[QAExample], top
             f"{path} holds chunks that are not passages of this run's questions (another data file with the "
             f"dataset name '{dataset}'?): the knowledge base would be wrong; remove it or use another --cache-dir"
         )
-    only = None if fuse_only is None else sorted({c for p in membership(store, fuse_only).prompts for c in p})
+    only = None if variant is None or evaluated is None else variant.fuse_chunks(store, evaluated)
     # Plain KV, with a progress bar: for the whole knowledge base, except in a run of plain-KV cells on
     # some of its questions, which reads only their passages (half of a 100-question store's plain KV).
     fusing = fused and top_n > 0
     compute_plain(store, lm, build.ensure_system_kv(store, lm), progress=spec.progress,
                   chunk_ids=None if fusing else only)
     if fusing:
-        lists = None if spec.neighbours is None else \
-            spec.neighbours.lists(store, membership(store, examples), top_n, spec.fuse.min_similarity)
-        build.fuse(store, lm, settings=replace(spec.fuse, top_n=top_n), progress=spec.progress,
-                   neighbour_lists=lists, chunk_ids=only)
+        settings = replace(spec.fuse, top_n=top_n)
+        lists = None if variant is None else variant.neighbour_lists(store, examples, settings)
+        build.fuse(store, lm, settings=settings, progress=spec.progress, neighbour_lists=lists, chunk_ids=only)
     return store
 
 
 def store_composition(spec: StoreSettings, store: KnowledgeStore, examples: list[QAExample], top_n: int) -> dict:
-    """What the neighbours of the store a run's fused cells read are (the source's own description, if any)."""
-    source = spec.neighbours
-    out = {"source": "corpus" if source is None else source.name, "min_similarity": spec.fuse.min_similarity,
-           "top_n": top_n}
-    if source is None:
+    """What the neighbours of the store a run's fused cells read are (the variant's own description, if any)."""
+    out = {"source": "corpus", "min_similarity": spec.fuse.min_similarity, "top_n": top_n}
+    if spec.stores is None:
         return out
-    members = membership(store, examples)
-    lists = source.lists(store, members, top_n, spec.fuse.min_similarity)
-    if lists is None:
-        lists = compute_neighbours(store, store.chunk_ids(), top_n, spec.fuse.same_document,
-                                   spec.fuse.min_similarity)
-    return {**out, **source.composition(store, members, lists)}
+    return {**out, **spec.stores.composition(store, examples, replace(spec.fuse, top_n=top_n))}

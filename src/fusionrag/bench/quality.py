@@ -8,9 +8,10 @@ retrieval). Every method sees the same token ids. Per-question records are appen
 Attention outputs (answer + first-token logits) are cached under ``cache/full`` and
 reused across runs, ablations and methods.
 
-The knowledge base can be larger than the evaluated set (``kb_limit``): building it is the
-expensive offline part, so fixing it at the study's target size lets later runs evaluate
-more questions without invalidating earlier records. Every record of a cell that reads the
+A study can make the knowledge base larger than the evaluated set (``kb_limit``, set by
+``python -m studies.quality_cli --kb-limit``): building it is the expensive offline part, so fixing
+it at the study's target size lets later runs evaluate more questions without invalidating
+earlier records. Every record of a cell that reads the
 store (fused KV, Cache-Craft's stored scores) names the store it used (``kb``); records made
 with another knowledge base are moved aside to ``records.superseded.jsonl`` and recomputed,
 never mixed in.
@@ -34,7 +35,7 @@ from fusionrag.bench.aggregate import aggregate, all_comparisons, knowledge_base
 from fusionrag.bench.cells import run_cell
 from fusionrag.bench.datasets import load_questions
 from fusionrag.bench.full_reference import FullReference
-from fusionrag.bench.kb_stores import NeighbourSource, kb_size, open_store, store_composition, store_name
+from fusionrag.bench.kb_stores import StoreVariant, kb_size, open_store, store_composition, store_name
 from fusionrag.bench.records import (
     FullCache,
     append_record,
@@ -78,11 +79,10 @@ class QualitySpec:
     #: each value of ``top_n``, which may list several for the ablation).
     fuse: FuseSettings = field(default_factory=FuseSettings)
     kv_dtype: str = DEFAULT_KV_DTYPE  # as `fusionrag ingest` stores KV; non-fp16 stores are named so
-    neighbours: NeighbourSource | None = None  # offline: None = the corpus top-n (as `fusionrag preprocess`)
+    stores: StoreVariant | None = None  # a study's stores (studies/harness); None: as `fusionrag preprocess` builds
     max_passages: int | None = None  # passages per question (supporting ones kept); None: as in the file
     decode: bool = True  # False: teacher-forced metrics only (no greedy answer, no F1/agreement)
     full_reference: Path | None = None  # committed Full Attention reference (default: OUT/full_reference)
-    fuse_only_evaluated: bool = False  # offline: fuse only the evaluated questions' chunks (kb_limit > limit)
     #: Compute dtype of the methods' cells. The stores and Full Attention stay float32 whatever it is (the KL is
     #: always to the float32 reference); another dtype's records are named apart (``fusionrag@bf16``).
     dtype: str = "float32"
@@ -218,8 +218,7 @@ def run_quality(spec: QualitySpec) -> list[dict]:
         # One store per offline top-n; plain KV is the same in all of them, so plain runs use the first
         # (and build no fused KV when no cell reads it). Nothing left to compute: no store is opened at all.
         needed = {r.top_n for _, r in todo if r.reads_store}
-        only = examples if spec.fuse_only_evaluated else None
-        engines = {n: Engine(open_store(spec, dataset, kb_examples, n, lm, fused=n in needed, fuse_only=only), lm)
+        engines = {n: Engine(open_store(spec, dataset, kb_examples, n, lm, fused=n in needed, evaluated=examples), lm)
                    for n in sorted(needed or {spec.top_n[0]})} if todo else {}
         online = engines if online_lm is lm else {n: Engine(e.store, online_lm) for n, e in engines.items()}
         for n in needed:
@@ -261,7 +260,6 @@ def run_quality(spec: QualitySpec) -> list[dict]:
             "kb_limit": kb_n,
             "knowledge_base_stores": knowledge_base_stores(mine),
             "neighbour_composition": compositions,
-            "neighbours": "corpus" if spec.neighbours is None else spec.neighbours.name,
             "min_similarity": spec.fuse.min_similarity,
             "max_passages": spec.max_passages,
             "decode": spec.decode,

@@ -15,7 +15,7 @@ from pathlib import Path
 from fusionrag.errors import FusionRAGError
 from fusionrag.kvcache.store import DEFAULT_KV_DTYPE, STORAGE_DTYPES
 from fusionrag.models.devices import add_device_args, device_options
-from fusionrag.offline.preprocess import DEFAULT_TOP_N, NEIGHBOUR_ORDERS
+from fusionrag.offline.preprocess import DEFAULT_TOP_N
 
 _MODEL_HELP = (
     "model short name or local checkpoint (default: qwen2.5-0.5b for a new store, the store's model otherwise)"
@@ -133,8 +133,8 @@ def cmd_preprocess(args: argparse.Namespace) -> int:
             converted = compact.convert_kv_dtype(store, args.kv_dtype) if args.kv_dtype else []
             if args.plain_kv == "keep":
                 compact.set_plain_kv(store, "keep")
-            settings = build.resolve_fuse_settings(store, args.top_n, args.neighbour_order,
-                                                   True if args.same_document else None, args.min_similarity)
+            # Neighbour order and same-document neighbours: the store's recorded settings, else the defaults.
+            settings = build.resolve_fuse_settings(store, args.top_n, min_similarity=args.min_similarity)
             report = build.fuse(store, lm, settings=settings, progress=not args.quiet, runner=runner)
             if args.plain_kv == "drop":
                 compact.set_plain_kv(store, "drop")
@@ -279,10 +279,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--store", required=True, help="knowledge-base folder")
     p.add_argument("--top-n", type=int, default=None,
                    help=f"neighbours per chunk (0 = plain KV; default: the store's setting, else {DEFAULT_TOP_N})")
-    p.add_argument("--neighbour-order", choices=list(NEIGHBOUR_ORDERS), default=None,
-                   help="where the most similar neighbour goes: first, right after S (nearest_first, the default) "
-                        "or right before the chunk (nearest_last); default: the store's recorded setting")
-    p.add_argument("--same-document", action="store_true", help="take neighbours only from the chunk's document")
     p.add_argument("--min-similarity", type=float, default=None, metavar="COS",
                    help="keep only neighbours at least this similar (cosine of the embeddings): up to --top-n, "
                         "fewer where the corpus has nothing close (default: the store's setting, else plain top-n)")

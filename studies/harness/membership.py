@@ -1,7 +1,7 @@
 """Which stored chunks each question's prompt holds, in prompt order: what a study's stores are checked against.
 
 A quality run passes each question's passages explicitly; the knowledge base holds them as
-chunks (by content). ``bench quality`` uses this to fuse only the evaluated questions' chunks;
+chunks (by content). The studies' stores use this to fuse only the evaluated questions' chunks;
 neighbour-source studies use it as the ground truth of which chunks share a prompt.
 """
 
