@@ -2,7 +2,7 @@
 
 Full Attention reads no stored KV (every passage is prefilled with the question), so its
 reference (docs/results/<study>/full_reference, committed) can be computed while the study's
-stores are still being built, on another core. `bench quality --reuse-full-cache` then serves
+stores are still being built, on another core. `python -m studies.quality_cli --reuse-full-cache` then serves
 the `full` cell from it.
 
     OMP_NUM_THREADS=1 .venv/bin/python studies/quality/full_reference.py --data FILE --limit 100 \\

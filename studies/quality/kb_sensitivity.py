@@ -1,6 +1,6 @@
 """How much do store-reading results move when only the knowledge base grows?
 
-When a dataset's knowledge base is enlarged (``--kb-limit``), ``bench quality`` moves the
+When a dataset's knowledge base is enlarged (``python -m studies.quality_cli --kb-limit``), the run moves the
 old store-reading records to ``records.superseded.jsonl`` and recomputes them. The same
 questions answered with the same method, ratio and model, differing only in which other
 passages the offline stage could pick as neighbours, give a paired measure of how
