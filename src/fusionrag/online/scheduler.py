@@ -1,30 +1,22 @@
 """The engine's scheduler: every request is admitted, prefilled and decoded here, whatever its door.
 
-Continuous batching: concurrent requests decode together, one forward per step for all of them. Why:
-decoding one token is a forward of a single token, dominated by reading the weights (and on CPU by
-per-call overhead); B requests decoding in one forward of B tokens cost
-little more than one, so throughput grows with concurrency. Prefill stays per request
-(its shape and KV-reuse path differ per method) and runs between decode steps, within a token
-budget per step (``step_tokens``, vLLM's ``max_num_batched_tokens``): while other requests decode, a
-prefill runs in pieces of at most the budget minus the decoding rows, one piece per decode step, so a
-long prompt arriving delays each stream's next token by one piece instead of its whole prefill
-(``benchmarks/scheduler``). With nothing decoding, a prefill runs in one pass: nobody waits on it.
+Continuous batching: concurrent requests decode together, one forward per step for all of them (decoding
+one token is dominated by reading the weights, so B rows cost little more than one). Prefill stays per
+request (its shape and KV-reuse path differ per method) and runs between decode steps, within a token
+budget per step (``step_tokens``, vLLM's ``max_num_batched_tokens``): while others decode, a prefill runs
+in pieces of at most the budget minus the decoding rows, one per decode step, so a long prompt delays
+each stream by one piece instead of its whole prefill (``benchmarks/scheduler``); with nothing decoding
+it runs in one pass: nobody waits on it.
 
-How (see :class:`BatchScheduler`): one *model thread* owns the engine. It admits waiting
-requests by running ``engine.prepare`` (everything up to the first token), then runs
-batched decode steps over the active requests with the shared decode loop
-(:class:`~fusionrag.execution.decoder.BatchDecoder`: padded rows, each at its own
-position, joining and leaving between steps). This module keeps only the queue, the
-request lifecycle and the events. Shared chunk KV is never touched: ``prepare`` hands each
-request its own assembled copy, which the decoder takes over.
-
-A caller without a model thread (``Engine.answer``, ``Engine.stream``, ``fusionrag ask``) runs the same
-steps inline, as a batch of one (:meth:`BatchScheduler.run_inline`): one path for the CLI, API and server.
-
-The model thread also runs *tasks* (e.g. adding documents to the store) between steps,
-so everything that touches the model or the store happens on one thread: the model runs
-one forward at a time, and thread-bound resources (SQLite connections) stay on the
-thread that created them when the engine is built by a factory on this thread.
+One *model thread* owns the engine (:class:`BatchScheduler`): it prefills admitted requests
+(``engine.prepare_pieces``), then decodes the active ones with the shared
+:class:`~fusionrag.execution.decoder.BatchDecoder` (rows join and leave between steps); each request's
+tokens and end are :mod:`fusionrag.online.outcomes`'. Shared chunk KV is never touched: a prefill gives
+each request its own prompt KV, which the decoder takes over. A caller without a model thread
+(``Engine.answer``, ``fusionrag ask``) runs the same steps inline, as a batch of one
+(:meth:`BatchScheduler.run_inline`). The model thread also runs *tasks* (e.g. adding documents) between
+steps, so the model runs one forward at a time and thread-bound resources (SQLite connections) stay on
+the thread that made them.
 """
 
 from __future__ import annotations
@@ -41,12 +33,12 @@ import torch
 
 from fusionrag.errors import PromptTooLongError, QueueFullError, RequestCancelledError, SchedulerClosedError
 from fusionrag.execution.decoder import BatchDecoder
-from fusionrag.execution.generate import TextStreamer
 from fusionrag.online.limits import check_prompt_length
+from fusionrag.online.outcomes import emit_token, fail, finish
 from fusionrag.online.request import ReuseRequest
 from fusionrag.online.sampling import SamplingParams
 from fusionrag.online.scheduled import Event, Listener, SchedulerStats, Task, drained
-from fusionrag.online.state import Request, Status
+from fusionrag.online.state import Request
 
 log = logging.getLogger(__name__)
 
@@ -73,17 +65,9 @@ class BatchScheduler:
     whole prefill between two decode steps).
     """
 
-    def __init__(
-        self,
-        engine: Any,
-        max_batch: int = 8,
-        max_queue: int = 64,
-        max_prompt_tokens: int | None = None,
-        prefills_per_step: int | None = None,
-        stop_ids: list[int] | None = None,
-        autostart: bool = True,
-        step_tokens: int | None = DEFAULT_STEP_TOKENS,
-    ) -> None:
+    def __init__(self, engine: Any, max_batch: int = 8, max_queue: int = 64, max_prompt_tokens: int | None = None,
+                 prefills_per_step: int | None = None, stop_ids: list[int] | None = None, autostart: bool = True,
+                 step_tokens: int | None = DEFAULT_STEP_TOKENS) -> None:
         if max_batch < 1:
             raise ValueError("max_batch must be >= 1")
         if step_tokens is not None and step_tokens < 1:
@@ -289,7 +273,7 @@ class BatchScheduler:
                     except Exception as exc:  # never let one bad step kill the server
                         log.exception("batched decode step failed")
                         for req in [*self._rows.values(), *self._joining]:
-                            self._fail(req, exc)
+                            fail(req, exc, self.stats)
                         self._reset_batch()
             self._drain(SchedulerClosedError("the server is shutting down"))
 
@@ -302,7 +286,7 @@ class BatchScheduler:
             self._prefilling[1].close()
             self._prefilling = None
         for req in [*pending, *self._rows.values(), *self._joining]:
-            self._fail(req, exc)
+            fail(req, exc, self.stats)
         for task in tasks:
             task.future.set_exception(exc)
         self._reset_batch()
@@ -323,72 +307,12 @@ class BatchScheduler:
         else:
             task.future.set_result(result)
 
-    def _fail(self, req: Request, exc: BaseException) -> None:
-        if req.finished:
-            return
-        req.error = exc
-        if isinstance(exc, RequestCancelledError):
-            self.stats.cancelled += 1
-            req.status = Status.CANCELLED
-        else:
-            self.stats.failed += 1
-            req.status = Status.FAILED
-        req.emit(Event("error", error=exc))
-
-    def _finish(self, req: Request, reason: str) -> None:
-        req.finish_reason = reason
-        # what the streamer (an unfinished character) and the stop matcher (a possible stop string) held back
-        tail = req.stop_matcher.push(req.streamer.flush()) if req.streamer is not None else ""
-        tail += req.stop_matcher.flush()
-        req.emitted += tail
-        try:
-            self.engine.finish(req, list(req.token_ids))
-        except Exception as exc:
-            self._fail(req, exc)
-            return
-        self.stats.completed += 1
-        req.emit(Event("done", answer=req, finish_reason=reason, text=tail))
-
-    def _emit_token(self, req: Request, logits: torch.Tensor) -> bool:
-        """Pick the request's next token from ``logits`` and emit it; False once the request has finished."""
-        clock = self.engine.clock() if req.first_token < 0 else None  # picking the first token: TTFT's last stage
-        try:
-            picked = req.sampler.pick(logits)
-        except Exception as exc:  # this request's sampling, not the batch, failed
-            log.warning("sampling failed for request %s", req.id, exc_info=True)
-            self._fail(req, exc)
-            return False
-        if clock is not None:
-            req.first_token = picked.token
-            req.picked_first(clock.total())
-        if picked.token in self.stop_ids:
-            self._finish(req, "stop")
-            return False
-        if req.streamer is None:
-            req.streamer = TextStreamer(self.engine.lm.tokenizer)
-        req.token_ids.append(picked.token)
-        req.token_times.append(time.perf_counter())
-        self.stats.tokens_generated += 1
-        if req.first_token_at is None:
-            req.first_token_at = req.token_times[-1]
-        text = req.stop_matcher.push(req.streamer.push(picked.token))
-        req.emitted += text
-        req.emit(Event("token", token=picked.token, text=text, logprob=picked.logprob, top_logprobs=picked.top))
-        if req.stop_matcher.stopped:
-            self._finish(req, "stop")
-            return False
-        if len(req.token_ids) >= req.max_new_tokens:
-            self._finish(req, "length")
-            return False
-        req.last_token = picked.token
-        return True
-
     def _prefill(self, req: Request) -> None:
         """Start ``req``'s prefill: in one pass when nothing decodes (nobody waits on it), else in pieces of
         the step's token budget left by the decoding rows, one piece per decode step (:meth:`_advance`)."""
         req.prefill_started_at = time.perf_counter()
         if req.cancelled:
-            self._fail(req, RequestCancelledError("cancelled before prefill"))
+            fail(req, RequestCancelledError("cancelled before prefill"), self.stats)
             return
         t0 = time.perf_counter()
         try:
@@ -402,7 +326,7 @@ class BatchScheduler:
             pieces = self.engine.prepare_pieces(req, resolved, piece)
         except Exception as exc:
             self.stats.prefills += 1
-            self._fail(req, exc)
+            fail(req, exc, self.stats)
             return
         finally:
             self.stats.prefill_seconds += time.perf_counter() - t0
@@ -429,20 +353,21 @@ class BatchScheduler:
             pieces.close()
             self._prefilling = None
             self.stats.prefills += 1
-            self._fail(req, exc)
+            fail(req, exc, self.stats)
             return
         finally:
             self.stats.prefill_seconds += time.perf_counter() - t0
         self._prefilling = None
         self.stats.prefills += 1
         if self.max_prompt_tokens and req.prompt_tokens > self.max_prompt_tokens:
-            self._fail(req, PromptTooLongError(f"the prompt has {req.prompt_tokens} tokens; this server accepts at "
-                                               f"most {self.max_prompt_tokens} (use a lower top_k)"))
+            fail(req, PromptTooLongError(f"the prompt has {req.prompt_tokens} tokens; this server accepts at "
+                                         f"most {self.max_prompt_tokens} (use a lower top_k)"), self.stats)
             return
         if req.max_new_tokens <= 0:
-            self._finish(req, "length")
+            finish(self.engine, req, "length", self.stats)
             return
-        if self._emit_token(req, req.pre.last_logits):  # the first token needs no forward
+        # the first token needs no forward
+        if emit_token(self.engine, req, req.pre.last_logits, self.stop_ids, self.stats):
             self._joining.append(req)
 
     # -- the batch ----------------------------------------------------------------------
@@ -470,7 +395,7 @@ class BatchScheduler:
         # Requests cancelled since the last step leave before spending a forward on them.
         gone = [rid for rid, r in self._rows.items() if r.cancelled]
         for rid in gone:
-            self._fail(self._rows[rid], RequestCancelledError("cancelled while decoding"))
+            fail(self._rows[rid], RequestCancelledError("cancelled while decoding"), self.stats)
         if gone:
             self._leave(gone)
         if not self._rows:
@@ -482,7 +407,8 @@ class BatchScheduler:
         self.stats.decode_steps += 1
         self.stats.decode_rows += batch
         self.stats.max_batch_seen = max(self.stats.max_batch_seen, batch)
-        gone = [rid for rid, req in list(self._rows.items()) if not self._emit_token(req, logits[rid])]
+        gone = [rid for rid, req in list(self._rows.items())
+                if not emit_token(self.engine, req, logits[rid], self.stop_ids, self.stats)]
         self._beat = time.monotonic()
         if gone:
             self._leave(gone)
