@@ -154,7 +154,7 @@ def markdown(doc: dict) -> str:
     ]
 
     def ratio(r: dict | None) -> str:
-        return "-" if not r else f"{r['median']:.1f}x [{r['lo']:.1f}, {r['hi']:.1f}] (n={r['n']})"
+        return "-" if not r else f"{r['median']:.2f}x [{r['lo']:.2f}, {r['hi']:.2f}] (n={r['n']})"
 
     for r in summary:
         lines.append(f"| {r['method']} | {r['budget'] or 'none'} | {r['max_gap_s']:.2f} | {r['median_gap_s']:.2f} | "

@@ -25,6 +25,6 @@ def test_step_gap_report_pairs_each_budget_with_no_budget_round_by_round(tmp_pat
             "rounds": 3, "context_tokens": 8192, "data": "d.jsonl", "machine": {"cpu_model": "test CPU"}}
     gap.write_report({"meta": meta, "rows": rows, "summary": summary}, tmp_path)
     text = (tmp_path / "README.md").read_text()
-    assert "| full | 512 | 3.50 |" in text and "20.0x [20.0, 20.0] (n=3)" in text
+    assert "| full | 512 | 3.50 |" in text and "20.00x [20.00, 20.00] (n=3)" in text
     assert json.loads((tmp_path / "step_gap.json").read_text())["summary"]
     assert_png(tmp_path / "step_gap.png")
