@@ -100,14 +100,8 @@ def assemble_context(
     return context, ids, spans
 
 
-def prefill_reused(
-    lm: LoadedModel,
-    context: KV,
-    context_ids: torch.Tensor,
-    spans: list[tuple[int, int]],
-    question_token_ids: Sequence[int],
-    recompute_idx: torch.Tensor | None = None,
-) -> Prefilled:
+def prefill_reused(lm: LoadedModel, context: KV, context_ids: torch.Tensor, spans: list[tuple[int, int]],
+                   question_token_ids: Sequence[int], recompute_idx: torch.Tensor | None = None) -> Prefilled:
     """Sparse-recompute ``recompute_idx`` (indices into ``context``) and prefill the question."""
     return run_pieces(prefill_reused_pieces(lm, context, context_ids, spans, question_token_ids, recompute_idx))
 
