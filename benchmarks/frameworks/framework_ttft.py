@@ -169,7 +169,7 @@ def build_store(files_dir: Path, store: Path, model: str, top_n: int, threads: i
             return {**done, "reused": True}
     exe = fusionrag_exe()
     steps = [run_cli([exe, "--threads", str(threads), "ingest", str(files_dir), "--store", str(store), "--model", model,
-                      "--quiet"], threads, timeout)]
+                      "--quiet", "--json"], threads, timeout)]
     if top_n > 0:
         steps.append(run_cli([exe, "--threads", str(threads), "preprocess", "--store", str(store),
                               "--top-n", str(top_n), "--quiet"], threads, timeout))

@@ -240,7 +240,7 @@ def ingest(files_dir: Path, store: Path, ckpt: Path, args: argparse.Namespace, l
     """``fusionrag ingest`` in a subprocess; its JSON report's counts."""
     cmd = fusionrag_cmd("ingest", str(files_dir), "--store", str(store), "--model", str(ckpt), "--device",
                         args.device, "--dtype", args.dtype, "--chunk-tokens", str(args.chunk_tokens),
-                        "--embedder", "hashing-384", "--quiet")
+                        "--embedder", "hashing-384", "--quiet", "--json")
     t0 = time.perf_counter()
     if timeout_s <= 0:
         raise BudgetEnded("before ingest")

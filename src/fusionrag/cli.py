@@ -16,15 +16,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 from fusionrag.errors import FusionRAGError, exit_code, storage_error
-from fusionrag.models.devices import add_device_args
-from fusionrag.models.registry import DEFAULT_MODEL, KNOWN_NAMES
+from fusionrag.models.options import DEFAULT_MODEL, KNOWN_NAMES, add_device_args
 
 MODEL_HELP = f"short name ({', '.join(KNOWN_NAMES)}) or a local HF checkpoint folder; default {DEFAULT_MODEL}"
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
     from fusionrag.doctor import run_checks
-    from fusionrag.models.devices import device_options
+    from fusionrag.models.options import device_options
 
     report = run_checks(args.model, **device_options(args))
     print(json.dumps(report, indent=None if args.compact else 2))
@@ -33,7 +32,7 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
 
 def _cmd_demo(args: argparse.Namespace) -> int:
     from fusionrag.demo import run_demo
-    from fusionrag.models.devices import device_options
+    from fusionrag.models.options import device_options
 
     run_demo(model=args.model, max_new_tokens=args.max_new_tokens, limit=args.limit, **device_options(args))
     return 0
@@ -82,14 +81,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    import torch
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()  # "Loading weights" bars for a ~2 s load are noise; ours stay
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    # Nothing heavy (torch, transformers) is imported here: each command imports what it needs after its
+    # checks, so --help, --version and a wrong argument or store answer at once.
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # "Loading weights" bars: noise; ours stay
     func: Callable[[argparse.Namespace], int] = args.func
     try:
+        if args.threads:
+            import torch
+
+            torch.set_num_threads(args.threads)
         return func(args)
     except FusionRAGError as exc:
         return _fail(args, exc)

@@ -11,7 +11,7 @@ COMMON = ["--model", "tiny-llama", "--quiet"]
 
 
 def _ingest(*argv):
-    return main(["ingest", *argv, "--embedder", "hashing-64", *COMMON])
+    return main(["ingest", *argv, "--embedder", "hashing-64", "--json", *COMMON])
 
 
 def test_pdf_and_html_are_ingested_and_bad_files_fail_the_run_after_the_good_ones(tmp_path, capsys, fusionrag_home):

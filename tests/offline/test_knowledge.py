@@ -135,7 +135,7 @@ def test_cli_ingest_preprocess_info(tmp_path, capsys):
         return args.func(args)
 
     assert run("ingest", str(corpus), str(tmp_path / "bad.jsonl"), "--store", store, "--model", "tiny-llama",
-               "--embedder", "hashing-64", "--chunk-tokens", "160", "--quiet") == 0
+               "--embedder", "hashing-64", "--chunk-tokens", "160", "--quiet", "--json") == 0
     out = capsys.readouterr()
     assert json.loads(out.out)["new_chunks"] == 5 and "bad.jsonl:1: bad JSON" in out.err
     with pytest.raises(FusionRAGError, match="cannot change after creation"):

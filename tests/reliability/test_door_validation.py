@@ -69,7 +69,7 @@ def test_ingest_names_the_line_and_passage_with_invalid_unicode_and_keeps_the_re
             {"id": "q", "passages": [{"title": "Fine", "text": "ok"}, {"title": "Worse", "text": SURROGATE}]}]
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     code = main(["ingest", str(data.parent), "--store", str(tmp_path / "kb"), "--model", "tiny-llama",
-                 "--embedder", "hashing-64", "--quiet"])
+                 "--embedder", "hashing-64", "--quiet", "--json"])
     out, err = capsys.readouterr()
     assert code == 0 and "Traceback" not in err
     report = json.loads(out)

@@ -64,6 +64,7 @@ def test_an_input_with_nothing_to_ingest_is_an_error(tmp_path, capsys, fusionrag
                  "--embedder", "hashing-64", "--quiet"])
     err = capsys.readouterr().err
     assert code == 2 and "nothing was ingested" in err and "Traceback" not in err
+    assert not (tmp_path / "kb").exists()  # a first ingest that stored nothing leaves no empty store behind
 
 
 def test_document_ids_and_sources_follow_one_set_of_limits_at_every_door(tmp_path, capsys):

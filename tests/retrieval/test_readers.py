@@ -24,7 +24,7 @@ def _parse(path, data):
 
 
 def test_the_registry_covers_the_formats():
-    assert {".txt", ".md", ".jsonl", ".pdf", ".html", ".htm", ".docx"} <= set(SUPPORTED_SUFFIXES)
+    assert {".txt", ".md", ".rst", ".jsonl", ".pdf", ".html", ".htm", ".docx"} <= set(SUPPORTED_SUFFIXES)
 
 
 def test_pdf_one_passage_per_page_with_text_titled_by_its_metadata(tmp_path):
@@ -76,17 +76,32 @@ def test_docx_sections_by_heading_styles(tmp_path):
     assert broken.passages == [] and problems[0].file_skipped and "cannot read this DOCX file" in str(problems[0])
 
 
-def test_a_folder_walk_finds_the_new_formats(tmp_path):
-    for name in ("a.pdf", "b.html", "c.htm", "d.docx", "e.txt", "f.xlsx"):
+def test_a_folder_walk_finds_the_new_formats_and_names_the_files_it_does_not_read(tmp_path):
+    for name in ("a.pdf", "b.html", "c.htm", "d.docx", "e.txt", "f.xlsx", "g.rst", ".DS_Store"):
         (tmp_path / name).write_bytes(b"x")
+    (tmp_path / ".git").mkdir()
+    (tmp_path / ".git" / "HEAD").write_bytes(b"ref")
     problems = []
-    assert [p.name for p in expand_paths([tmp_path], problems)] == ["a.pdf", "b.html", "c.htm", "d.docx", "e.txt"]
-    assert not problems  # unsupported files in a folder are ignored; named only when given explicitly
+    assert [p.name for p in expand_paths([tmp_path], problems)] == ["a.pdf", "b.html", "c.htm", "d.docx", "e.txt",
+                                                                    "g.rst"]
+    # one line for the folder naming them (hidden files and folders aside); not a failed file
+    assert len(problems) == 1 and not problems[0].file_skipped
+    assert "1 file(s) of unsupported types not read: f.xlsx" in str(problems[0]) and ".git" not in str(problems[0])
+
+
+def test_rst_is_read_as_text_in_heading_sections(tmp_path):
+    text = ("=====\nGuide\n=====\n\nIntro text.\n\nInstall\n-------\n\nRun ``pip install x``.\n\n"
+            "Use\n~~~\nCall it::\n\n    x()\n")
+    (parsed, problems) = _parse(tmp_path / "guide.rst", text.encode())
+    assert not problems and parsed.title == "Guide"
+    assert [(p.title, p.text.strip()) for p in parsed.passages] == [
+        ("Guide", "Intro text."), ("Install", "Run ``pip install x``."), ("Use", "Call it::\n\n    x()")]
 
 
 @pytest.mark.parametrize("name,content", [
     ("guide.md", "Intro.\n# Install\nRun it.\n```\n# not a heading\n```\n## Use\nCall it.\n"),
     ("plain.txt", "Plain body.\nSecond line."),
+    ("notes.rst", "Notes\n=====\nBody.\n\nMore\n----\nText under it.\n"),
     ("page.html", NOISY_HTML),
     ("rows.jsonl", json.dumps({"title": "T", "text": "row one"}) + "\n" + json.dumps({"text": "row two"}) + "\n"),
 ])

@@ -8,9 +8,8 @@ import shlex
 import sys
 from pathlib import Path
 
-from fusionrag.kvcache.store import DEFAULT_KV_DTYPE, STORAGE_DTYPES
-from fusionrag.models.devices import add_device_args
-from fusionrag.models.registry import DEFAULT_MODEL
+from fusionrag.kvcache.storage_dtypes import DEFAULT_KV_DTYPE, STORAGE_DTYPES
+from fusionrag.models.options import DEFAULT_MODEL, add_device_args
 
 
 def _floats(text: str) -> list[float]:

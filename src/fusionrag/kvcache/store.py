@@ -40,6 +40,8 @@ from fusionrag.errors import CacheIntegrityError, FusionRAGError
 from fusionrag.files import atomic_write, remove_temp_files
 from fusionrag.kvcache.kv import KV
 from fusionrag.kvcache.quant import INT8_SCHEME, check_int8, dequantize_kv, quantize_kv
+from fusionrag.kvcache.storage_dtypes import DEFAULT_KV_DTYPE as DEFAULT_KV_DTYPE  # re-exported
+from fusionrag.kvcache.storage_dtypes import STORAGE_DTYPES as STORAGE_DTYPES  # re-exported
 from fusionrag.models.fingerprint import same_weights
 
 FORMAT = "fusionrag-kv/1"
@@ -49,11 +51,6 @@ KINDS = ("plain", "fused", "system")
 CHUNK_KINDS = ("plain", "fused")
 DTYPES = {"float16": torch.float16, "fp16": torch.float16, "float32": torch.float32, "fp32": torch.float32,
           "int8": torch.int8}
-#: Storage dtypes a store can be created with (what ``--kv-dtype`` offers).
-STORAGE_DTYPES = ("float16", "float32", "int8")
-#: What ``fusionrag ingest`` creates a store with: int8's fidelity loss against fp16 is not resolved
-#: on 50 paired TriviaQA questions, and it halves the store (decision 015, studies/kv_int8/results/summary).
-DEFAULT_KV_DTYPE = "int8"
 _MAX_HEADER = 16 << 20
 #: The largest entry a store reads (header and tensors). A 4K-token chunk of a 7B-class model in fp32
 #: is ~2 GiB of KV; anything claiming more is refused before a byte of it is read.

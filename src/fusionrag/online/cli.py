@@ -11,7 +11,7 @@ import json
 import sys
 import time
 
-from fusionrag.models.devices import add_device_args, device_options, dtype_choice
+from fusionrag.models.options import add_device_args, device_options
 from fusionrag.online.methods import KV_KINDS, method_info, methods
 from fusionrag.online.request import DEFAULT_MAX_NEW_TOKENS, ReuseRequest
 
@@ -27,21 +27,42 @@ def _model_of(args: argparse.Namespace) -> str:
     if args.store:
         from fusionrag.retrieval.store_info import stored_model
 
-        try:
-            return stored_model(args.store)
-        except Exception:
-            return "the store's model"
-    from fusionrag.models import DEFAULT_MODEL
+        return stored_model(args.store)
+    from fusionrag.models.options import DEFAULT_MODEL
 
     return DEFAULT_MODEL
 
 
-def _cmd_ask(args: argparse.Namespace) -> int:
-    from fusionrag.online.engine import Engine
+def _check_store(args: argparse.Namespace) -> None:
+    """The store's state, read from its files before anything heavy is imported: a mistyped path, a model
+    that cannot be the store's; said once when it was never preprocessed (no fused KV to reuse)."""
+    if not args.store:
+        return
+    from pathlib import Path
 
-    # Validated before the model loads: a wrong ratio costs no model conversion.
+    from fusionrag.errors import FusionRAGError
+    from fusionrag.retrieval.store_info import check_model_matches, preprocess_hint, require_store
+
+    if not Path(args.store).exists():
+        raise FusionRAGError(f"no knowledge store at '{args.store}'; create one with "
+                             f"'fusionrag ingest FILES --store {args.store}'")
+    require_store(args.store)
+    if args.model:
+        check_model_matches(args.store, args.model)
+    hint = preprocess_hint(args.store)
+    if hint and not args.no_retrieval and args.method in ("auto", "fusionrag"):
+        print(f"fusionrag: warning: {hint}", file=sys.stderr, flush=True)
+
+
+def _cmd_ask(args: argparse.Namespace) -> int:
+    # Validated before anything heavy is imported and before the model loads: an empty question, a wrong ratio,
+    # a mistyped store answer at once.
     retrieval = False if args.no_retrieval else None
     req = ReuseRequest(args.question, args.method, args.ratio, args.kv, args.top_k, retrieval=retrieval).validated()
+    _check_store(args)
+    from fusionrag.models.devices import dtype_choice
+    from fusionrag.online.engine import Engine
+
     start = time.perf_counter()
     where = f"over the store {args.store}" if args.store else "without a store (no retrieval)"
     _say(args, f"loading {_model_of(args)} {where} ...")
@@ -50,10 +71,16 @@ def _cmd_ask(args: argparse.Namespace) -> int:
     _say(args, f"loaded {engine.lm.name} on {engine.lm.device}, computing in {dtype}, in "
                f"{time.perf_counter() - start:.1f} s; answering with method {args.method} ...")
     if args.stream and not (args.json or args.explain):
-        for delta in engine.stream(req, max_new_tokens=args.max_new_tokens):
+        done: list = []
+        for delta in engine.stream(req, max_new_tokens=args.max_new_tokens, on_done=done.append):
             sys.stdout.write(delta)
             sys.stdout.flush()
         sys.stdout.write("\n")
+        sys.stdout.flush()
+        if done:  # the same lines as without --stream, after the answer
+            if done[0].note:
+                _say(args, done[0].note)
+            _summary(args, done[0])
         return 0
     result = engine.answer(req, max_new_tokens=args.max_new_tokens)
     if args.explain:
@@ -66,21 +93,26 @@ def _cmd_ask(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"question": args.question, **result.to_json()}))
     else:
-        t = result.ttft_ms
         print(result.text)
-        print(
-            f"[{result.method} on {result.kv} KV, ratio {result.ratio:.2f}: {result.recomputed_tokens}/"
-            f"{result.context_tokens} context tokens recomputed; TTFT {t['total']:.0f} ms = retrieve "
-            f"{t['retrieve']:.0f} + load {t['load']:.0f} + select {t['select']:.0f} + recompute "
-            f"{t['recompute']:.0f} + first token {t['first_token']:.0f}]",
-            file=sys.stderr,
-        )
-        for i, s in enumerate(result.sources, 1):
-            score = "" if s["score"] is None else f", score {s['score']:.3f}"
-            origin = f" ({s['source']})" if s["source"] else ""
-            stored = f"chunk {s['chunk_id']}" if s["chunk_id"] is not None else "your passage"
-            print(f"  [{i}] {s['title'] or '(untitled)'}{origin}: {stored}{score}", file=sys.stderr)
+        _summary(args, result)
     return 0
+
+
+def _summary(args: argparse.Namespace, result) -> None:
+    """What ran (the method, the TTFT breakdown) and the sources, on stderr: stdout keeps the answer alone."""
+    t = result.ttft_ms
+    print(
+        f"[{result.method} on {result.kv} KV, ratio {result.ratio:.2f}: {result.recomputed_tokens}/"
+        f"{result.context_tokens} context tokens recomputed; TTFT {t['total']:.0f} ms = retrieve "
+        f"{t['retrieve']:.0f} + load {t['load']:.0f} + select {t['select']:.0f} + recompute "
+        f"{t['recompute']:.0f} + first token {t['first_token']:.0f}]",
+        file=sys.stderr,
+    )
+    for i, s in enumerate(result.sources, 1):
+        score = "" if s["score"] is None else f", score {s['score']:.3f}"
+        origin = f" ({s['source']})" if s["source"] else ""
+        stored = f"chunk {s['chunk_id']}" if s["chunk_id"] is not None else "your passage"
+        print(f"  [{i}] {s['title'] or '(untitled)'}{origin}: {stored}{score}", file=sys.stderr)
 
 
 def register(sub: argparse._SubParsersAction) -> None:

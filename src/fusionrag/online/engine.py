@@ -181,15 +181,19 @@ class Engine:
         return done.answer
 
     def stream(self, question: str | ReuseRequest, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
-               sampling: SamplingParams | None = None, **kwargs: Any) -> Iterator[str]:
+               sampling: SamplingParams | None = None, on_done: Callable[[Request], None] | None = None,
+               **kwargs: Any) -> Iterator[str]:
         """Yield the answer as text deltas (the first one as soon as the first token exists); ``kwargs`` are
-        :meth:`answer`'s request fields."""
+        :meth:`answer`'s request fields. ``on_done`` is given the finished :class:`Request` (method, TTFT,
+        sources: what :meth:`answer` returns) after the last delta."""
         with self._lock:
             for event in self.scheduler.run_inline(question, max_new_tokens, sampling, **kwargs):
                 if event.kind == "error":
                     raise event.error  # type: ignore[misc]
                 if event.text:
                     yield event.text
+                if event.kind == "done" and on_done is not None:
+                    on_done(event.answer)
 
     @property
     def scheduler(self) -> BatchScheduler:

@@ -21,11 +21,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import TYPE_CHECKING, Literal, get_args
 
 from fusionrag.errors import FusionRAGError
-from fusionrag.kvcache.kv import Placement
-from fusionrag.online.policies import CacheBlend, CacheCraft, Epic, Policy, ProphetKV, QueryGuided
+
+if TYPE_CHECKING:  # the registry itself imports no torch: the command line lists the methods before any loads
+    from fusionrag.kvcache.kv import Placement
+    from fusionrag.online.policies import Policy
 
 #: Stored KV a request can reuse: plain (each chunk after ``S`` alone), fused (after its nearest
 #: chunks, offline), or fused except the prompt's first chunk, which reads its plain KV.
@@ -87,19 +89,32 @@ def register_placement(name: str, placement: Placement, *, kv: str = "plain", ki
     return _register(MethodInfo(name, None, kv, kind, description=description, placement=placement))
 
 
+def _builtin(cls: str) -> Callable[[], Policy]:
+    """A factory of the policy class ``cls`` of :mod:`fusionrag.online.policies`, imported when first called."""
+
+    def make() -> Policy:
+        from fusionrag.online import policies
+
+        return getattr(policies, cls)()
+
+    make.__qualname__ = make.__name__ = cls
+    return make
+
+
 _REGISTRY["full"] = MethodInfo("full", None, "none", "product", description="Full Attention (recompute everything)")
 _REGISTRY["reuse"] = MethodInfo("reuse", None, "plain", "product", description="Full Reuse (recompute nothing)")
-register_policy("fusionrag", QueryGuided, kv="plain-first", kind="product",
+register_policy("fusionrag", _builtin("QueryGuided"), kv="plain-first", kind="product",
                 description="FusionRAG: query-guided selection on fused KV")
 #: Chosen per request by the engine (``Engine.resolve_method``): ``fusionrag`` from the context length
 #: where reuse pays, ``full`` below it. Not a policy: it never reaches ``make_policy``.
 _REGISTRY["auto"] = MethodInfo("auto", None, "plain-first", "product",
                                description="fusionrag where reuse pays (long contexts), full below that")
-register_policy("cacheblend", CacheBlend, kind="baseline", description="baseline: CacheBlend (layer-1 KV deviation)")
-register_policy("cachecraft", CacheCraft, kind="baseline", reads_stored_scores=True,
+register_policy("cacheblend", _builtin("CacheBlend"), kind="baseline",
+                description="baseline: CacheBlend (layer-1 KV deviation)")
+register_policy("cachecraft", _builtin("CacheCraft"), kind="baseline", reads_stored_scores=True,
                 description="baseline: Cache-Craft (stored inter-chunk attention)")
-register_policy("epic", Epic, kind="baseline", description="baseline: EPIC (each chunk's first tokens)")
-register_policy("prophetkv", ProphetKV, kind="baseline",
+register_policy("epic", _builtin("Epic"), kind="baseline", description="baseline: EPIC (each chunk's first tokens)")
+register_policy("prophetkv", _builtin("ProphetKV"), kind="baseline",
                 description="baseline: ProphetKV (the question's attention over the context, every layer)")
 
 

@@ -1,11 +1,12 @@
 """Reading documents: one reader per file format, behind a registry keyed by the file's suffix.
 
-Formats: ``.txt`` (one passage titled with the file's stem), ``.md`` (one passage per heading
-section), ``.jsonl`` (``{title, text}`` per line, or the shared-data schema with ``passages``),
-``.pdf`` (``pypdf``: one passage per page with text, titled with the PDF's metadata title or the
-stem), ``.html``/``.htm`` (``beautifulsoup4``: the main text without navigation, scripts and
-styles; one passage per heading section, the first titled with ``<title>``) and ``.docx`` (the
-standard library's zip + XML: one passage per heading section).
+Formats: ``.txt`` (one passage titled with the file's stem), ``.md`` and ``.rst`` (one passage per
+heading section; reStructuredText read as text, without docutils), ``.jsonl`` (``{title, text}`` per
+line, or the shared-data schema with ``passages``), ``.pdf`` (``pypdf``: one passage per page with
+text, titled with the PDF's metadata title or the stem), ``.html``/``.htm`` (``beautifulsoup4``:
+the main text without navigation, scripts and styles; one passage per heading section, the first
+titled with ``<title>``) and ``.docx`` (the standard library's zip + XML: one passage per heading
+section). A folder's files of other types are named in one problem (not failed files).
 
 Readers never abort an ingest: a malformed line or file is reported as a :class:`Problem`
 (file and line; ``file_skipped`` when the whole file could not be used) and skipped, and the
@@ -84,6 +85,7 @@ def _walk(root: Path, problems: list[Problem]) -> list[Path]:
     """Supported files under ``root``, following symlinked folders (each real folder once: no loops); a FIFO,
     device or socket with a supported suffix is named in ``problems`` (reading one could block forever)."""
     found: list[Path] = []
+    unsupported: list[str] = []
     seen: set[str] = set()
     for folder, dirs, files in os.walk(root, followlinks=True):
         real = os.path.realpath(folder)
@@ -95,13 +97,23 @@ def _walk(root: Path, problems: list[Problem]) -> list[Path]:
         for f in sorted(files):
             path = Path(folder) / f
             if path.suffix.lower() not in READERS:
+                if not _hidden(path.relative_to(root)):  # .git/, .DS_Store: not documents anyone meant
+                    unsupported.append(str(path.relative_to(root)))
                 continue
             if path.is_file():
                 found.append(path)
             elif path.exists():
                 problems.append(Problem(str(path), None, f"not a regular file ({_file_kind(path)}); skipped",
                                         file_skipped=True))
+    if unsupported:  # named, one line for the folder; not failed files (a folder holds other things too)
+        shown = ", ".join(unsupported[:10]) + (f" and {len(unsupported) - 10} more" if len(unsupported) > 10 else "")
+        problems.append(Problem(str(root), None, f"{len(unsupported)} file(s) of unsupported types not read: {shown} "
+                                                 f"(supported: {', '.join(READERS)})"))
     return found
+
+
+def _hidden(rel: Path) -> bool:
+    return any(part.startswith(".") for part in rel.parts)
 
 
 def _file_kind(path: Path) -> str:
@@ -196,6 +208,8 @@ def passages_from_text(text: str, source: str | None = None, title: str | None =
     suffix = path.suffix.lower()
     if suffix == ".md":
         return _markdown(doc, name, text)
+    if suffix == ".rst":
+        return _restructured(doc, name, text)
     if suffix in (".html", ".htm"):
         return html_passages(doc, stem, text, title)[1]
     if suffix == ".jsonl":
@@ -231,6 +245,43 @@ def _read_md(path: Path, data: bytes, problems: list[Problem]) -> ParsedFile:
 
 
 _MD_HEADING = re.compile(r"^(#{1,6})\s+(.+?)\s*#*\s*$")
+
+
+def _read_rst(path: Path, data: bytes, problems: list[Problem]) -> ParsedFile:
+    text = _decode(path, data, problems)
+    passages = [] if text is None else _restructured(path.name, path.stem, text)
+    return ParsedFile(passages[0].title if passages and passages[0].title != path.stem else path.stem, passages)
+
+
+#: A reStructuredText section underline (or overline): one punctuation character repeated.
+_RST_RULE = re.compile(r"^([=\-`:'\"~^_*+#<>.])\1{2,}\s*$")
+
+
+def _restructured(doc: str, stem: str, text: str) -> list[Passage]:
+    """reStructuredText as text, one passage per section (a title line with an underline at least as long, and
+    its optional overline); the markup stays as written. No docutils: the same file makes the same chunks
+    whatever is installed (what a framework's loader sends back must split the same way)."""
+    lines = text.splitlines()
+
+    def items() -> Iterator[tuple[bool, str]]:
+        i = 0
+        while i < len(lines):
+            line = lines[i]
+            title = line.strip()
+            nxt = lines[i + 1] if i + 1 < len(lines) else ""
+            if (title and not _RST_RULE.match(line) and not line[:1].isspace() and _RST_RULE.match(nxt)
+                    and len(nxt.rstrip()) >= len(title)):
+                yield True, title
+                i += 2
+                continue
+            if _RST_RULE.match(line) and i + 2 < len(lines) and _RST_RULE.match(lines[i + 2]) and lines[i + 1].strip():
+                yield True, lines[i + 1].strip()  # overline + title + underline
+                i += 3
+                continue
+            yield False, line
+            i += 1
+
+    return sections(doc, stem, items())
 
 
 def _markdown(doc: str, stem: str, text: str) -> list[Passage]:
@@ -304,6 +355,7 @@ def _valid_passage(item: object) -> bool:
 # (benchmarks/readers/results: tiny sections, deep nesting, compressed parts).
 register_reader([".txt"], "text", _read_txt, text=True, max_mb=128)
 register_reader([".md"], "markdown", _read_md, text=True, max_mb=16)
+register_reader([".rst"], "reStructuredText", _read_rst, text=True, max_mb=16)  # a line scan, like Markdown's
 register_reader([".jsonl"], "JSON lines", _read_jsonl_file, text=True, max_mb=32)
 register_reader([".pdf"], "PDF", read_pdf, max_mb=32)
 register_reader([".html", ".htm"], "HTML", read_html, max_mb=8)

@@ -20,10 +20,16 @@ def read_settings(db: sqlite3.Connection) -> dict[str, Any]:
     return {k: json.loads(v) for k, v in db.execute("SELECT key, value FROM settings")}
 
 
-def _open_read_only(path: Path) -> sqlite3.Connection:
+def require_store(path) -> Path:
+    """``path`` as a Path when a store's database is there, else the one-line error every command gives."""
+    path = Path(path)
     if not (path / DB_NAME).is_file():
         raise FusionRAGError(f"no knowledge base at {path} (create one with: fusionrag ingest PATH --store {path})")
-    return connect(path / DB_NAME, read_only=True)
+    return path
+
+
+def _open_read_only(path: Path) -> sqlite3.Connection:
+    return connect(require_store(path) / DB_NAME, read_only=True)
 
 
 def stored_model(path) -> str:
@@ -42,6 +48,53 @@ def list_documents(path) -> list[DocumentRecord]:
         return query_documents(db)
     finally:
         db.close()
+
+
+def preprocess_hint(path) -> str | None:
+    """One sentence when the store holds chunks but was never preprocessed (no fused KV: FusionRAG then reuses
+    plain KV, and usage counts ``fused_fallbacks``), else None. Read from its settings, no model loaded."""
+    db = _open_read_only(Path(path))
+    try:
+        settings = read_settings(db)
+        chunks = db.execute("SELECT COUNT(*) FROM chunks").fetchone()[0]
+    finally:
+        db.close()
+    if settings.get("fuse") or settings.get("top_n") is not None or not chunks:  # top_n: older stores' record
+        return None
+    return (f"the store {path} was never preprocessed (no fused KV): FusionRAG reuses its plain KV instead "
+            f"(usage counts them as fused_fallbacks); run 'fusionrag preprocess --store {path}' once")
+
+
+def kv_chunk_ids(path) -> dict[str, set[int]]:
+    """The chunk ids that have a KV file, by kind (``plain``, ``fused``): read from the file names."""
+    found: dict[str, set[int]] = {"plain": set(), "fused": set()}
+    for f in (Path(path) / KV_DIR).glob("*/*.safetensors"):
+        cid, _, rest = f.name.partition(".")
+        kind = rest.removesuffix(".safetensors")
+        if cid.isdigit() and kind in found:
+            found[kind].add(int(cid))
+    return found
+
+
+def document_kv(path) -> dict[str, dict[str, int]]:
+    """Per document id: its ``chunks``, how many have KV (``with_kv``: plain or fused) and how many are ``fused``.
+    A document whose chunks all have KV is complete: an interrupted ingest leaves the others without."""
+    have = kv_chunk_ids(path)
+    usable = have["plain"] | have["fused"]
+    db = _open_read_only(Path(path))
+    try:
+        tables = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        rows = db.execute(f"SELECT doc, {'chunk_id' if 'chunk_refs' in tables else 'id'} FROM "
+                          f"{'chunk_refs' if 'chunk_refs' in tables else 'chunks'}").fetchall()
+    finally:
+        db.close()
+    out: dict[str, dict[str, int]] = {}
+    for doc, cid in rows:
+        d = out.setdefault(doc, {"chunks": 0, "with_kv": 0, "fused": 0})
+        d["chunks"] += 1
+        d["with_kv"] += int(cid) in usable
+        d["fused"] += int(cid) in have["fused"]
+    return out
 
 
 def store_info(path) -> dict[str, Any]:
@@ -90,7 +143,7 @@ def check_model_matches(path, model: str) -> None:
     Two different short names, or a local checkpoint of another architecture than the one the
     store's fingerprint records, cannot have made its caches. Anything else (the same weights may
     sit in another folder) is checked on the loaded model's fingerprint, as always."""
-    from fusionrag.models.registry import KNOWN_NAMES
+    from fusionrag.models.options import KNOWN_NAMES
 
     db = _open_read_only(Path(path))
     try:

@@ -18,6 +18,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from fusionrag.serve.http import Server, make_config
 
     app, settings = build_app(args)
+    if args.store:  # once, at start: otherwise only each response's fused_fallbacks would say it
+        from fusionrag.retrieval.store_info import preprocess_hint
+
+        hint = preprocess_hint(args.store)
+        if hint:
+            print(f"fusionrag: warning: {hint}", file=sys.stderr)
     if settings.host not in LOOPBACK:
         print(f"fusionrag: warning: listening on {settings.host}, reachable from other machines"
               f"{'' if settings.api_key else ' WITHOUT an API key'}", file=sys.stderr)

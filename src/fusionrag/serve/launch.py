@@ -12,11 +12,10 @@ import argparse
 import os
 import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fusionrag.errors import FusionRAGError
-from fusionrag.models.devices import add_device_args, device_options, dtype_choice
+from fusionrag.models.options import add_device_args, device_options
 from fusionrag.serve.settings import ServerSettings, load_settings, settings_help
 
 if TYPE_CHECKING:
@@ -103,9 +102,10 @@ def engine_factory(store: str | None, model: str | None, memory_budget_mb: int =
     """Builds the engine on the model thread (the store's SQLite connection belongs to its creating thread).
 
     ``store`` None: the model alone (plain generation, or over the passages requests bring)."""
-    if store is not None and not Path(store).exists():
-        raise FusionRAGError(f"no knowledge store at '{store}'; create one with "
-                             f"'fusionrag ingest FILES --store {store}'")
+    if store is not None:
+        from fusionrag.retrieval.store_info import require_store
+
+        require_store(store)  # a mistyped path is one line before anything heavy is imported
     if store is None and kv_tier:
         raise FusionRAGError("--kv-tier shares a store's KV between servers: it needs --store")
     if kv_tier:  # said now, before minutes of model loading; the server still starts (disk reads until it answers)
@@ -140,13 +140,14 @@ def engine_factory(store: str | None, model: str | None, memory_budget_mb: int =
 
 def build_app(args: argparse.Namespace) -> tuple[FastAPI, ServerSettings]:
     """The app for ``args`` with its model loaded, so a bad store or model fails here, before binding."""
+    settings = settings_from_args(args)
+    factory = engine_factory(args.store, args.model, settings.memory_budget_mb, settings.kv_tier,
+                             device_options(args), settings.adhoc_cache_mb, settings.min_reuse_tokens,
+                             settings.device_kv_budget_mb, settings.context_cache_mb)  # checks first: light
+    from fusionrag.models.devices import dtype_choice
     from fusionrag.serve.app import create_app
 
-    settings = settings_from_args(args)
-    app = create_app(engine_factory(args.store, args.model, settings.memory_budget_mb,
-                                    settings.kv_tier, device_options(args), settings.adhoc_cache_mb,
-                                    settings.min_reuse_tokens, settings.device_kv_budget_mb,
-                                    settings.context_cache_mb), settings)
+    app = create_app(factory, settings)
     what = f"for {args.store}" if args.store else "(no store: answering over the passages requests bring)"
     print(f"fusionrag: loading {args.model or 'the model'} {what} ...", file=sys.stderr)
     app.state.scheduler.wait_ready()  # a bad store or model fails here, as one line, before binding

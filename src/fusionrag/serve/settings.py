@@ -97,10 +97,10 @@ class ServerSettings(BaseModel):
     @classmethod
     def _tier_url(cls, value: str | None) -> str | None:
         """A malformed tier URL is one line now, not a traceback after the model has loaded."""
-        from fusionrag.kvcache.redis_source import check_tier_url
-
         if value is None:
             return None
+        from fusionrag.kvcache.redis_source import check_tier_url  # (torch: only when a tier is named)
+
         try:
             return check_tier_url(value)
         except FusionRAGError as exc:

@@ -1,0 +1,44 @@
+"""``fusionrag ask`` on the command line: ``--stream`` keeps the summary lines (method, TTFT, sources) on stderr,
+and a store never preprocessed is said once, before the model loads."""
+
+from __future__ import annotations
+
+import pytest
+
+from fusionrag.cli import main
+from fusionrag.models import load_model
+from fusionrag.offline import build
+from fusionrag.retrieval.embedder import HashingEmbedder
+from fusionrag.sample import load_sample
+
+QUESTION = "Who discovered polonium?"
+
+
+@pytest.fixture(scope="module")
+def plain_store(tmp_path_factory):
+    """A store ingested but never preprocessed (plain KV only)."""
+    path = tmp_path_factory.mktemp("kb") / "store"
+    lm = load_model("tiny-llama")
+    store = build.create_store(path, lm, chunk_tokens=4096, kv_dtype="float32", embedder=HashingEmbedder(),
+                               model_source="tiny-llama")
+    passages = {p["title"]: p for ex in load_sample() for p in ex["passages"]}
+    build.add_passages(store, lm, list(passages.values())[:6], doc="sample")
+    store.close()
+    return path
+
+
+def test_stream_keeps_the_summary_lines_and_a_never_preprocessed_store_is_said(plain_store, capsys, monkeypatch):
+    monkeypatch.setattr("fusionrag.retrieval.embedder.get_embedder", lambda name=None: HashingEmbedder())
+    argv = ["ask", QUESTION, "--store", str(plain_store), "--max-tokens", "3", "--top-k", "2"]
+    assert main([*argv, "--stream"]) == 0
+    streamed = capsys.readouterr()
+    assert main(argv) == 0
+    plain = capsys.readouterr()
+    for err in (streamed.err, plain.err):
+        assert err.count("was never preprocessed (no fused KV)") == 1
+        assert "fusionrag preprocess --store" in err
+        assert "context tokens recomputed; TTFT" in err and "  [1] " in err and "  [2] " in err
+    assert streamed.out.strip() and "TTFT" not in streamed.out  # stdout: the answer alone
+    # no warning where the question does not reuse the store's KV
+    assert main([*argv, "--method", "full"]) == 0
+    assert "never preprocessed" not in capsys.readouterr().err
