@@ -162,7 +162,7 @@ def main() -> int:
             import urllib.parse
 
             query = urllib.parse.urlencode({"q": questions[0].question, "method": "fusionrag",
-                                            "ratio": str(args.ratio), "top_k": "5"})
+                                            "ratio": str(args.ratio), "retrieval_top_k": "5"})
             subprocess.run(["chromium", "--headless", "--no-sandbox", "--disable-gpu", "--virtual-time-budget=60000",
                             "--window-size=1100,1300", f"--screenshot={args.screenshot}",
                             f"{server.base_url}/ui?{query}"], check=False, capture_output=True, timeout=300)

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from fusionrag.version import __version__ as __version__
+
 __all__ = ["Engine", "KnowledgeStore", "Request", "ReuseRequest", "load_model", "register_policy"]
 
 if TYPE_CHECKING:

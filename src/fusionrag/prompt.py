@@ -147,5 +147,10 @@ class PromptBuilder:
     def question_token_ids(self, question: str, preamble: str = "") -> list[int]:
         return self.encode(question_text(question, preamble) + self._template_parts[1])
 
+    def raw_token_ids(self, prompt: str) -> list[int]:
+        """A prompt continued as it is (a raw text completion): the tokenizer's ids with its special tokens
+        (a BOS where the model has one), as vLLM and transformers tokenize a prompt; no template, no ``S``."""
+        return list(self.tokenizer.encode(prompt, add_special_tokens=True))
+
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))

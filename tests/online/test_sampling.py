@@ -92,3 +92,71 @@ def test_rows_of_one_batch_keep_their_own_parameters():
     picks = [(narrow.pick(logits).token, wide.pick(logits).token, greedy.pick(logits).token) for _ in range(100)]
     assert {n for n, _, _ in picks} == {0} and {g for _, _, g in picks} == {0}
     assert len({w for _, w, _ in picks}) == 5  # near-uniform over five tokens: every one is drawn
+
+
+# ------------------------------------------------------------- vLLM's names: top_k, min_p, repetition_penalty
+
+
+@pytest.mark.parametrize("off", [0, -1])
+def test_top_k_of_zero_or_minus_one_is_off_as_in_vllm(off):
+    logits = torch.zeros(30)
+    s = TokenSampler(SamplingParams(temperature=1.0, top_k=off, seed=0))
+    assert len(s.warpers) == 1  # the temperature only: no cut
+    assert len({s.pick(logits).token for _ in range(300)}) > 20
+
+
+def test_top_k_keeps_exactly_the_k_most_likely_and_k_of_one_is_greedy():
+    logits = torch.randn(262, generator=torch.Generator().manual_seed(0)) * 3
+    top20 = set(torch.topk(logits, 20).indices.tolist())
+    s = TokenSampler(SamplingParams(temperature=50.0, top_k=20, seed=1))  # near-uniform over what is kept
+    drawn = {s.pick(logits).token for _ in range(2000)}
+    assert drawn == top20
+    greedy = int(torch.argmax(logits))
+    assert all(TokenSampler(SamplingParams(temperature=1.5, top_k=1, seed=seed)).pick(logits).token == greedy
+               for seed in range(10))
+
+
+def test_min_p_drops_tokens_below_min_p_times_the_top_probability():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    s = TokenSampler(SamplingParams(temperature=1.0, min_p=0.2, seed=0))  # threshold 0.2 x 0.5 = 0.1
+    scores = s.warpers(torch.empty(1, 0, dtype=torch.long), logits.unsqueeze(0))[0]
+    assert torch.isinf(scores[3]) and torch.allclose(scores[:3], logits[:3])
+    assert {s.pick(logits).token for _ in range(500)} == {0, 1, 2}
+    assert {TokenSampler(SamplingParams(temperature=1.0, min_p=0.7, seed=0)).pick(logits).token
+            for _ in range(50)} == {0}  # 0.3 < 0.7 x 0.5: only the top token is left
+
+
+def test_min_p_is_applied_after_the_temperature_as_in_vllm():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    # at temperature 2 the probabilities flatten: token 3's rises above 0.2 x the top one's
+    s = TokenSampler(SamplingParams(temperature=2.0, min_p=0.2, seed=0))
+    scores = s.warpers(torch.empty(1, 0, dtype=torch.long), logits.unsqueeze(0))[0]
+    assert torch.isfinite(scores).all()
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_logits_of_seen_tokens():
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    from fusionrag.online.sampling import repetition_penalised
+
+    logits = torch.tensor([2.0, -1.0, 0.5, 3.0, 0.0])
+    seen = torch.tensor([True, True, False, False, True])
+    assert repetition_penalised(logits, seen, 2.0).tolist() == [1.0, -2.0, 0.5, 3.0, 0.0]
+    # the same as transformers' (and vLLM's) over the prompt and output ids
+    hf = RepetitionPenaltyLogitsProcessor(2.0)(torch.tensor([[0, 1, 4, 0]]), logits.unsqueeze(0))[0]
+    assert torch.equal(hf, repetition_penalised(logits, seen, 2.0))
+
+
+def test_a_greedy_pick_is_the_argmax_of_the_penalised_logits_over_prompt_and_output():
+    logits = torch.tensor([3.0, 2.9, 1.0, -5.0])
+    s = TokenSampler(SamplingParams(repetition_penalty=1.5, logprobs=True))
+    s.see_prompt([0, 3])
+    first = s.pick(logits)  # token 0: 3.0 / 1.5 = 2.0 < 2.9
+    assert first.token == 1
+    assert first.logprob == pytest.approx(float(torch.log_softmax(logits, -1)[1]))  # the model's, not penalised
+    assert s.pick(logits).token == 0  # now 1 (picked) is penalised too: 2.9 / 1.5 < 2.0
+    plain = TokenSampler(SamplingParams())
+    assert [plain.pick(logits).token for _ in range(2)] == [0, 0]
+    one = TokenSampler(SamplingParams(repetition_penalty=1.0))
+    one.see_prompt([0])
+    assert one.pick(logits).token == 0  # 1 is off

@@ -21,7 +21,7 @@ SRC = ROOT / "src" / "fusionrag"
 
 #: Layer of each top-level module / package of ``fusionrag`` (lower = more basic).
 LAYERS: dict[str, int] = {
-    "errors": 0, "paths": 0, "files": 0,
+    "errors": 0, "paths": 0, "files": 0, "version": 0,
     "prompt": 1, "sample": 1,
     "models": 2,
     "kvcache": 3,

@@ -69,8 +69,8 @@ def test_a_damaged_kv_entry_is_answered_around_and_reported_without_paths(tmp_pa
         for cid in store.chunk_ids():
             path = store.kv_path(cid, "fused")
             path.write_bytes(path.read_bytes()[:-40])
-        r = client.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 2, "top_k": 2, "kv": "fused",
-                                                                "method": "fusionrag"})
+        r = client.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 2, "retrieval_top_k": 2,
+                                                      "kv": "fused", "method": "fusionrag"})
         assert r.status_code == 200, r.text
         assert r.json()["fusionrag"]["fused_fallbacks"] == 2  # answered from freshly computed plain KV
         assert sched.engine.stats()["damaged_entries"] == 2

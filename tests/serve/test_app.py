@@ -33,7 +33,8 @@ from serve_helpers import (
 
 
 def test_chat_completion_matches_engine(app, client):
-    body = {"model": "tiny-llama", "messages": USER, "max_tokens": 10, "method": "fusionrag", "ratio": 0.15, "top_k": 2}
+    body = {"model": "tiny-llama", "messages": USER, "max_tokens": 10, "method": "fusionrag", "ratio": 0.15,
+            "retrieval_top_k": 2}
     r = client.post("/v1/chat/completions", json=body)
     assert r.status_code == 200, r.text
     out = r.json()
@@ -54,7 +55,7 @@ def test_chat_completion_matches_engine(app, client):
 
 
 def test_streaming_sends_openai_chunks_then_done(app, client):
-    body = {"messages": USER, "max_tokens": 10, "top_k": 2, "method": "fusionrag", "stream": True,
+    body = {"messages": USER, "max_tokens": 10, "retrieval_top_k": 2, "method": "fusionrag", "stream": True,
             "stream_options": {"include_usage": True}}
     with client.stream("POST", "/v1/chat/completions", json=body) as r:
         assert r.status_code == 200
@@ -94,7 +95,7 @@ def test_concurrent_requests_share_the_batch(app, client):
 
     def ask(i: int) -> None:
         results[i] = client.post("/v1/chat/completions", json={
-            "messages": [{"role": "user", "content": questions[i]}], "max_tokens": 12, "top_k": 1 + i % 3,
+            "messages": [{"role": "user", "content": questions[i]}], "max_tokens": 12, "retrieval_top_k": 1 + i % 3,
             "method": methods[i]}).json()
 
     # Hold the model thread until every request is queued, so they are admitted together
@@ -138,7 +139,7 @@ def test_documents_are_added_in_the_background(app, client):
     # Visible to retrieval, with fused KV (no fallback to plain KV).
     r = client.post("/v1/chat/completions", json={
         "messages": [{"role": "user", "content": "Zebras are striped horses of the African savanna?"}],
-        "max_tokens": 2, "top_k": 1})
+        "max_tokens": 2, "retrieval_top_k": 1})
     fr = r.json()["fusionrag"]
     assert fr["chunk_ids"] == job["chunk_ids"] and fr["fused_fallbacks"] == 0
     # A bare list is accepted too.
@@ -153,7 +154,8 @@ def test_documents_are_added_in_the_background(app, client):
 
 def test_metrics_parse_as_prometheus_with_vllm_names(client):
     client.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 3, "method": "full"})
-    client.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 3, "method": "fusionrag", "top_k": 2})
+    client.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 3, "method": "fusionrag",
+                                              "retrieval_top_k": 2})
     client.post("/v1/chat/completions", content=b"{")
     r = client.get("/metrics")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
@@ -207,7 +209,7 @@ def test_prompt_token_limit_is_400(app, client, monkeypatch):
     monkeypatch.setattr(app.state.scheduler, "max_prompt_tokens", 50)
     error_of(client.post("/v1/chat/completions", json={"messages": USER, "documents": PASSAGES[:2]}), 400,
              "context_length_exceeded")
-    error_of(client.post("/v1/chat/completions", json={"messages": USER, "top_k": 3}), 400,
+    error_of(client.post("/v1/chat/completions", json={"messages": USER, "retrieval_top_k": 3}), 400,
              "context_length_exceeded")
 
 
@@ -283,7 +285,7 @@ def test_openai_client_round_trip(live):
     with httpx.Client(trust_env=False) as http:
         client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="test-key", http_client=http, max_retries=0)
         resp = client.chat.completions.create(model="tiny-llama", messages=USER, max_tokens=10,
-                                              extra_body={"method": "fusionrag", "ratio": 0.15, "top_k": 2})
+                                              extra_body={"method": "fusionrag", "ratio": 0.15, "retrieval_top_k": 2})
         ref = serial(app, "Who discovered polonium?", 10, method="fusionrag", ratio=0.15, top_k=2)
         assert resp.choices[0].message.content == ref.text
         assert resp.usage.completion_tokens == len(ref.token_ids)
@@ -291,7 +293,7 @@ def test_openai_client_round_trip(live):
 
         stream = client.chat.completions.create(model="tiny-llama", messages=USER, max_tokens=10, stream=True,
                                                 stream_options={"include_usage": True},
-                                                extra_body={"method": "fusionrag", "ratio": 0.15, "top_k": 2})
+                                                extra_body={"method": "fusionrag", "ratio": 0.15, "retrieval_top_k": 2})
         parts, usage = [], None
         for chunk in stream:
             if chunk.choices and chunk.choices[0].delta.content:
@@ -340,7 +342,8 @@ def test_posted_documents_never_leave_stale_kv_in_the_memory_tier(tmp_path):
             store = sched.engine.store
             keys = [(c, "fused") for c in store.chunk_ids()]
             # Every chunk's fused KV read through the engine's tier by real requests.
-            r = client.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 2, "top_k": len(keys)})
+            r = client.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 2,
+                                                                "retrieval_top_k": len(keys)})
             assert r.status_code == 200, r.text
             assert sched.engine.stats()["tiers"]["host"].memory_items == len(keys)
             before = {k: store.load_entry(*k).kv.keys.clone() for k in keys}

@@ -45,7 +45,7 @@ def test_a_chat_request_is_validated_retrieved_and_tokenized_once(counted):
     app, _, calls = counted
     with TestClient(app) as client:
         r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Who found polonium?"}],
-                                                      "top_k": 2})
+                                                      "retrieval_top_k": 2})
         assert r.status_code == 200, r.text
         assert calls == {"validate": 1, "retrieve": 1, "tokenize": 1}
         calls.clear()

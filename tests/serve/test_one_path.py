@@ -50,7 +50,7 @@ def test_ask_the_python_api_and_the_server_give_the_same_tokens_through_one_sche
         app.state.scheduler.wait_ready(120)
         with TestClient(app) as client:
             r = client.post("/v1/chat/completions", json={
-                "messages": [{"role": "user", "content": QUESTION}], "top_k": 2, "method": "fusionrag",
+                "messages": [{"role": "user", "content": QUESTION}], "retrieval_top_k": 2, "method": "fusionrag",
                 "ratio": 0.15, "max_tokens": N, "temperature": 0, "logprobs": True})
         assert r.status_code == 200, r.text
         body = r.json()

@@ -31,7 +31,9 @@ def test_every_v1_route_depends_on_the_api_key_and_the_open_ones_do_not():
     assert v1 >= {"/v1/chat/completions", "/v1/completions", "/v1/retrieve", "/v1/documents", "/v1/models",
                   "/v1/explain/{request_id}", "/v1/documents/{job_id:path}"}
     assert all(keyed[p] for p in v1), {p for p in v1 if not keyed[p]}
-    assert not any(keyed[p] for p in ("/health", "/ready", "/ui", "/metrics"))
+    assert "/v1/models/{model_id:path}" in v1
+    assert keyed["/tokenize"] and keyed["/detokenize"]  # stricter than vLLM, which keys /v1 only
+    assert not any(keyed[p] for p in ("/health", "/ready", "/ui", "/metrics", "/version"))
     app.state.scheduler.close()
 
 
@@ -46,7 +48,8 @@ def _api_routes(items):
 
 
 def test_no_route_catches_exceptions():
-    for module in (routes.completions, routes.retrieval, routes.documents, routes.pages, routes.service):
+    for module in (routes.completions, routes.retrieval, routes.documents, routes.pages, routes.service,
+                   routes.tokens):
         tree = ast.parse(inspect.getsource(module))
         assert not [n for n in ast.walk(tree) if isinstance(n, ast.Try)], module.__name__
 

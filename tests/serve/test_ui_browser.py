@@ -49,7 +49,7 @@ def live(tmp_path_factory):
 def test_ui_renders_an_answer_with_ttft_and_recomputed_tokens(live, tmp_path):
     browser = chromium()
     app, base = live
-    query = urllib.parse.urlencode({"q": Q, "method": "fusionrag", "ratio": "0.3", "top_k": "2"})
+    query = urllib.parse.urlencode({"q": Q, "method": "fusionrag", "ratio": "0.3", "retrieval_top_k": "2"})
     url = f"{base}/ui?{query}"
     run = headless(browser, url, "--dump-dom", f"--user-data-dir={tmp_path / 'profile'}")
     assert run.returncode == 0, run.stderr[-2000:]

@@ -110,7 +110,7 @@ async def _one(client: Any, url: str, headers: dict, item: dict, spec: MethodSpe
         "ratio": spec.ratio,
     }
     if top_k:
-        body["top_k"] = top_k
+        body["retrieval_top_k"] = top_k
     if item.get("documents"):
         body["documents"] = item["documents"]
     t0 = time.perf_counter()

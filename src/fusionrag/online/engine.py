@@ -228,7 +228,7 @@ class Engine:
         being a forward of at most ``piece_tokens`` tokens (``None``: the prefill in one pass), so a
         scheduler can decode other requests between them. Returns ``out``, prepared."""
         out.reuse = req = out.reuse.validated()
-        question, ratio, kv_kind, preamble = req.question, req.ratio, str(req.kv), req.preamble
+        ratio, kv_kind = req.ratio, str(req.kv)
         clock = self.clock()
         changed = self.follow_store()
         if resolved is None or changed or not self._current(resolved):
@@ -237,9 +237,10 @@ class Engine:
         chunk_ids, passages = resolved.chunk_ids, resolved.passages
         clock.lap("retrieve")
         token_ids = resolved.token_ids(self)
-        question_token_ids = resolved.question_ids(self, question, preamble)
+        question_token_ids = resolved.question_ids(self, req)
+        system_ids = resolved.system_ids(self, req)
         method, why = self.resolve_method(req.method, sum(map(len, token_ids)))
-        note = note or why
+        note = note or ("" if req.raw else why)  # a raw prompt has no passages to reuse by design
         if method == "full":
             kv_kind, ratio = "none", 1.0
 
@@ -258,8 +259,7 @@ class Engine:
         elif method == "full":
             clock.skip("load")
             clock.skip("select")
-            pre = yield from prefill_full_pieces(self.lm, self.prompt.system_token_ids, token_ids, question_token_ids,
-                                                 piece_tokens)
+            pre = yield from prefill_full_pieces(self.lm, system_ids, token_ids, question_token_ids, piece_tokens)
         else:
             entries, fallbacks = self.loader.load(chunk_ids, passages, token_ids, kv_kind)
             # One buffer for the prompt: the context, then room for the question, which the pass writes into.
@@ -292,6 +292,8 @@ class Engine:
         sources = [{"chunk_id": p.chunk_id, "title": p.title, "source": p.source, "score": score,
                     "stored": p.chunk_id is not None} for p, score in zip(pieces, hit_scores, strict=True)]
         out.pre, out.method, out.kv_kind, out.ratio = pre, method, kv_kind, float(ratio)
+        out.prompt_token_ids = [*system_ids, *(t for c in token_ids for t in c), *question_token_ids]
+        out.sampler.see_prompt(out.prompt_token_ids)
         out.chunk_ids, out.passages, out.chunk_token_ids, out.ttft_ms = chunk_ids, passages, token_ids, timings
         out.fused_fallbacks, out.sources, out.note = fallbacks, sources, note
         out.context_cache_hit, out.status = cached is not None, Status.PREPARED

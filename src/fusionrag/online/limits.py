@@ -19,8 +19,8 @@ def check_prompt_length(engine: Any, request: ReuseRequest, resolved: Resolved |
     passages it counted (``resolved``, or found here when the prefetch found none) for the prefill."""
     if resolved is None:
         resolved = engine.resolve(request)
-    n = resolved.prompt_tokens(engine, request.question, request.preamble)
+    n = resolved.prompt_tokens(engine, request)
     if n > limit:
         raise PromptTooLongError(f"the prompt has {n} tokens; this server accepts at most {limit} "
-                                 "(fewer or shorter documents, or a lower top_k)")
+                                 "(fewer or shorter documents, or a lower retrieval depth)")
     return resolved

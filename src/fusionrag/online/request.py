@@ -46,6 +46,10 @@ class ReuseRequest:
     Retrieval from the store runs only when the request brings no passages of its own: ``chunks``
     given (even empty), ``retrieval=False`` or ``top_k=0`` turn it off, so a framework that
     retrieved (or pasted) its own context never gets the store's chunks on top of it.
+
+    ``raw``: the question is a prompt to continue as it is (a text completion, as vLLM's): no ``S``,
+    no template, no passages, never stripped; ``prompt_ids`` are its token ids when the client sent
+    ids (else the tokenizer's, with its special tokens, as vLLM and transformers tokenize a prompt).
     """
 
     question: str
@@ -56,13 +60,15 @@ class ReuseRequest:
     chunks: Sequence[dict] | None = None
     preamble: str = ""
     retrieval: bool | None = None
+    raw: bool = False
+    prompt_ids: tuple[int, ...] | None = None
     #: Set by :meth:`validated` on what it returns: validating that again returns it as it is.
     checked: bool = field(default=False, compare=False, repr=False)
 
     @property
     def retrieves(self) -> bool:
         """Whether the store is searched for this request's passages."""
-        return self.chunks is None and self.retrieval is not False and self.top_k != 0
+        return self.chunks is None and self.retrieval is not False and self.top_k != 0 and not self.raw
 
     def validated(self, max_top_k: int | None = None) -> ReuseRequest:
         """This request with defaults resolved (kv; ratio 1 for ``full``, 0 for ``reuse``), or InvalidRequest.
@@ -70,9 +76,11 @@ class ReuseRequest:
         if self.checked:
             return self
         out = self.fields_validated(max_top_k)
-        question = (self.question or "").strip()
+        question = (self.question or "") if self.raw else (self.question or "").strip()
         if not question:
             raise InvalidRequest("the question is empty", "question", "empty_question")
+        if self.raw and (self.chunks or self.preamble or self.retrieval):
+            raise InvalidRequest("a raw prompt takes no passages, preamble or retrieval", "prompt")
         for name, text in (("question", question), ("preamble", self.preamble or "")):
             if not is_valid_text(text):
                 raise InvalidRequest(f"the {name} is not valid Unicode text (undecodable bytes or a lone surrogate)",

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from fusionrag.online.request import ReuseRequest
 from fusionrag.retrieval.matching import Piece
 
 
@@ -44,14 +45,25 @@ class Resolved:
                                engine.prompt.chunk_token_ids(p.title, p.text) for p in self.pieces]
         return self._token_ids
 
-    def question_ids(self, engine: Any, question: str, preamble: str = "") -> list[int]:
-        """The question segment's token ids (once per question and preamble)."""
-        key = (question, preamble)
+    def question_ids(self, engine: Any, request: ReuseRequest) -> list[int]:
+        """The question segment's token ids (once per question and preamble); a raw prompt's own ids."""
+        key = (request.question, request.preamble, request.raw)
         if key not in self._question_ids:
-            self._question_ids[key] = engine.prompt.question_token_ids(question, preamble)
+            if not request.raw:
+                ids = engine.prompt.question_token_ids(request.question, request.preamble)
+            elif request.prompt_ids is not None:
+                ids = list(request.prompt_ids)
+            else:
+                ids = engine.prompt.raw_token_ids(request.question)
+            self._question_ids[key] = ids
         return self._question_ids[key]
 
-    def prompt_tokens(self, engine: Any, question: str, preamble: str = "") -> int:
+    @staticmethod
+    def system_ids(engine: Any, request: ReuseRequest) -> list[int]:
+        """``S``'s token ids: none before a raw prompt."""
+        return [] if request.raw else engine.prompt.system_token_ids
+
+    def prompt_tokens(self, engine: Any, request: ReuseRequest) -> int:
         """Tokens of ``S`` + these passages + the question: the exact prompt length, before any prefill."""
-        return (len(engine.prompt.system_token_ids) + sum(map(len, self.token_ids(engine)))
-                + len(self.question_ids(engine, question, preamble)))
+        return (len(self.system_ids(engine, request)) + sum(map(len, self.token_ids(engine)))
+                + len(self.question_ids(engine, request)))

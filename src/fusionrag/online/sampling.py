@@ -1,12 +1,16 @@
 """Choosing each generated token (greedy or sampled, with log-probabilities) and stop strings.
 
 Why here and not in the decode loop: the decoder returns each row's logits; what a request
-does with them (temperature, top-p, top-k, its own seeded generator, how many alternatives
-to report) is per request, so the scheduler applies a :class:`TokenSampler` per row. The
-first token comes from the prefill's last logits through the same sampler, so a seeded
-request is reproducible from its first token on. Temperature, top-k and top-p are
+does with them (repetition penalty, temperature, min-p, top-k, top-p, its own seeded generator,
+how many alternatives to report) is per request, so the scheduler applies a :class:`TokenSampler`
+per row. The first token comes from the prefill's last logits through the same sampler, so a
+seeded request is reproducible from its first token on. Temperature, min-p, top-k and top-p are
 transformers' logits warpers, one list per request: a warper holds one value for the whole
 batch it is given, so per-request values mean one list per row (docs/decisions/042).
+
+The names and their meaning are vLLM's, and so is the order: the repetition penalty first (so a
+greedy request picks the argmax of the penalised logits), then, when sampling, temperature, min-p,
+top-k and top-p.
 
 Stop strings are matched on the *text*, not on token ids: a stop string may end inside a
 token or span several tokens. :class:`StopMatcher` holds back the tail of the text that
@@ -19,7 +23,13 @@ import random
 from dataclasses import dataclass, field
 
 import torch
-from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+from transformers import (
+    LogitsProcessorList,
+    MinPLogitsWarper,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 
 @dataclass(frozen=True)
@@ -28,7 +38,9 @@ class SamplingParams:
 
     temperature: float = 0.0
     top_p: float = 1.0
-    top_k: int = 0  # 0: no top-k cut
+    top_k: int = 0  # the k most likely tokens; 0 or -1 (vLLM's "off"): no cut
+    min_p: float = 0.0  # drop tokens less likely than min_p x the most likely one's probability; 0: off
+    repetition_penalty: float = 1.0  # > 1 penalises tokens of the prompt and the output so far; 1: off
     seed: int | None = None
     stop: tuple[str, ...] = ()
     logprobs: bool = False
@@ -53,7 +65,9 @@ class TokenSampler:
     """One request's token choice from next-token logits, with its own random generator.
 
     Log-probabilities are those of the model's distribution (``log_softmax`` of the raw
-    logits, before temperature or truncation), as OpenAI reports them.
+    logits, before the penalty, temperature or truncation), as OpenAI and vLLM report them.
+    The repetition penalty reads the prompt's token ids (:meth:`see_prompt`) and every token
+    this sampler picked since.
     """
 
     def __init__(self, params: SamplingParams) -> None:
@@ -61,11 +75,22 @@ class TokenSampler:
         self.generator = torch.Generator(device="cpu")
         self.generator.manual_seed(params.seed if params.seed is not None else random.getrandbits(63))
         self.warpers = None if params.greedy else warpers(params)
+        self.penalised = params.repetition_penalty != 1.0
+        self._prompt: list[int] = []
+        self._seen: torch.Tensor | None = None  # [vocab] bool: in the prompt or picked (only with a penalty)
+
+    def see_prompt(self, token_ids: list[int]) -> None:
+        """The prompt's token ids, for the repetition penalty (kept only when the request has one)."""
+        if self.penalised:
+            self._prompt, self._seen = list(token_ids), None
 
     def pick(self, logits: torch.Tensor) -> Picked:
         p = self.params
         logits = logits.detach().float().reshape(-1).cpu()
-        token = int(torch.argmax(logits)) if self.warpers is None else self._sample(logits)
+        scores = self._penalise(logits) if self.penalised else logits
+        token = int(torch.argmax(scores)) if self.warpers is None else self._sample(scores)
+        if self._seen is not None:
+            self._seen[token] = True
         if not p.logprobs:
             return Picked(token)
         logp = torch.log_softmax(logits, dim=-1)
@@ -75,10 +100,24 @@ class TokenSampler:
             top = [(int(i), float(v)) for i, v in zip(ids, values, strict=True)]
         return Picked(token, float(logp[token]), top)
 
+    def _penalise(self, logits: torch.Tensor) -> torch.Tensor:
+        if self._seen is None:
+            self._seen = torch.zeros(logits.numel(), dtype=torch.bool)
+            ids = torch.tensor(self._prompt, dtype=torch.long)
+            self._seen[ids[(ids >= 0) & (ids < logits.numel())]] = True
+        return repetition_penalised(logits, self._seen, self.params.repetition_penalty)
+
     def _sample(self, logits: torch.Tensor) -> int:
         scores = self.warpers(_NO_INPUT_IDS, logits.unsqueeze(0))[0]
         probs = torch.softmax(scores, dim=-1)
         return int(torch.multinomial(probs, 1, generator=self.generator))
+
+
+def repetition_penalised(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+    """vLLM's (and transformers') repetition penalty: the logit of every ``seen`` token divided by
+    ``penalty`` where it is positive, multiplied by it where it is not; the other logits unchanged."""
+    penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
+    return torch.where(seen, penalised, logits)
 
 
 #: The warpers below read only the scores; the token ids so far are not needed.
@@ -86,8 +125,11 @@ _NO_INPUT_IDS = torch.empty(1, 0, dtype=torch.long)
 
 
 def warpers(params: SamplingParams) -> LogitsProcessorList:
-    """transformers' temperature, top-k and top-p warpers for one request, in generate()'s order."""
+    """transformers' temperature, min-p, top-k and top-p warpers for one request, in vLLM's order (min-p
+    compares each probability with the most likely one's, which a top-k cut leaves as it is)."""
     out = LogitsProcessorList([TemperatureLogitsWarper(float(params.temperature))])
+    if params.min_p > 0.0:
+        out.append(MinPLogitsWarper(float(params.min_p)))
     if params.top_k > 0:
         out.append(TopKLogitsWarper(int(params.top_k)))
     if params.top_p < 1.0:

@@ -361,7 +361,7 @@ class BatchScheduler:
         self.stats.prefills += 1
         if self.max_prompt_tokens and req.prompt_tokens > self.max_prompt_tokens:
             fail(req, PromptTooLongError(f"the prompt has {req.prompt_tokens} tokens; this server accepts at "
-                                         f"most {self.max_prompt_tokens} (use a lower top_k)"), self.stats)
+                                         f"most {self.max_prompt_tokens} (use a lower retrieval depth)"), self.stats)
             return
         if req.max_new_tokens <= 0:
             finish(self.engine, req, "length", self.stats)

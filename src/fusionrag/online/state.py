@@ -64,6 +64,7 @@ class Request:
         self.chunk_ids: list[int | None] = []  # None for request-supplied passages not in the store
         self.passages: list[dict] = []
         self.chunk_token_ids: list[list[int]] = []
+        self.prompt_token_ids: list[int] = []  # S + chunks + question (a raw prompt: its own ids), as prefilled
         self.ttft_ms: dict[str, float] = {}  # retrieve / load / select / recompute / first_token / total
         self.fused_fallbacks = 0
         #: Where each chunk came from, for citing: ``{chunk_id, title, source, score, stored}``.

@@ -17,6 +17,7 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 def _cmd_serve(args: argparse.Namespace) -> int:
     from fusionrag.serve.http import Server, make_config
 
+    _log_to_stderr(args.log_level)
     app, settings = build_app(args)
     if args.store:  # once, at start: otherwise only each response's fused_fallbacks would say it
         from fusionrag.retrieval.store_info import preprocess_hint
@@ -33,6 +34,19 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     Server(make_config(app, settings.host, settings.port, args.log_level, settings.header_timeout_s,
                        settings.shutdown_timeout_s), on_deadline=app.state.scheduler.close).run()
     return 0
+
+
+def _log_to_stderr(level: str) -> None:
+    """fusionrag's own loggers (the access log, ``fusionrag.access``, among them) on stderr at ``--log-level``,
+    next to uvicorn's lines and in their format."""
+    import logging
+
+    logger = logging.getLogger("fusionrag")
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)-9s %(message)s"))
+        logger.addHandler(handler)
+    logger.setLevel(level.upper())
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from fusionrag.online.scheduled import Event
 from fusionrag.online.state import Request
+from fusionrag.serve.access_log import set_request_id
 from fusionrag.serve.api_errors import APIError, as_api_error
 from fusionrag.serve.protocol import Parsed, read_json
 from fusionrag.serve.responses import Logprobs, Shape, completion_json, sse_stream
@@ -32,6 +33,7 @@ async def generate(server: ServerState, request: HTTPRequest, chat: bool,
     body = await read_json(request, s.max_body_bytes)
     server.ensure_ready()
     req, wire = parse(body, s)
+    set_request_id(request.state, req.id)
     server.check_model(wire.model)
     loop = asyncio.get_running_loop()
     events: asyncio.Queue[Event] = asyncio.Queue()

@@ -29,8 +29,11 @@ from fusionrag.serve.api_errors import APIError, as_api_error, error_response  #
 from fusionrag.serve.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     RetrieveRequest,
     TextPart,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
     validation_error,
 )
 from fusionrag.serve.settings import ServerSettings
@@ -202,21 +205,51 @@ NEUTRAL_ONLY: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("frequency_penalty", lambda v: v == 0, "frequency_penalty is not supported (only 0)"),
     ("logit_bias", lambda v: not v, "logit_bias is not supported (only {})"),
     ("store", lambda v: v is False, "storing completions is not supported (only store: false)"),
+    ("response_format", lambda v: v == {"type": "text"},
+     'structured output is not supported (only response_format: {"type": "text"})'),
+    ("tools", lambda v: v == [], "tool calling is not supported (only tools: [])"),
+    ("tool_choice", lambda v: v == "none", 'tool calling is not supported (only tool_choice: "none")'),
+    ("parallel_tool_calls", lambda v: v is False, "tool calling is not supported (only parallel_tool_calls: false)"),
+)
+
+#: The same for a message's fields: what an assistant turn read back from a response carries (the openai SDK's
+#: ``message.model_dump()``), accepted when empty.
+NEUTRAL_IN_MESSAGE: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
+    ("tool_calls", lambda v: v == [], "tool calls are not supported (only [] or null)"),
+    ("refusal", lambda v: False, "only null is supported"),
+    ("function_call", lambda v: False, "function calling is not supported (only null)"),
+    ("audio", lambda v: False, "audio is not supported (only null)"),
+    ("annotations", lambda v: v == [], "only [] or null is supported"),
 )
 
 
 def check_neutral(req: ChatCompletionRequest | CompletionRequest) -> None:
     """A 400 naming the first field set to anything but its neutral value (None, i.e. absent, is fine)."""
     for name, neutral, why in NEUTRAL_ONLY:
-        value = getattr(req, name)
+        value = getattr(req, name, None)
         if value is not None and not neutral(value):
             raise APIError(400, f"'{name}': {why}", code="unsupported_parameter", param=name)
+    for i, message in enumerate(getattr(req, "messages", ())):
+        for name, neutral, why in NEUTRAL_IN_MESSAGE:
+            value = getattr(message, name)
+            if value is not None and not neutral(value):
+                raise APIError(400, f"'messages[{i}].{name}': {why}", code="unsupported_parameter", param="messages")
+
+
+def sampling_top_k(req: ChatCompletionRequest | CompletionRequest) -> int:
+    """The sampling top-k: ``top_k`` (vLLM's: -1 or 0 is off), or the deprecated ``sample_top_k``."""
+    if req.sample_top_k is not None and req.top_k is not None and req.sample_top_k != req.top_k:
+        raise APIError(400, "'sample_top_k' is a deprecated name of 'top_k' (sampling); send 'top_k' only",
+                       code="invalid_value", param="sample_top_k")
+    top_k = req.top_k if req.top_k is not None else req.sample_top_k
+    return max(0, top_k or 0)
 
 
 def _common(req: ChatCompletionRequest | CompletionRequest, s: ServerSettings, question: str,
             documents: list[dict] | None, max_tokens: int | None, logprobs: bool, top_logprobs: int,
-            preamble: str = "") -> Parsed:
-    """The checks chat and text completions share (limits from the server's settings)."""
+            preamble: str = "", raw_ids: list[int] | None = None, raw: bool = False) -> Parsed:
+    """The checks chat and text completions share (limits from the server's settings). ``raw``: the question is
+    a prompt continued as it is (``raw_ids``: its token ids, when the client sent ids)."""
     check_neutral(req)
     if max_tokens is not None and max_tokens > s.max_new_tokens:
         raise APIError(400, f"'max_tokens' must be at most {s.max_new_tokens}, got {max_tokens}",
@@ -231,7 +264,9 @@ def _common(req: ChatCompletionRequest | CompletionRequest, s: ServerSettings, q
                                     allow_empty=True)
     else:
         documents = parse_documents(documents, s, "messages") if documents else None
-    if not question.strip():
+    if raw and not question:
+        raise APIError(400, "'prompt' is empty", code="empty_question", param="prompt")
+    if not raw and not question.strip():
         raise APIError(400, "the question is empty (the last user message, outside any <document> block)",
                        code="empty_question", param="messages")
     stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
@@ -240,18 +275,23 @@ def _common(req: ChatCompletionRequest | CompletionRequest, s: ServerSettings, q
                        code="invalid_value", param="stop")
     sampling = SamplingParams(
         temperature=s.default_temperature if req.temperature is None else float(req.temperature),
-        top_p=1.0 if req.top_p is None else float(req.top_p), top_k=req.sample_top_k or 0, seed=req.seed,
-        stop=tuple(stops), logprobs=logprobs, top_logprobs=top_logprobs)
+        top_p=1.0 if req.top_p is None else float(req.top_p), top_k=sampling_top_k(req),
+        min_p=0.0 if req.min_p is None else float(req.min_p),
+        repetition_penalty=1.0 if req.repetition_penalty is None else float(req.repetition_penalty),
+        seed=req.seed, stop=tuple(stops), logprobs=logprobs, top_logprobs=top_logprobs)
     try:  # the one validation of this request: the engine takes it as it is
-        reuse = ReuseRequest(question.strip(), method, ratio, req.kv, req.top_k, documents, preamble,
-                             req.retrieval).validated(max_top_k=s.max_top_k)
+        reuse = ReuseRequest(question if raw else question.strip(), method, ratio, req.kv, req.retrieval_top_k,
+                             documents, preamble, req.retrieval, raw=raw,
+                             prompt_ids=None if raw_ids is None else tuple(raw_ids)).validated(max_top_k=s.max_top_k)
     except InvalidRequest as exc:
-        raise APIError(400, str(exc), code=exc.code, param=exc.param) from None
+        param = "retrieval_top_k" if exc.param == "top_k" else exc.param
+        raise APIError(400, str(exc).replace("'top_k'", "'retrieval_top_k'"), code=exc.code, param=param) from None
     request = Request(reuse, max_tokens or min(s.default_max_tokens, s.max_new_tokens), sampling)
     return request, Wire(bool(req.stream), bool(req.stream_options and req.stream_options.include_usage), req.model)
 
 
-def _text(content: str | list[TextPart] | None) -> str:
+def message_text(content: str | list[TextPart] | None) -> str:
+    """A message's content as text (its text parts joined)."""
     if content is None:
         return ""
     return content if isinstance(content, str) else "".join(p.text for p in content)
@@ -272,7 +312,7 @@ def parse_chat(body: Any, s: ServerSettings) -> Parsed:
                        param="messages")
     system, turns = [], []
     for i, m in enumerate(earlier):
-        text = _text(m.content)
+        text = message_text(m.content)
         if DOCUMENT_TAG.search(text) or "<document" in text:
             raise APIError(400, f"messages[{i}]: <document> blocks belong in the last user message",
                            code="invalid_documents", param="messages")
@@ -280,7 +320,7 @@ def parse_chat(body: Any, s: ServerSettings) -> Parsed:
             system.append(text)
         else:
             turns.append((m.role, text))
-    question, docs = split_documents(_text(last.content), f"messages[{len(earlier)}]")
+    question, docs = split_documents(message_text(last.content), f"messages[{len(earlier)}]")
     max_tokens = req.max_tokens if req.max_tokens is not None else req.max_completion_tokens
     if req.top_logprobs and not req.logprobs:
         raise APIError(400, "'top_logprobs' needs 'logprobs': true", code="invalid_value", param="top_logprobs")
@@ -291,11 +331,14 @@ def parse_chat(body: Any, s: ServerSettings) -> Parsed:
 
 def parse_completion(body: Any, s: ServerSettings, decode: Callable[[list[int]], str],
                      vocab_size: int | None = None) -> Parsed:
-    """A text-completions body: the prompt (a string, or token ids read back with ``decode``) is the question.
+    """A text-completions body: the prompt (a string, or token ids) continued as it is, as vLLM does.
 
-    Token ids must lie within the vocabulary (``vocab_size``): anything else is a 400, not a decode error.
+    Token ids must lie within the vocabulary (``vocab_size``): anything else is a 400, not a decode error;
+    they are prefilled as sent (``decode`` gives the text the answer page shows).
 
-    ``<document>`` blocks in the prompt are the passages, as in chat.
+    A request that brings passages (``documents``, or ``<document>`` blocks in the prompt, as in chat) or
+    asks for retrieval (``retrieval: true``, ``retrieval_top_k`` >= 1) is a RAG request instead: the prompt
+    is its question, in the store's prompt (``S``, the passages, the question segment).
     """
     req = _validated(CompletionRequest, body)
     prompt: Any = req.prompt
@@ -303,16 +346,39 @@ def parse_completion(body: Any, s: ServerSettings, decode: Callable[[list[int]],
         if len(prompt) != 1:
             raise APIError(400, "only one prompt per request is supported", code="invalid_value", param="prompt")
         prompt = prompt[0]
+    ids: list[int] | None = None
     if isinstance(prompt, list):
         if not prompt:
             raise APIError(400, "'prompt' is empty", code="empty_question", param="prompt")
-        hi = vocab_size if vocab_size is not None else 2**31
-        bad = next((t for t in prompt if not 0 <= t < hi), None)
-        if bad is not None:
-            raise APIError(400, f"'prompt' token id {bad} is outside the vocabulary (0..{hi - 1})",
-                           code="invalid_value", param="prompt")
-        prompt = decode(prompt)
-    question, docs = split_documents(prompt, "prompt")
+        check_token_ids(prompt, vocab_size, "prompt")
+        ids, prompt = list(prompt), decode(prompt)
     logprobs = req.logprobs is not None
+    rag = req.documents is not None or bool(DOCUMENT_TAG.search(prompt)) or req.retrieval is True \
+        or bool(req.retrieval_top_k)
+    if not rag:
+        return _common(req, s, prompt, None, req.max_tokens, logprobs, req.logprobs or 0, raw_ids=ids, raw=True)
+    question, docs = split_documents(prompt, "prompt")
     return _common(req, s, question, docs, req.max_tokens, logprobs, req.logprobs or 0)
 
+
+
+def check_token_ids(ids: list[int], vocab_size: int | None, param: str) -> None:
+    """A 400 naming ``param`` when a token id lies outside the vocabulary (not a decode error later)."""
+    hi = vocab_size if vocab_size is not None else 2**31
+    bad = next((t for t in ids if not 0 <= t < hi), None)
+    if bad is not None:
+        raise APIError(400, f"'{param}' token id {bad} is outside the vocabulary (0..{hi - 1})",
+                       code="invalid_value", param=param)
+
+
+def parse_tokenize(body: Any) -> TokenizeCompletionRequest | TokenizeChatRequest:
+    """A ``POST /tokenize`` body, vLLM's: ``{"prompt": ...}`` or ``{"messages": [...]}`` (with their options)."""
+    chat = isinstance(body, dict) and "messages" in body
+    return _validated(TokenizeChatRequest if chat else TokenizeCompletionRequest, body)
+
+
+def parse_detokenize(body: Any, vocab_size: int) -> DetokenizeRequest:
+    """A ``POST /detokenize`` body ``{"tokens": [...]}``: ids within the vocabulary."""
+    req = _validated(DetokenizeRequest, body)
+    check_token_ids(req.tokens, vocab_size, "tokens")
+    return req

@@ -1,10 +1,15 @@
 """Request bodies as pydantic models: what a client may send, in one place, with an OpenAPI schema.
 
-Every model forbids unknown fields: a field fusionrag does not implement (``tools``,
-``response_format``...) is a 400 naming it, never silently ignored. Fields OpenAI clients send
-with their neutral value (``presence_penalty: 0``, ``frequency_penalty: 0``, ``n: 1``,
-``store: false``, ``logit_bias: {}``) are accepted, as vLLM accepts them; any other value is a
-400 naming the field (:func:`fusionrag.serve.protocol.check_neutral`). The
+Every model forbids unknown fields: a field fusionrag does not implement (``functions``,
+``audio``...) is a 400 naming it, never silently ignored. Fields OpenAI clients send with their
+neutral value (``presence_penalty: 0``, ``frequency_penalty: 0``, ``n: 1``, ``store: false``,
+``logit_bias: {}``, ``response_format: {"type": "text"}``, ``tools: []``, ``tool_choice: "none"``,
+``parallel_tool_calls: false``; on an assistant turn ``tool_calls: []``, ``refusal``,
+``function_call`` and ``audio`` null, ``annotations: []``: what the openai SDK's
+``message.model_dump()`` gives) are accepted, as vLLM accepts them; any other value is a 400 naming
+the field (:func:`fusionrag.serve.protocol.check_neutral`). Sampling takes vLLM's names and
+meanings (``top_k``, ``min_p``, ``repetition_penalty``); the retrieval depth is
+``retrieval_top_k``. The
 routes read the body themselves (bounded, see :func:`fusionrag.serve.protocol.read_json`)
 and validate it with these models; :func:`validation_error` turns pydantic's report into
 one OpenAI-shaped error.
@@ -24,10 +29,10 @@ NonNegFloat = Annotated[float, Field(ge=0.0)]
 UNSUPPORTED = {
     "tools": "tool calling is not supported",
     "tool_choice": "tool calling is not supported",
-    "functions": "function calling is not supported",
-    "function_call": "function calling is not supported",
     "parallel_tool_calls": "tool calling is not supported",
     "response_format": "structured output (response_format) is not supported",
+    "functions": "function calling is not supported",
+    "function_call": "function calling is not supported",
     "audio": "audio output is not supported",
     "modalities": "only text output is supported",
     "prediction": "predicted outputs are not supported",
@@ -86,6 +91,12 @@ class Message(_Body):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    # what the openai SDK's message.model_dump() carries back: accepted empty only (check_neutral)
+    tool_calls: list[dict[str, Any]] | None = Field(None, description="[] or null only (no tool calling)")
+    refusal: str | None = Field(None, description="null only")
+    function_call: dict[str, Any] | None = Field(None, description="null only (no function calling)")
+    audio: dict[str, Any] | None = Field(None, description="null only (text only)")
+    annotations: list[dict[str, Any]] | None = Field(None, description="[] or null only")
 
 
 class StreamOptions(_Body):
@@ -101,7 +112,16 @@ class _Generation(_Body):
     stream_options: StreamOptions | None = None
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    sample_top_k: int | None = Field(None, ge=0, description="sampling top-k (top_k is the retrieval depth)")
+    top_k: int | None = Field(None, ge=-1, description="sampling top-k, as vLLM: keep the k most likely tokens; "
+                                                       "-1 or 0: off (the retrieval depth is retrieval_top_k)")
+    min_p: float | None = Field(None, ge=0.0, le=1.0, description="as vLLM: drop tokens less likely than min_p "
+                                                                  "times the most likely token; 0: off")
+    repetition_penalty: float | None = Field(None, gt=0.0, le=100.0, allow_inf_nan=False,
+                                             description="as vLLM: > 1 penalises tokens already in the prompt "
+                                                         "or the output; 1: off")
+    sample_top_k: int | None = Field(None, ge=0, description="deprecated: the same as top_k (sampling); it goes "
+                                                             "in the next release", json_schema_extra={
+                                                                 "deprecated": True})
     seed: int | None = Field(None, ge=0, le=2**64 - 1, description="sampling seed, 0..2**64-1")
     stop: str | list[str] | None = None
     n: int | None = Field(None, ge=1)
@@ -115,7 +135,8 @@ class _Generation(_Body):
     # fusionrag
     method: str | None = None
     ratio: float | None = None
-    top_k: int | None = Field(None, ge=0, description="retrieval depth: how many chunks to retrieve (0: none)")
+    retrieval_top_k: int | None = Field(None, ge=0, description="retrieval depth: how many of the store's chunks "
+                                                                "to retrieve (0: none)")
     retrieval: bool | None = Field(None, description="false: no retrieval from the server's store (the request's "
                                                      "own passages, or none)")
     kv: KVKind | None = None
@@ -128,11 +149,51 @@ class ChatCompletionRequest(_Generation):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    # accepted at their neutral value only: no tool calling, no structured output
+    response_format: dict[str, Any] | None = Field(None, description='{"type": "text"} only')
+    tools: list[dict[str, Any]] | None = Field(None, description="[] only (tool calling is not supported)")
+    tool_choice: str | dict[str, Any] | None = Field(None, description='"none" only')
+    parallel_tool_calls: bool | None = Field(None, description="false only")
 
 
 class CompletionRequest(_Generation):
+    """A raw continuation of ``prompt`` (no template, no system prompt), as vLLM's; with passages
+    (``documents``, ``<document>`` blocks) or retrieval asked for (``retrieval: true``,
+    ``retrieval_top_k`` >= 1) the prompt is the question of a RAG prompt instead."""
+
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=20, description="top alternatives per token (legacy API)")
+
+
+class TokenizeCompletionRequest(_Body):
+    """``POST /tokenize`` of a prompt (vLLM's body): its token ids as a text completion prefills them."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = Field(True, description="the tokenizer's special tokens (a BOS where the model "
+                                                       "has one), as a completion prompt gets them")
+    return_token_strs: bool | None = Field(False, description="also each token's text")
+
+
+class TokenizeChatRequest(_Body):
+    """``POST /tokenize`` of messages (vLLM's body): the model's chat template over them, tokenized."""
+
+    model: str | None = None
+    messages: list[Message] = Field(min_length=1)
+    add_generation_prompt: bool = Field(True, description="end with the assistant's turn opening")
+    add_special_tokens: bool = Field(False, description="special tokens on top of the template's")
+    return_token_strs: bool | None = Field(False, description="also each token's text")
+
+
+class TokenizeRequest(RootModel[TokenizeCompletionRequest | TokenizeChatRequest]):
+    """``POST /tokenize``: ``{"prompt": ...}`` or ``{"messages": [...]}``, as vLLM takes them."""
+
+
+class DetokenizeRequest(_Body):
+    """``POST /detokenize`` (vLLM's body): token ids back to text."""
+
+    model: str | None = None
+    tokens: list[int] = Field(description="token ids, each within the vocabulary")
 
 
 def validation_error(exc: ValidationError) -> tuple[str, str, str | None]:

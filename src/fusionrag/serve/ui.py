@@ -31,7 +31,7 @@ mark{background:#ffd8a8;padding:0;border-radius:2px} .tok{white-space:pre-wrap}
   <textarea id="q" placeholder="Ask a question about the knowledge store"></textarea>
   <label>method <select id="method">__OPTIONS__</select></label>
   <label>ratio <input id="ratio" type="number" min="0" max="1" step="0.05" value="__RATIO__"></label>
-  <label>top_k <input id="topk" type="number" min="1" max="32" value="5"></label>
+  <label>retrieval_top_k <input id="topk" type="number" min="1" max="32" value="5"></label>
   <input id="key" type="password" placeholder="API key"__KEYSTYLE__>
   <button type="submit">Ask</button>
 </form>
@@ -47,7 +47,7 @@ async function ask(ev) {
   const headers = {"Content-Type": "application/json"};
   if ($("key").value) headers["Authorization"] = "Bearer " + $("key").value;
   const body = {messages: [{role: "user", content: $("q").value}], method: $("method").value,
-                ratio: parseFloat($("ratio").value), top_k: parseInt($("topk").value, 10), max_tokens: 32};
+                ratio: parseFloat($("ratio").value), retrieval_top_k: parseInt($("topk").value, 10), max_tokens: 32};
   $("status").textContent = "asking...";
   $("answer").textContent = ""; $("ttft").innerHTML = ""; $("explain").innerHTML = "";
   const t0 = performance.now();
@@ -74,7 +74,7 @@ $("ask").addEventListener("submit", ask);
 const params = new URLSearchParams(location.search);
 if (params.get("method")) $("method").value = params.get("method");
 if (params.get("ratio")) $("ratio").value = params.get("ratio");
-if (params.get("top_k")) $("topk").value = params.get("top_k");
+if (params.get("retrieval_top_k")) $("topk").value = params.get("retrieval_top_k");
 if (params.get("q")) { $("q").value = params.get("q"); ask(); }
 </script>
 </body></html>

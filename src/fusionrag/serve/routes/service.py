@@ -1,4 +1,5 @@
-"""The service's own routes: ``GET /v1/models`` (keyed), ``/health``, ``/ready`` and ``/metrics`` (open)."""
+"""The service's own routes: ``GET /v1/models`` and ``/v1/models/{id}`` (keyed), ``/health``, ``/ready``,
+``/version`` and ``/metrics`` (open, as in vLLM)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from fastapi.responses import JSONResponse
 
 from fusionrag.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from fusionrag.serve.state import State, check_api_key, require_api_key
+from fusionrag.version import __version__
 
 keyed = APIRouter(dependencies=[Depends(require_api_key)])
 open_router = APIRouter()
@@ -14,9 +16,24 @@ open_router = APIRouter()
 
 @keyed.get("/v1/models")
 async def models(server: State) -> JSONResponse:
-    return JSONResponse({"object": "list", "data": [
-        {"id": name, "object": "model", "created": 0, "owned_by": "fusionrag", "root": name, "parent": None}
-        for name in server.served_names()]})
+    return JSONResponse({"object": "list", "data": [_card(name) for name in server.served_names()]})
+
+
+@keyed.get("/v1/models/{model_id:path}")
+async def model(model_id: str, server: State) -> JSONResponse:
+    """One served model's card (``client.models.retrieve``); another id is a 404 ``model_not_found``."""
+    server.check_model(model_id)
+    return JSONResponse(_card(model_id))
+
+
+def _card(name: str) -> dict:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "fusionrag", "root": name, "parent": None}
+
+
+@open_router.get("/version")
+async def version() -> JSONResponse:
+    """The package's version, as vLLM's ``/version`` (open: it names no data)."""
+    return JSONResponse({"version": __version__})
 
 
 @open_router.get("/health")
