@@ -107,6 +107,30 @@ def test_a_node_starting_mid_chunk_reuses_the_chunks_it_holds(engine, built):
     assert [p.chunk_id for p in pieces[1:]] == stored[1:]
 
 
+@pytest.mark.parametrize(("stored_form", "sent_form"), [("NFD", "NFC"), ("NFC", "NFD")])
+def test_the_same_text_composed_or_decomposed_reuses_every_chunk(tmp_path, lm, stored_form, sent_form):
+    """A file ingested with decomposed accents (NFD) and sent back composed (NFC), or the other way round."""
+    import unicodedata
+
+    text = "\n\n".join(p.replace("town", "bourg à l'été").replace("river", "rivière") for p in PARAGRAPHS) + "\n"
+    doc = tmp_path / "velmora-fr.txt"
+    doc.write_text(unicodedata.normalize(stored_form, text), encoding="utf-8")
+    store = build.create_store(tmp_path / "store", lm, chunk_tokens=64, kv_dtype="float32",
+                               embedder=HashingEmbedder(), model_source="tiny-llama")
+    build.ingest(store, lm, [doc], progress=False)
+    stored = store.chunk_ids_of_docs([str(doc.resolve())])
+    prompt = Engine(store, lm).prompt
+
+    def reused(form: str) -> list[int | None]:
+        passage = {"title": "", "text": unicodedata.normalize(form, text), "source": str(doc)}
+        return [p.chunk_id for p in match_passages(store, prompt, [passage])]
+
+    assert unicodedata.normalize(sent_form, text) != unicodedata.normalize(stored_form, text)
+    accented = [c for c in stored if "à" in unicodedata.normalize("NFC", store.chunk(c).text)]
+    assert len(accented) >= 2 and set(accented) <= set(reused(sent_form))
+    assert reused(sent_form) == reused(stored_form)  # what the file's own form reuses, no less
+
+
 def test_a_passage_of_new_text_is_new_pieces(engine):
     pieces = match_passages(engine.store, engine.prompt, [{"title": "N", "text": "Nothing stored says this at all."}])
     assert [p.chunk_id for p in pieces] == [None] and reused_fraction(pieces) == 0.0

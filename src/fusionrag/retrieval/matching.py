@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import unicodedata
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,8 +58,9 @@ class Piece:
 
 
 def normalise(text: str) -> str:
-    """Whitespace runs as one space, ends stripped: frameworks re-flow whitespace, not words."""
-    return _SPACE.sub(" ", text).strip()
+    """Unicode NFC, whitespace runs as one space, ends stripped: frameworks re-flow whitespace and loaders
+    compose or decompose accents (a macOS file name or a PDF's text is often NFD), not words."""
+    return _SPACE.sub(" ", unicodedata.normalize("NFC", text)).strip()
 
 
 def match_passages(store, prompt: PromptBuilder, passages: Sequence[dict]) -> list[Piece]:
