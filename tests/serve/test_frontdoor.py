@@ -179,9 +179,13 @@ def test_document_blocks_in_the_message_are_the_passages(live, client):
     reuse = out.usage.model_extra["fusionrag"]
     # the two stored chunks are found by content hash (their fused KV); the new one goes to the prefix cache
     assert reuse["reused_chunks"] == 2 and reuse["adhoc_chunks"] == 1
+    assert (reuse["computed_chunks"], reuse["prefix_cache_hits"]) == (1, 0)  # the new one, computed by this request
     assert out.model_extra["fusionrag"]["chunk_ids"] == [0, 2, None]
     via_field = chat(client, extra_body={"documents": docs, "method": "fusionrag"})
     assert via_field.choices[0].message.content == ref.text
+    again = via_field.usage.model_extra["fusionrag"]  # its KV computed before: from the prefix or context cache
+    assert again["context_cache_hit"] or (again["computed_chunks"], again["prefix_cache_hits"]) == (0, 1)
+    assert again["reused_tokens"] > reuse["reused_tokens"]  # the new passage's tokens count once its KV is reused
 
 
 @pytest.mark.parametrize(("content", "extra", "code"), [

@@ -36,7 +36,7 @@ from fusionrag.kvcache.sources import Key, KVSource, NoStoredKV
 from fusionrag.models.clock import StageClock
 from fusionrag.models.fingerprint import same_weights
 from fusionrag.models.registry import LoadedModel
-from fusionrag.online.kv_loading import ChunkKVLoader
+from fusionrag.online.kv_loading import ORIGIN, ChunkKVLoader
 from fusionrag.online.methods import make_policy, method_info
 from fusionrag.online.policies import SelectionInput, select
 from fusionrag.online.prefill import assemble_context, prefill_full_pieces, prefill_reused_pieces
@@ -245,6 +245,7 @@ class Engine:
             kv_kind, ratio = "none", 1.0
 
         fallbacks, cached, info = 0, None, method_info(method)
+        origins = ["computed"] * len(chunk_ids)  # where each passage's KV came from (Request.kv_origins)
         keys = [] if info.placement is not None else \
             context_keys(self.context_cache, self.prompt.system_token_ids, token_ids, method, ratio, kv_kind,
                          self.lm.dtype)  # a method's own layout (maybe read through a rule) is not cached
@@ -256,12 +257,14 @@ class Engine:
             pre = yield from prefill_reused_pieces(self.lm, cached.kv, cached.ids, cached.spans, question_token_ids,
                                                    piece_tokens=piece_tokens)
             note = note or "context cache: this context's KV was computed by an earlier request"
+            origins = ["context_cache"] * len(chunk_ids)
         elif method == "full":
             clock.skip("load")
             clock.skip("select")
             pre = yield from prefill_full_pieces(self.lm, system_ids, token_ids, question_token_ids, piece_tokens)
         else:
             entries, fallbacks = self.loader.load(chunk_ids, passages, token_ids, kv_kind)
+            origins = [e.metadata.get(ORIGIN, "store") for e in entries]
             # One buffer for the prompt: the context, then room for the question, which the pass writes into.
             buffer, ctx_ids, spans = assemble_context(self.lm, self.system_kv, [e.kv for e in entries],
                                                       self.prompt.system_token_ids, token_ids, info.placement,
@@ -296,7 +299,7 @@ class Engine:
         out.sampler.see_prompt(out.prompt_token_ids)
         out.chunk_ids, out.passages, out.chunk_token_ids, out.ttft_ms = chunk_ids, passages, token_ids, timings
         out.fused_fallbacks, out.sources, out.note = fallbacks, sources, note
-        out.context_cache_hit, out.status = cached is not None, Status.PREPARED
+        out.context_cache_hit, out.kv_origins, out.status = cached is not None, origins, Status.PREPARED
         return out
 
     def resolve_method(self, method: str, context_tokens: int) -> tuple[str, str]:

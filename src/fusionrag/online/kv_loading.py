@@ -23,6 +23,9 @@ from fusionrag.prompt import passage_hash
 
 log = logging.getLogger(__name__)
 
+#: The metadata key of a passage's entry that says where its KV came from (``prefix_cache`` or ``computed``).
+ORIGIN = "origin"
+
 
 class ChunkKVLoader:
     """Reads a request's chunk KV for one engine (its store, KV source, prefix cache, model and ``S``)."""
@@ -63,7 +66,11 @@ class ChunkKVLoader:
         adhoc = iter(self.adhoc_kvs(missing))
         entries, fallbacks = [], 0
         for key, k in zip(keys, kinds, strict=True):
-            entries.append(loaded[key] if key is not None else KVEntry(next(adhoc), None, {}))
+            if key is not None:
+                entries.append(loaded[key])
+            else:
+                kv, origin = next(adhoc)
+                entries.append(KVEntry(kv, None, {ORIGIN: origin}))
             fallbacks += k == "fused" and (key is None or key[1] != "fused")
         return entries, fallbacks
 
@@ -95,13 +102,14 @@ class ChunkKVLoader:
         fused = self.read_stored(keys)
         return [fused[(c, "fused")].scores if (c, "fused") in fused else None for c in chunk_ids]
 
-    def adhoc_kvs(self, items: list[tuple[str, list[int]]]) -> list[KV]:
+    def adhoc_kvs(self, items: list[tuple[str, list[int]]]) -> list[tuple[KV, str]]:
         """Plain KVs of passages the store does not hold (by content hash, in order), through the
-        alternative-path prefix cache."""
+        alternative-path prefix cache, each with where it came from: ``prefix_cache`` (computed by an
+        earlier request) or ``computed`` (by this one)."""
         if not items:
             return []
         ids_of = dict(items)
         result = self.engine.prefix_cache.lookup(
             self.engine.prompt.system_hash, [h for h, _ in items],
             lambda _system, _context, chunk: chunk_kv_plain(self.engine.lm, self.engine.system_kv, ids_of[chunk]))
-        return list(result.values)
+        return [(c.value, "computed" if c.source == "computed" else "prefix_cache") for c in result.chunks]

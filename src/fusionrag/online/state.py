@@ -73,6 +73,10 @@ class Request:
         self.note = ""
         #: The prompt's ``S`` + chunks came from the whole-context cache: only the question was prefilled.
         self.context_cache_hit = False
+        #: Per passage, where its KV came from: ``store`` (precomputed), ``prefix_cache`` (a passage the store
+        #: does not hold, computed by an earlier request), ``context_cache`` (the whole context, earlier) or
+        #: ``computed`` (by this request: new text, or every passage of a Full Attention prefill).
+        self.kv_origins: list[str] = []
         self.first_token = -1  # the first answer token: Engine.prepare's greedy pick, or the scheduler's sampled one
         # the decode steps and the answer
         self.token_ids: list[int] = []
@@ -150,6 +154,19 @@ class Request:
     @property
     def recomputed_tokens(self) -> int:
         return 0 if self.pre is None else self.pre.recomputed
+
+    @property
+    def reused_tokens(self) -> int:
+        """Context tokens served from KV this request did not compute: those of passages whose KV came from
+        the store or a cache (:attr:`kv_origins`), less the ones it recomputed."""
+        if self.pre is None or self.method == "full":
+            return 0
+        chosen = self.pre.selected.cpu() if self.pre.selected is not None else torch.empty(0, dtype=torch.long)
+        reused = 0
+        for (a, b), origin in zip(self.pre.spans, self.kv_origins, strict=False):
+            if origin != "computed":
+                reused += (b - a) - int(((chosen >= a) & (chosen < b)).sum())
+        return reused
 
     @property
     def first_logits(self) -> torch.Tensor | None:

@@ -99,7 +99,7 @@ class Metrics:
         self.recomputed.labels(name, ans.method).inc(ans.recomputed_tokens)
         self.context.labels(name, ans.method).inc(ans.context_tokens)
         if ans.method != "full":
-            self.reused.labels(name, ans.method).inc(max(0, ans.context_tokens - ans.recomputed_tokens))
+            self.reused.labels(name, ans.method).inc(ans.reused_tokens)
         self.fused_fallbacks.labels(name).inc(ans.fused_fallbacks)
 
     def render(self) -> bytes:

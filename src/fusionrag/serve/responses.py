@@ -21,18 +21,24 @@ from fusionrag.serve.api_errors import as_api_error
 def reuse_json(ans: Request) -> dict[str, Any]:
     """Where the prompt's passages came from, in ``usage.fusionrag`` (frameworks keep ``usage``, not extras).
 
-    ``reused_chunks``: passages whose precomputed KV was reused, i.e. found in the store by
-    content hash (its fused KV for ``fusionrag``); ``adhoc_chunks``: passages the store does not
-    hold, whose plain KV came from (or was just put in) the alternative-path prefix cache.
-    ``method`` is the method that ran (``auto`` resolved; ``note`` says why when it differs from
-    the request's); ``sources``: each chunk's ``chunk_id, title, source, score, stored``, for citing.
+    ``reused_chunks``: passages the store holds whose precomputed KV was reused (by content, its fused KV for
+    ``fusionrag``); ``adhoc_chunks``: passages the store does not hold, of which ``prefix_cache_hits`` had
+    their plain KV computed by an earlier request (the alternative-path prefix cache) and ``computed_chunks``
+    were computed now; ``context_cache_hit``: the whole context came from an earlier request.
+    ``reused_tokens``: context tokens served from KV this request did not compute, less those it recomputed.
+    ``method`` is the method that ran (``auto`` resolved; ``note`` says why when it differs from the
+    request's); ``sources``: each chunk's ``chunk_id, title, source, score, stored``, for citing.
     """
     stored = sum(c is not None for c in ans.chunk_ids)
+    full = ans.method == "full"
     return {"method": ans.method, "kv": ans.kv, "chunks": len(ans.chunk_ids),
-            "reused_chunks": 0 if ans.method == "full" else stored, "adhoc_chunks": len(ans.chunk_ids) - stored,
+            "reused_chunks": 0 if full else stored, "adhoc_chunks": len(ans.chunk_ids) - stored,
+            "prefix_cache_hits": 0 if full else ans.kv_origins.count("prefix_cache"),
+            "computed_chunks": len(ans.chunk_ids) if full else ans.kv_origins.count("computed"),
+            "context_cache_hit": ans.context_cache_hit,
             "context_tokens": ans.context_tokens,
             "recomputed_tokens": ans.recomputed_tokens,
-            "reused_tokens": 0 if ans.method == "full" else ans.context_tokens - ans.recomputed_tokens,
+            "reused_tokens": ans.reused_tokens,
             "sources": ans.sources, "note": ans.note}
 
 
