@@ -6,10 +6,8 @@ from __future__ import annotations
 import pytest
 
 from fusionrag.cli import main
-from fusionrag.models import load_model
-from fusionrag.offline import build
 from fusionrag.retrieval.embedder import HashingEmbedder
-from fusionrag.sample import load_sample
+from store_helpers import sample_store
 
 QUESTION = "Who discovered polonium?"
 
@@ -17,14 +15,7 @@ QUESTION = "Who discovered polonium?"
 @pytest.fixture(scope="module")
 def plain_store(tmp_path_factory):
     """A store ingested but never preprocessed (plain KV only)."""
-    path = tmp_path_factory.mktemp("kb") / "store"
-    lm = load_model("tiny-llama")
-    store = build.create_store(path, lm, chunk_tokens=4096, kv_dtype="float32", embedder=HashingEmbedder(),
-                               model_source="tiny-llama")
-    passages = {p["title"]: p for ex in load_sample() for p in ex["passages"]}
-    build.add_passages(store, lm, list(passages.values())[:6], doc="sample")
-    store.close()
-    return path
+    return sample_store(tmp_path_factory.mktemp("kb") / "store", passages=6, fuse=False)
 
 
 def test_stream_keeps_the_summary_lines_and_a_never_preprocessed_store_is_said(plain_store, capsys, monkeypatch):

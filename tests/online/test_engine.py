@@ -14,18 +14,12 @@ from fusionrag.online.engine import Engine
 from fusionrag.retrieval.embedder import HashingEmbedder
 from fusionrag.retrieval.knowledge import KnowledgeStore
 from fusionrag.sample import load_sample
+from store_helpers import sample_store
 
 
 @pytest.fixture(scope="module")
 def store_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("kb") / "store"
-    lm = load_model("tiny-llama")
-    store = build.create_store(path, lm, chunk_tokens=4096, kv_dtype="float32", embedder=HashingEmbedder(),
-                               model_source="tiny-llama")
-    passages = {p["title"]: p for ex in load_sample() for p in ex["passages"]}
-    build.add_passages(store, lm, list(passages.values()), doc="sample")
-    build.fuse(store, lm, top_n=2, progress=False)
-    return path
+    return sample_store(tmp_path_factory.mktemp("kb") / "store")
 
 
 @pytest.fixture(scope="module")
