@@ -104,7 +104,7 @@ class KnowledgeStore:
         self.kv = StoredKV(self.path / KV_DIR, fingerprint, prompt, settings["kv_dtype"], self.chunks.token_ids,
                            store_id=f"{self.path.name}|{settings.get('created')}")
         self.index = StoreIndex(db, self._lock, self.chunks, self.path / INDEX_NAME, settings["embedding_dim"],
-                                record=self.update_settings, read_only=read_only)
+                                record=self.update_settings, read_only=read_only, recorded=settings)
 
     # ------------------------------------------------------------ create / open
 
@@ -221,7 +221,7 @@ class KnowledgeStore:
                 return False
             self.settings = read_settings(self._db)
             self.chunks.forget()
-            self.index.reload()
+            self.index.reload(self.settings)
             self._generation = current
             return True
 

@@ -38,7 +38,7 @@ class StoreIndex:
     ``lock`` is the store's, shared by its collaborators."""
 
     def __init__(self, db: sqlite3.Connection, lock: threading.RLock, chunks: ChunkTable, path: Path, dim: int,
-                 record: Callable[..., None], read_only: bool = False) -> None:
+                 record: Callable[..., None], read_only: bool = False, recorded: dict[str, Any] | None = None) -> None:
         self._db = db
         self._lock = lock
         self._chunks = chunks
@@ -46,16 +46,17 @@ class StoreIndex:
         self._dim = int(dim)
         self._record = record
         self._read_only = read_only
-        self._index = self._load()
+        self._index = self._load(recorded)
 
     def __len__(self) -> int:
         """How many chunks the index holds (equals the chunk count unless a writer is mid-way)."""
         return len(self._index)
 
-    def reload(self) -> None:
-        """Read the index again (another process changed the store), verified like at open."""
+    def reload(self, recorded: dict[str, Any] | None = None) -> None:
+        """Read the index again (another process changed the store), verified like at open against the
+        settings ``recorded`` (the store's, just read; read here when not given)."""
         with self._lock:
-            self._index = self._load()
+            self._index = self._load(recorded)
 
     def rebuild(self) -> None:
         """Drop the index file and rebuild it from the SQLite embeddings (``store verify --repair``)."""
@@ -65,13 +66,15 @@ class StoreIndex:
 
     # -- reading ---------------------------------------------------------------------------
 
-    def mismatch(self) -> str | None:
+    def mismatch(self, recorded: dict[str, Any] | None = None) -> str | None:
         """Why the index file cannot be trusted (missing, or another digest or vector count than SQLite
-        records), or None: what ``store verify`` reports and every open checks."""
+        records), or None: what ``store verify`` reports and every open checks (``recorded``: the settings
+        the open just read, so an open reads them once)."""
         with self._lock:
             if not self.path.is_file():
                 return "missing"
-            recorded: dict[str, Any] = read_settings(self._db)
+            if recorded is None:
+                recorded = read_settings(self._db)
             if recorded.get("index_count") != self._chunks.count() or recorded.get("index_sha256") != index_digest(
                     self.path):
                 return "does not match the metadata (digest or vector count)"
@@ -116,9 +119,9 @@ class StoreIndex:
         self._index.save(self.path)
         self._record(index_sha256=index_digest(self.path), index_count=len(self._index))
 
-    def _load(self) -> VectorIndex:
+    def _load(self, recorded: dict[str, Any] | None = None) -> VectorIndex:
         """The index file if it matches SQLite (digest and vector count), else rebuilt from the embeddings."""
-        if self.mismatch() is None:
+        if self.mismatch(recorded) is None:
             try:
                 return VectorIndex.load(self.path, self._dim)
             except FusionRAGError:
