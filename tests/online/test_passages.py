@@ -131,6 +131,27 @@ def test_the_same_text_composed_or_decomposed_reuses_every_chunk(tmp_path, lm, s
     assert reused(sent_form) == reused(stored_form)  # what the file's own form reuses, no less
 
 
+def test_passages_pasted_into_the_prompt_are_served_from_the_store_where_they_occur(engine, built, lm):
+    """A pipeline that pastes its passages into the prompt (any template, no ``documents``), retrieval off: the
+    stored chunks found in it reuse their KV at their place, the text around them is computed, and the text
+    after the last one is the question."""
+    store = engine.store
+    stored = [c for c in store.chunk_ids_of_docs([str(built[1].resolve())]) if len(store.chunk(c).text) >= 24]
+    pasted = ("Answer the question using only the context below.\n\nContext:\n"
+              + "\n---\n".join(store.chunk(c).text for c in stored) + f"\n\nQuestion: {QUESTION}\nAnswer:")
+    got = engine.prepare(pasted, method="fusionrag", ratio=1.0, retrieval=False)
+    assert [c for c in got.chunk_ids if c is not None] == stored
+    assert got.chunk_ids[0] is None and "Answer the question using only" in got.passages[0]["text"]
+    assert got.kv_origins.count("store") == len(stored)
+    want = engine.prepare(f"Question: {QUESTION} Answer:", method="full", chunks=got.passages)
+    assert got.prompt_token_ids == want.prompt_token_ids  # the question segment is the text after the chunks
+    assert (got.pre.last_logits - want.pre.last_logits).abs().max().item() < 1e-4  # ratio 1 = Full Attention
+    unrelated = engine.prepare(f"Context: nothing stored here at all, honestly.\n{QUESTION}", retrieval=False)
+    assert unrelated.chunk_ids == [] and unrelated.method == "full"
+    retrieved = engine.prepare(pasted, method="fusionrag", top_k=2)  # retrieval on: the store is searched instead
+    assert len(retrieved.chunk_ids) == 2 and all(c is not None for c in retrieved.chunk_ids)
+
+
 def test_a_passage_of_new_text_is_new_pieces(engine):
     pieces = match_passages(engine.store, engine.prompt, [{"title": "N", "text": "Nothing stored says this at all."}])
     assert [p.chunk_id for p in pieces] == [None] and reused_fraction(pieces) == 0.0

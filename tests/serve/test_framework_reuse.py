@@ -115,14 +115,21 @@ def test_langchain_whole_file_documents_reuse_every_chunk_of_the_file(live, name
     assert [s["chunk_id"] for s in usage["sources"]] == stored
 
 
-def test_langchain_chain_pasting_its_context_gets_no_store_chunks(live):
+def test_langchain_chain_pasting_its_context_reuses_the_stored_chunks_it_pasted(live):
+    """A chain that pastes a file's text into its prompt: no chunk it did not paste is added (no server-side
+    retrieval by default), and the stored chunks found in the pasted text reuse their KV."""
     pytest.importorskip("langchain_openai", reason=NO_LANGCHAIN)
     from fusionrag.integrations.langchain import chat_model
 
-    _, url, _ = live
-    llm = chat_model(url, model=MODEL, retrieval=False, max_tokens=4, max_retries=0)
-    usage = llm.invoke(f"Context: {FILES['velmora.txt']}\n\nQuestion: {Q}").response_metadata["token_usage"]
-    assert usage["fusionrag"]["chunks"] == 0 and "no passages" in usage["fusionrag"]["note"]
+    app, url, docs = live
+    stored = _stored_chunks_of(app, docs / "velmora.txt")
+    for flags in ({}, {"retrieval": False}):
+        llm = chat_model(url, model=MODEL, max_tokens=4, max_retries=0, **flags)
+        usage = llm.invoke(f"Context: {FILES['velmora.txt']}\n\nQuestion: {Q}").response_metadata["token_usage"]
+        found = [s["chunk_id"] for s in usage["fusionrag"]["sources"] if s["chunk_id"] is not None]
+        assert found == stored and usage["fusionrag"]["reused_chunks"] == len(stored), flags
+    plain = chat_model(url, model=MODEL, max_tokens=4, max_retries=0).invoke(Q).response_metadata["token_usage"]
+    assert plain["fusionrag"]["chunks"] == 0  # a question alone gets no chunk it did not ask for
 
 
 def test_llamaindex_with_the_fusionrag_retriever_reuses_every_chunk(live):
@@ -187,7 +194,8 @@ def test_a_server_without_a_store_generates_and_refuses_document_routes(tmp_path
     try:
         with ServerThread(app) as server:
             base = server.base_url
-            r = httpx.post(base + "/v1/chat/completions", json={"messages": [{"role": "user", "content": Q}]})
+            r = httpx.post(base + "/v1/chat/completions",
+                           json={"messages": [{"role": "user", "content": Q}], "retrieval": True})
             assert r.status_code == 200, r.text
             reuse = r.json()["usage"]["fusionrag"]
             assert reuse["chunks"] == 0 and "no store" in reuse["note"]

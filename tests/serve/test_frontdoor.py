@@ -339,13 +339,14 @@ def test_the_sdks_model_dump_multi_turn_pattern_works(client):
 
 
 def test_top_k_is_sampling_and_the_retrieval_depth_is_retrieval_top_k(client):
-    greedy = chat(client, extra_body={})
+    greedy = chat(client, extra_body={"retrieval": True})
     chunks = len(greedy.model_extra["fusionrag"]["chunk_ids"])
     assert chunks == DEFAULT_TOP_K
     for top_k in (-1, 0, 2, 20, 50):  # 20: Qwen's recommended setting; all of them over the server's max_top_k (8)
-        out = chat(client, temperature=0.8, seed=5, extra_body={"top_k": top_k})
+        out = chat(client, temperature=0.8, seed=5, extra_body={"top_k": top_k, "retrieval": True})
         assert len(out.model_extra["fusionrag"]["chunk_ids"]) == chunks  # retrieval depth unaffected
-    one = chat(client, temperature=1.5, seed=7, extra_body={"top_k": 1})
+    assert chat(client, extra_body={"top_k": 20}).model_extra["fusionrag"]["chunk_ids"] == []  # nor retrieval asked
+    one = chat(client, temperature=1.5, seed=7, extra_body={"top_k": 1, "retrieval": True})
     assert one.choices[0].message.content == greedy.choices[0].message.content
     assert len(chat(client, extra_body={"retrieval_top_k": 2}).model_extra["fusionrag"]["chunk_ids"]) == 2
 

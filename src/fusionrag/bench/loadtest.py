@@ -113,6 +113,8 @@ async def _one(client: Any, url: str, headers: dict, item: dict, spec: MethodSpe
         body["retrieval_top_k"] = top_k
     if item.get("documents"):
         body["documents"] = item["documents"]
+    else:  # retrieval mode: the server searches its store (it does only when a request asks)
+        body["retrieval"] = True
     t0 = time.perf_counter()
     res: dict[str, Any] = {"sent_at": t_offset, "ok": False, "status": None, "ttft_s": None, "latency_s": None,
                            "tokens": 0, "prompt_tokens": None, "error": None}

@@ -10,8 +10,9 @@ Two paths, both ending in a request whose ``documents`` are the retrieved passag
   split (:mod:`fusionrag.retrieval.matching`), so a document holding an ingested file reuses
   every chunk of it, and new text is computed once and kept in the prefix cache.
 
-A framework that pastes its context into the prompt (and sends no documents) should send
-``retrieval: false``, so the server does not add its own store's chunks on top.
+A framework that pastes its context into the prompt (and sends no documents) needs nothing: the server
+adds none of its own store's chunks unless a request asks (``retrieval: true``), and the stored chunks
+it finds pasted in the prompt reuse their KV where they occur.
 
 - :mod:`fusionrag.integrations.langchain` (``pip install fusionrag[langchain]``)
 - :mod:`fusionrag.integrations.llamaindex` (``pip install fusionrag[llamaindex]``)

@@ -49,8 +49,8 @@ class FusionRAGGenerator:
     """Answers ``query`` over ``documents`` (sent as the request's passages, so stored chunks reuse their KV).
 
     ``replies``: the answer; ``meta``: the model, finish reason and ``usage`` (with ``usage["fusionrag"]``:
-    reused chunks, method, sources). Without ``documents`` the server retrieves from its store unless
-    ``retrieval=False``."""
+    reused chunks, method, sources). Without ``documents`` the server searches its store only with
+    ``retrieval=True`` (or when started with ``--default-retrieval on``)."""
 
     def __init__(self, base_url: str, model: str, api_key: str | None = None, method: str | None = None,
                  ratio: float | None = None, retrieval: bool | None = None, max_tokens: int | None = None,

@@ -52,8 +52,9 @@ def chat_model(base_url: str, model: str, api_key: str = "none", method: str | N
                ratio: float | None = None, retrieval: bool | None = None, **kwargs: Any) -> ChatOpenAI:
     """``ChatOpenAI`` for a fusionrag server (greedy unless ``temperature`` is given).
 
-    ``model``: a name the server serves (``GET /v1/models``); ``retrieval=False`` for chains that
-    paste their own context into the prompt (no documents), so the server adds none of its own."""
+    ``model``: a name the server serves (``GET /v1/models``); ``retrieval=True`` to have the server search
+    its store for a question alone (a server does not unless asked or started with ``--default-retrieval
+    on``). A chain that pastes its context needs nothing: the stored chunks in it are found and reused."""
     kwargs.setdefault("temperature", 0.0)
     return ChatOpenAI(base_url=base_url, api_key=api_key, model=model,
                       extra_body=fusionrag_fields(method, ratio, retrieval=retrieval) or None, **kwargs)

@@ -49,8 +49,9 @@ def llm(api_base: str, model: str, api_key: str = "none", retrieval: bool | None
         **kwargs: Any) -> OpenAILike:
     """``OpenAILike`` for a fusionrag server, as a chat model (greedy unless ``temperature`` is given).
 
-    ``model``: a name the server serves (``GET /v1/models``); ``retrieval=False`` for LlamaIndex's own
-    engines that paste their context into the prompt, so the server adds none of its own."""
+    ``model``: a name the server serves (``GET /v1/models``). LlamaIndex's own engines paste their context
+    into the prompt: the server adds none of its own chunks unless ``retrieval=True``, and reuses the stored
+    chunks it finds pasted."""
     kwargs.setdefault("temperature", 0.0)
     kwargs.setdefault("context_window", 8192)
     if retrieval is not None:

@@ -47,7 +47,7 @@ from fusionrag.online.scheduler import BatchScheduler
 from fusionrag.online.state import Request, Status
 from fusionrag.prompt import PromptBuilder
 from fusionrag.retrieval.knowledge import KnowledgeStore
-from fusionrag.retrieval.matching import Piece, match_passages
+from fusionrag.retrieval.matching import Piece, find_in_prompt, match_passages
 
 log = logging.getLogger(__name__)
 
@@ -346,8 +346,8 @@ class Engine:
     def resolve(self, request: ReuseRequest) -> Resolved:
         """The request's passages: matched onto stored chunks, or retrieved, at the store's current state."""
         generation = self.store.seen_generation if self.store is not None else None
-        pieces, scores, note = self._passages(request)
-        return Resolved(pieces, scores, note, generation)
+        pieces, scores, note, question = self._passages(request)
+        return Resolved(pieces, scores, note, generation, question=question)
 
     def _current(self, resolved: Resolved) -> bool:
         return self.store is None or resolved.generation == self.store.seen_generation
@@ -386,24 +386,30 @@ class Engine:
 
     # -- internals --------------------------------------------------------------------
 
-    def _passages(self, req: ReuseRequest) -> tuple[list[Piece], list[float | None], str]:
-        """The request's chunks, their retrieval scores, and a note when it gets none it might expect.
+    def _passages(self, req: ReuseRequest) -> tuple[list[Piece], list[float | None], str, str | None]:
+        """The request's chunks, their retrieval scores, a note when it gets none it might expect, and the
+        question when it is not the request's whole text.
 
         Passages the request brings are mapped onto stored chunks (:mod:`fusionrag.retrieval.matching`);
-        otherwise the store is searched, unless retrieval is off or there is no store. Only stored
-        chunks have a ``chunk_id``, so an engine without a store never reaches the store below."""
+        without retrieval, stored chunks pasted into the question's text are found where they occur (the
+        text after the last one is the question); otherwise the store is searched, unless there is none.
+        Only stored chunks have a ``chunk_id``, so an engine without a store never reaches the store below."""
         if req.chunks is not None:
             pieces = match_passages(self.store, self.prompt, req.chunks)
-            return pieces, [None] * len(pieces), ""
+            return pieces, [None] * len(pieces), "", None
         if not req.retrieves:
-            return [], [], ""
+            pasted = None if req.raw else find_in_prompt(self.store, req.question)
+            if pasted is None:
+                return [], [], "", None
+            pieces, question = pasted
+            return pieces, [None] * len(pieces), "", question
         if self.store is None:
-            return [], [], "no store: answered without passages"
+            return [], [], "no store: answered without passages", None
         hits = self.store.retrieve(req.question, req.top_k or DEFAULT_TOP_K)
         if not hits:
-            return [], [], "the store is empty: answered without passages"
+            return [], [], "the store is empty: answered without passages", None
         pieces = [Piece(h["chunk_id"], h["title"], h["text"], h["source"]) for h in hits]
-        return pieces, [h["score"] for h in hits], ""
+        return pieces, [h["score"] for h in hits], "", None
 
     def kinds_for(self, chunk_ids: Sequence[int | None], kind: str) -> list[str]:
         """The stored KV each chunk reads (:meth:`ChunkKVLoader.kinds_for`)."""

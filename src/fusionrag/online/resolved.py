@@ -27,6 +27,9 @@ class Resolved:
     scores: list[float | None]
     note: str = ""
     generation: int | None = None
+    #: The question segment's text when it is not the request's question: what follows the stored chunks
+    #: found pasted in it (:func:`fusionrag.retrieval.matching.find_in_prompt`).
+    question: str | None = None
     _token_ids: list[list[int]] | None = field(default=None, repr=False)
     _question_ids: dict[tuple[str, str], list[int]] = field(default_factory=dict, repr=False)
 
@@ -47,10 +50,11 @@ class Resolved:
 
     def question_ids(self, engine: Any, request: ReuseRequest) -> list[int]:
         """The question segment's token ids (once per question and preamble); a raw prompt's own ids."""
-        key = (request.question, request.preamble, request.raw)
+        question = request.question if self.question is None else self.question
+        key = (question, request.preamble, request.raw)
         if key not in self._question_ids:
             if not request.raw:
-                ids = engine.prompt.question_token_ids(request.question, request.preamble)
+                ids = engine.prompt.question_token_ids(question, request.preamble)
             elif request.prompt_ids is not None:
                 ids = list(request.prompt_ids)
             else:

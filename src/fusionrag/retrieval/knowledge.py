@@ -264,6 +264,15 @@ class KnowledgeStore:
             return []
         return self.index.search(self.embedder.embed([query]), k)
 
+    def search_each(self, queries: Sequence[str], k: int) -> list[int]:
+        """Chunk ids near any of ``queries`` (each one's ``k`` nearest, in query order, no repeats), embedded in
+        one batch: the windows of a text too long for one embedding."""
+        if k <= 0 or len(self.index) == 0 or not queries:
+            return []
+        vectors = self.embedder.embed(list(queries))
+        found = (cid for i in range(len(queries)) for cid, _ in self.index.search(vectors[i:i + 1], k))
+        return list(dict.fromkeys(found))
+
     def retrieve(self, query: str, k: int) -> list[dict[str, Any]]:
         """The ``k`` chunks most similar to ``query`` as passages (``chunk_id, title, text, source, score``):
         what ``POST /v1/retrieve`` returns, and what a request sending them back reuses exactly."""

@@ -42,6 +42,10 @@ MIN_MATCH_CHARS = 24
 CANDIDATE_SEARCH = 8
 #: Candidate chunks checked per passage at most (the documents of the retrieved chunks).
 MAX_CANDIDATES = 2048
+#: A long text is searched in windows of this many characters (~200 tokens: within an embedding's reach) ...
+WINDOW_CHARS = 800
+#: ... and at most this many of them, spread over the text.
+MAX_WINDOWS = 32
 
 
 @dataclass(frozen=True)
@@ -112,9 +116,20 @@ def _split(store, prompt: PromptBuilder, chunk_tokens: int, title: str, text: st
             for c in make_chunks(prompt, [Passage(title, text)], chunk_tokens)]
 
 
+def windows(text: str, size: int = WINDOW_CHARS, most: int = MAX_WINDOWS) -> list[str]:
+    """``text`` in consecutive windows of about ``size`` characters (at most ``most``, evenly spread over it):
+    an embedding reads a few hundred tokens, so a long text is searched window by window."""
+    norm = normalise(text)
+    starts = list(range(0, max(1, len(norm)), size))
+    if len(starts) > most:
+        starts = [starts[round(i * (len(starts) - 1) / (most - 1))] for i in range(most)] if most > 1 else starts[:1]
+    return [norm[a:a + size] for a in starts]
+
+
 def _candidates(store, text: str, source: str) -> list[int]:
-    """Chunks the passage may contain: the documents of what its text retrieves, and its ``source``'s."""
-    hits = store.search(text, CANDIDATE_SEARCH)
+    """Chunks the passage may contain: the documents of what its text retrieves (window by window), and its
+    ``source``'s."""
+    hits = store.search_each(windows(text), CANDIDATE_SEARCH)
     docs = set(store.documents.using(hits))
     if source:
         docs.add(source)
@@ -154,6 +169,22 @@ def _contained(store, title: str, text: str, source: str) -> list[Piece] | None:
             out.append(_stored(store, cid, source))
         pos = end
     return out
+
+
+def find_in_prompt(store, text: str) -> tuple[list[Piece], str] | None:
+    """Stored chunks pasted into a prompt's text, whatever template and separators surround them: the pieces up
+    to the last stored chunk found (the stored chunks, and the text before and between them as new pieces) and
+    the text after it (the question part, computed whole), or None when no stored chunk occurs in it.
+
+    A pipeline that pastes its retrieved passages into the prompt gets the stored chunks' KV where they
+    occur, without sending them as ``documents``."""
+    if store is None or len(normalise(text)) < MIN_MATCH_CHARS:
+        return None
+    found = _contained(store, "", text, "")
+    if not found or all(p.chunk_id is None for p in found):
+        return None
+    last = max(i for i, p in enumerate(found) if p.chunk_id is not None)
+    return found[:last + 1], " ".join(p.text for p in found[last + 1:])
 
 
 def text_between(norm: str, start: int, end: int) -> str:

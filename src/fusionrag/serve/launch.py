@@ -22,6 +22,16 @@ if TYPE_CHECKING:
     from fastapi import FastAPI
 
 
+def on_off(value: str) -> bool:
+    """A switch's value on the command line: on/off, true/false, yes/no, 1/0."""
+    v = value.strip().lower()
+    if v in ("on", "true", "yes", "1"):
+        return True
+    if v in ("off", "false", "no", "0"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected on or off, got {value!r}")
+
+
 #: (flag, setting, type, help) of the options every server takes; the defaults are ServerSettings'.
 _FLAGS = (
     ("--api-key", "api_key", str, "require 'Authorization: Bearer KEY'"),
@@ -31,6 +41,9 @@ _FLAGS = (
      "tokens one step computes: decoding rows plus a piece of a prefill (0: whole prefills between steps)"),
     ("--max-body-bytes", "max_body_bytes", int, "request body limit"),
     ("--max-prompt-tokens", "max_prompt_tokens", int, "prompt token limit"),
+    ("--default-retrieval", "default_retrieval", on_off,
+     "on: search the store for requests that do not say; off (default): only passages the request brings or "
+     "pastes (stored chunks found in the prompt reuse their KV)"),
     ("--method", "default_method", str, "default method of requests that name none"),
     ("--ratio", "default_ratio", float, "default recompute ratio"),
     ("--memory-budget-mb", "memory_budget_mb", int,

@@ -53,6 +53,9 @@ class ServerSettings(BaseModel):
     max_job_tokens: int = Field(131_072, ge=1, description="tokens one document job may add (413 beyond)")
     job_lock_wait_s: float = Field(600.0, ge=0, description="how long a document job waits while another process "
                                                             "(a CLI ingest) holds the store's writer lock")
+    default_retrieval: bool = Field(False, description="search the store for chat and completion requests that do "
+                                    "not say (retrieval / retrieval_top_k); off: no chunk enters a prompt that did not "
+                                    "ask for it, and stored chunks pasted into a prompt are reused where they occur")
     default_method: str = Field("auto", description="method of requests that name none (auto: fusionrag where "
                                                     "reuse pays, full below the break-even context length)")
     default_ratio: float = Field(0.15, ge=0.0, le=1.0, description="recompute ratio of requests that name none")
