@@ -143,6 +143,7 @@ def test_passages_pasted_into_the_prompt_are_served_from_the_store_where_they_oc
     assert [c for c in got.chunk_ids if c is not None] == stored
     assert got.chunk_ids[0] is None and "Answer the question using only" in got.passages[0]["text"]
     assert got.kv_origins.count("store") == len(stored)
+    assert got.precomputed_tokens == sum(len(store.chunk(c).token_ids) for c in stored)  # the new text: computed
     want = engine.prepare(f"Question: {QUESTION} Answer:", method="full", chunks=got.passages)
     assert got.prompt_token_ids == want.prompt_token_ids  # the question segment is the text after the chunks
     assert (got.pre.last_logits - want.pre.last_logits).abs().max().item() < 1e-4  # ratio 1 = Full Attention

@@ -156,6 +156,15 @@ class Request:
         return 0 if self.pre is None else self.pre.recomputed
 
     @property
+    def precomputed_tokens(self) -> int:
+        """Context tokens of passages whose KV came precomputed (the store or a cache, :attr:`kv_origins`),
+        before any recompute: how much of the context the request found ready."""
+        if self.pre is None or self.method == "full":
+            return 0
+        return sum(b - a for (a, b), origin in zip(self.pre.spans, self.kv_origins, strict=False)
+                   if origin != "computed")
+
+    @property
     def reused_tokens(self) -> int:
         """Context tokens served from KV this request did not compute: those of passages whose KV came from
         the store or a cache (:attr:`kv_origins`), less the ones it recomputed."""

@@ -25,7 +25,8 @@ def reuse_json(ans: Request) -> dict[str, Any]:
     ``fusionrag``); ``adhoc_chunks``: passages the store does not hold, of which ``prefix_cache_hits`` had
     their plain KV computed by an earlier request (the alternative-path prefix cache) and ``computed_chunks``
     were computed now; ``context_cache_hit``: the whole context came from an earlier request.
-    ``reused_tokens``: context tokens served from KV this request did not compute, less those it recomputed.
+    ``precomputed_tokens``: context tokens whose KV came precomputed (store or cache); ``reused_tokens``: those
+    of them served as they came, i.e. less the ones this request recomputed.
     ``method`` is the method that ran (``auto`` resolved; ``note`` says why when it differs from the
     request's); ``sources``: each chunk's ``chunk_id, title, source, score, stored``, for citing.
     """
@@ -38,7 +39,7 @@ def reuse_json(ans: Request) -> dict[str, Any]:
             "context_cache_hit": ans.context_cache_hit,
             "context_tokens": ans.context_tokens,
             "recomputed_tokens": ans.recomputed_tokens,
-            "reused_tokens": ans.reused_tokens,
+            "precomputed_tokens": ans.precomputed_tokens, "reused_tokens": ans.reused_tokens,
             "sources": ans.sources, "note": ans.note}
 
 
