@@ -102,28 +102,23 @@ def markdown(doc: dict) -> str:
 
 
 def plot(doc: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from fusionrag.bench.plots import figure, save_png
 
     s = doc["summary"]
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, axes = figure(1, 1, 6, 4)
+    ax = axes[0][0]
     bars = ax.bar(["method=full", "pipeline unchanged\n(auto: FusionRAG)"], [s["ttft_full_s"], s["ttft_fusionrag_s"]],
                   color=["#999999", "#1f77b4"])
     ax.bar_label(bars, fmt="%.2f s")
     ax.set_ylabel("TTFT (s), median of questions")
     ax.set_title(f"Haystack pasting its context, {doc['meta']['model']}, n={s['n_questions']} questions")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_png(fig, path)
 
 
 def write_report(doc: dict, out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "pasted_ttft.json").write_text(json.dumps(doc, indent=1))
-    (out / "README.md").write_text(markdown(doc))
-    plot(doc, out / "pasted_ttft.png")
+    from fusionrag.bench.provenance import write_report_files
+
+    write_report_files(out, "pasted_ttft", doc, markdown(doc), lambda path: plot(doc, path))
 
 
 def main(argv: list[str] | None = None) -> int:

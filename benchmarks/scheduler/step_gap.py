@@ -167,15 +167,13 @@ def markdown(doc: dict) -> str:
 
 
 def plot(doc: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from fusionrag.bench.plots import figure, save_png
 
     summary = doc["summary"]
     methods = list(dict.fromkeys(r["method"] for r in summary))
     budgets = list(dict.fromkeys(r["budget"] for r in summary))
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    fig, grid = figure(1, 2, 5, 4)
+    axes = grid[0]
     width = 0.8 / len(budgets)
     for i, budget in enumerate(budgets):
         for ax, key in zip(axes, ("max_gap_s", "long_ttft_s"), strict=True):
@@ -191,16 +189,13 @@ def plot(doc: dict, path: Path) -> None:
     meta = doc["meta"]
     fig.suptitle(f"4 streams + one ~{meta['context_tokens']}-token prompt, {meta['model']} {meta['dtype']}, "
                  f"{meta['threads']} thread(s), n={meta['rounds']} rounds")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_png(fig, path)
 
 
 def write_report(doc: dict, out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "step_gap.json").write_text(json.dumps(doc, indent=1))
-    (out / "README.md").write_text(markdown(doc))
-    plot(doc, out / "step_gap.png")
+    from fusionrag.bench.provenance import write_report_files
+
+    write_report_files(out, "step_gap", doc, markdown(doc), lambda path: plot(doc, path))
 
 
 def run(args: argparse.Namespace) -> dict:

@@ -39,7 +39,8 @@ def require_matplotlib() -> None:
                              "pip install 'fusionrag[bench]'") from None
 
 
-def _figure(nrows: int, ncols: int, width: float, height: float) -> tuple[Figure, np.ndarray]:
+def figure(nrows: int, ncols: int, width: float, height: float) -> tuple[Figure, np.ndarray]:
+    """``nrows`` x ``ncols`` panels of ``width`` x ``height`` inches each; no pyplot state (safe in threads)."""
     require_matplotlib()
     from matplotlib.figure import Figure
 
@@ -48,7 +49,7 @@ def _figure(nrows: int, ncols: int, width: float, height: float) -> tuple[Figure
     return fig, axes
 
 
-def _save_png(fig: Figure, path: str | Path) -> Path:
+def save_png(fig: Figure, path: str | Path) -> Path:
     """Through a temp file, so a reader never sees a half-written PNG."""
     return atomic_write_with(path, lambda tmp: fig.savefig(tmp, format="png", dpi=120, bbox_inches="tight"))
 
@@ -77,7 +78,7 @@ def plot_metric_vs_ratio(
 ) -> Path:
     """Save :func:`metric_vs_ratio_figure` as a PNG at ``path``."""
     fig = metric_vs_ratio_figure(rows, metric, ylabel=ylabel, title=title, ci_key=ci_key, hlines=hlines)
-    return _save_png(fig, path)
+    return save_png(fig, path)
 
 
 def metric_vs_ratio_figure(
@@ -110,7 +111,7 @@ def metric_vs_ratio_figure(
     # Full Reuse reference at the same top-n match), the method told by the line style
     style = {"markers": {n: "osD^vP*X"[i % 8] for i, n in enumerate(top_ns)},
              "top_n_colours": _method_colours(str(n) for n in top_ns if n is not None)}
-    fig, axes = _figure(nrows, len(datasets), 4.2, 3.4 if nrows == 1 else 4.0)
+    fig, axes = figure(nrows, len(datasets), 4.2, 3.4 if nrows == 1 else 4.0)
     handles: dict[str, Any] = {}
     for col, ds in enumerate(datasets):
         ds_rows = [r for r in rows if str(r.get("dataset", "all")) == ds]
@@ -241,7 +242,7 @@ def _median_or_none(values: Iterable[Any]) -> float | None:
 
 def plot_ttft(rows: Sequence[Mapping[str, Any]], path: str | Path, *, title: str | None = None) -> Path:
     """Save :func:`ttft_figure` as a PNG at ``path``."""
-    return _save_png(ttft_figure(rows, title=title), path)
+    return save_png(ttft_figure(rows, title=title), path)
 
 
 def ttft_figure(rows: Sequence[Mapping[str, Any]], *, title: str | None = None) -> Figure:
@@ -262,7 +263,7 @@ def ttft_figure(rows: Sequence[Mapping[str, Any]], *, title: str | None = None) 
     tiers = list(dict.fromkeys(r["_tier"] for r in rows if r["_tier"])) or ["all"]
     contexts = sorted({r["_ctx"] for r in rows if r["_ctx"] is not None})
     colours = _method_colours(str(r.get("method")) for r in rows)
-    fig, axes = _figure(2, len(tiers), 5.5, 3.6)
+    fig, axes = figure(2, len(tiers), 5.5, 3.6)
     line_handles: dict[str, Any] = {}
     for col, tier in enumerate(tiers):
         own_full = any(r.get("method") == "full" and r["_tier"] == tier for r in rows)
@@ -350,7 +351,7 @@ def plot_fidelity_at_ratio(rows: Sequence[Mapping[str, Any]], ratio: float, path
                            *, title: str | None = None) -> Path | None:
     """Save :func:`fidelity_figure` as a PNG at ``path``; None (and no file) when it has nothing to draw."""
     fig = fidelity_figure(rows, ratio, title=title)
-    return None if fig is None else _save_png(fig, path)
+    return None if fig is None else save_png(fig, path)
 
 
 def fidelity_figure(rows: Sequence[Mapping[str, Any]], ratio: float, *, title: str | None = None) -> Figure | None:
@@ -382,7 +383,7 @@ def fidelity_figure(rows: Sequence[Mapping[str, Any]], ratio: float, *, title: s
                   key=lambda k: (order.get(k[0], 1), k[0], k[1] == "fused", -1 if k[2] is None else k[2]))
     labels = [series_label(m, kv) + (f" top-{n}" if n is not None else "") for m, kv, n in keys]
     ys = np.arange(len(keys))
-    fig, axes = _figure(len(FIDELITY_PANELS), len(datasets), 3.6, 0.9 + 0.28 * len(keys))
+    fig, axes = figure(len(FIDELITY_PANELS), len(datasets), 3.6, 0.9 + 0.28 * len(keys))
     for col, ds in enumerate(datasets):
         by_key = {key(r): r for r in picked if str(r.get("dataset")) == ds}
         n = max((int(r.get("n", 0)) for r in by_key.values()), default=0)

@@ -67,6 +67,17 @@ def write_text_atomic(path: str | Path, text: str) -> Path:
     return atomic_write(path, text)
 
 
+def write_report_files(out: str | Path, stem: str, doc: Any, markdown: str, plot: Any) -> Path:
+    """A benchmark's report in ``out``: ``STEM.json`` (every sample, the command, model, data, machine),
+    ``README.md`` and ``STEM.png`` (``plot(path)``), each written atomically."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(out / f"{stem}.json", doc)
+    write_text_atomic(out / "README.md", markdown)
+    plot(out / f"{stem}.png")
+    return out
+
+
 def read_results(path: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Read a file written by :func:`write_quality_report` / :func:`write_ttft_report`: ``(meta, rows)``."""
     with open(path, encoding="utf-8") as f:
