@@ -3,7 +3,7 @@
 import torch
 
 from fusionrag.execution.attention import prefill_with_context_attention
-from fusionrag.execution.forward import prefill
+from fusionrag.execution.forward import prefill, to_dynamic_cache
 from fusionrag.execution.segments import chunk_kv_plain
 from fusionrag.online.policies import SelectionInput
 from fusionrag.online.prefill import assemble_context
@@ -24,3 +24,15 @@ def selection_setup(lm, lengths=(40, 29, 35)):
     ctx, ids, spans = assemble_context(lm, s_kv, kvs, system, chunks)
     inp = SelectionInput(lm, ctx, ids, spans, torch.tensor(question), chunk_scores=scores)
     return system, chunks, question, inp
+
+
+def eager_attentions(lm, inp):
+    """Reference: the model's own eager attention weights of the question over the assembled cache, per layer."""
+    model, T, q = lm.model, len(inp.context), inp.question_token_ids.numel()
+    model.set_attn_implementation("eager")
+    try:
+        out = model(input_ids=inp.question_token_ids[None], position_ids=torch.arange(T, T + q)[None],
+                    cache=to_dynamic_cache(inp.context), use_cache=True, output_attentions=True)
+    finally:
+        model.set_attn_implementation("sdpa")
+    return out.attentions

@@ -16,6 +16,7 @@ from fusionrag.online.policies import (
     select,
 )
 from fusionrag.online.prefill import prefill_full, prefill_reused
+from policy_helpers import eager_attentions
 from policy_helpers import selection_setup as _setup
 
 POLICIES = [m for m in methods() if method_info(m).factory is not None]  # selection policies
@@ -54,25 +55,11 @@ def test_epic_takes_the_first_tokens_of_each_chunk(tiny_llama):
     assert epic_budget(0.99, inp.spans) == 3 * EPIC_MAX_PER_CHUNK
 
 
-def _eager_attentions(lm, inp):
-    """Reference: the model's own eager attention weights of the question over the assembled cache, per layer."""
-    from fusionrag.execution.forward import to_dynamic_cache
-
-    model, T, q = lm.model, len(inp.context), inp.question_token_ids.numel()
-    model.set_attn_implementation("eager")
-    try:
-        out = model(input_ids=inp.question_token_ids[None], position_ids=torch.arange(T, T + q)[None],
-                    cache=to_dynamic_cache(inp.context), use_cache=True, output_attentions=True)
-    finally:
-        model.set_attn_implementation("sdpa")
-    return out.attentions
-
-
 def test_query_scores_equal_explicit_last_layer_attention(tiny_lm):
     """FusionRAG's scores vs the eager-attention weights of the real last layer."""
     _, _, _question, inp = _setup(tiny_lm)
     T = len(inp.context)
-    att = _eager_attentions(tiny_lm, inp)[-1][0]  # [heads, q, T + q]
+    att = eager_attentions(tiny_lm, inp)[-1][0]  # [heads, q, T + q]
     global_ref = att.sum(dim=(0, 1))[:T][inp.candidates]
     assert torch.allclose(question_attention(inp), global_ref, atol=1e-5)
 
@@ -120,7 +107,7 @@ def test_prophetkv_scores_equal_the_layer_mean_of_explicit_attention(tiny_lm):
     _, _, _question, inp = _setup(tiny_lm)
     T = len(inp.context)
     per_layer = []
-    for att in _eager_attentions(tiny_lm, inp):  # [1, heads, q, T + q]
+    for att in eager_attentions(tiny_lm, inp):  # [1, heads, q, T + q]
         ctx = att[0, :, :, :T]
         per_layer.append((ctx / ctx.sum(-1, keepdim=True)).mean(dim=(0, 1)))
     expected = torch.stack(per_layer).mean(0)[inp.candidates]

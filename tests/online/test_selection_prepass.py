@@ -19,6 +19,7 @@ from fusionrag.online.policies import (
     select,
 )
 from fusionrag.online.prefill import assemble_context, prefill_reused
+from policy_helpers import eager_attentions
 
 RATIOS = [0.05, 0.15, 0.3, 0.5]
 
@@ -95,18 +96,9 @@ def test_a_stop_the_pass_never_reaches_is_an_error_and_leaves_later_passes_whole
 @pytest.mark.parametrize("layer", [0, 1])
 def test_an_earlier_scoring_layer_is_that_layers_attention(tiny_lm, layer):
     """The option: scores from layer ``layer``'s attention, checked against the model's eager weights there."""
-    from fusionrag.execution.forward import to_dynamic_cache
-
     inp = _input(tiny_lm, "plain", torch.float32)
-    T, q = len(inp.context), inp.question_token_ids.numel()
-    model = tiny_lm.model
-    model.set_attn_implementation("eager")
-    try:
-        out = model(input_ids=inp.question_token_ids[None], position_ids=torch.arange(T, T + q)[None],
-                    cache=to_dynamic_cache(inp.context), use_cache=True, output_attentions=True)
-    finally:
-        model.set_attn_implementation("sdpa")
-    expected = out.attentions[layer][0].sum(dim=(0, 1))[:T][inp.candidates]
+    T = len(inp.context)
+    expected = eager_attentions(tiny_lm, inp)[layer][0].sum(dim=(0, 1))[:T][inp.candidates]
     assert torch.allclose(question_attention(inp, layer=layer), expected, atol=1e-5)
     assert question_queries(inp, layer).layer == layer
     idx = select(QueryGuided(layer=layer), inp, 0.15)
