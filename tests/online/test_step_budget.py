@@ -55,7 +55,7 @@ def run(step_tokens: int | None) -> tuple[list[str], dict[str, list[int]], int]:
         reqs.append(sched.submit("Which river runs past the mill?", max_new_tokens=4, listener=listener("long"),
                                  chunks=LONG, method="full"))
         for r in reqs:
-            assert r._done.wait(120), "a request did not finish"
+            r.result(120)  # finished (a TimeoutError if not)
         return order, tokens, sched.stats.prefill_pieces - pieces
     finally:
         sched.close()
