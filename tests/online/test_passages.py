@@ -181,3 +181,90 @@ def test_a_checkpoint_of_another_family_is_refused_before_loading(built, tmp_pat
     monkeypatch.setattr("fusionrag.models.load_model", lambda *a, **k: pytest.fail("loaded"))
     with pytest.raises(StoreMismatchError, match="qwen2 model"):
         Engine.open(built[0], model=str(tmp_path))
+
+
+# -- a client's own, finer split: parts of stored chunks ------------------------------------------
+
+
+def _split(text: str, size: int, overlap: int) -> list[str]:
+    """Windows of about ``size`` characters at word boundaries, each starting ``overlap`` characters
+    before the last one ended (what LangChain's ``RecursiveCharacterTextSplitter`` does to flat text)."""
+    words, out, cur = text.split(), [], []
+    for w in words:
+        if cur and len(" ".join([*cur, w])) > size:
+            out.append(" ".join(cur))
+            keep: list[str] = []
+            while cur and len(" ".join([cur[-1], *keep])) <= overlap:
+                keep.insert(0, cur.pop())
+            cur = keep
+        cur.append(w)
+    return [*out, " ".join(cur)]
+
+
+@pytest.fixture(scope="module")
+def coarse(tmp_path_factory, lm):
+    """The same file in chunks of 256 tokens (tiny-llama's tokens are characters: ~250 per chunk)."""
+    root = tmp_path_factory.mktemp("coarse")
+    doc = root / "velmora.txt"
+    doc.write_text(TEXT, encoding="utf-8")
+    store = build.create_store(root / "store", lm, chunk_tokens=256, kv_dtype="float32",
+                               embedder=HashingEmbedder(), model_source="tiny-llama")
+    build.ingest(store, lm, [doc], progress=False)
+    return Engine(KnowledgeStore.open(root / "store", lm, embedder=HashingEmbedder()), lm)
+
+
+def test_a_finer_split_is_served_from_the_parts_of_chunks_it_holds(coarse):
+    store = coarse.store
+    splits = _split(TEXT, 120, 30)
+    assert len(splits) > len(store.chunk_ids()) > 1
+    pieces = match_passages(store, coarse.prompt, [{"title": "", "text": s} for s in splits])
+    parts = [p for p in pieces if p.span is not None]
+    assert parts and all(p.chunk_id is not None for p in parts)
+    for p in parts:
+        ids = store.chunk(p.chunk_id).token_ids[p.span[0]:p.span[1]]
+        assert " ".join(coarse.lm.tokenizer.decode(ids).split()) == p.text or p.text in " ".join(
+            coarse.lm.tokenizer.decode(ids).split())
+        assert any(p.text in " ".join(s.split()) for s in splits)  # a part is text the client sent
+    resolved_ids = [store.chunk(p.chunk_id).token_ids[slice(*(p.span or (None,)))] if p.chunk_id is not None
+                    else coarse.prompt.chunk_token_ids(p.title, p.text) for p in pieces]
+    stored = sum(len(i) for p, i in zip(pieces, resolved_ids, strict=True) if p.chunk_id is not None)
+    assert stored >= 0.9 * sum(map(len, resolved_ids))
+
+
+def test_pasted_parts_at_ratio_one_are_full_attention(coarse):
+    splits = _split(TEXT, 120, 30)
+    pasted = "Context:\n" + "\n\n".join(splits[1:5]) + f"\n\nQuestion: {QUESTION}"
+    got = coarse.prepare(pasted, method="fusionrag", ratio=1.0, retrieval=False)
+    assert any(s is not None and s[0] > 0 for s in got.chunk_parts)
+    full = coarse.prepare(pasted, method="full", retrieval=False)
+    assert got.prompt_token_ids == full.prompt_token_ids
+    assert (got.pre.last_logits - full.pre.last_logits).abs().max().item() < 1e-4
+
+
+def test_a_part_is_its_stored_kv_moved_to_its_place_and_its_first_tokens_recomputed(coarse, lm):
+    splits = _split(TEXT, 120, 30)
+    pasted = "Context:\n" + "\n\n".join(splits[2:4]) + f"\n\nQuestion: {QUESTION}"
+    reuse = coarse.prepare(pasted, method="reuse", retrieval=False, kv="plain")
+    fused = coarse.prepare(pasted, method="fusionrag", ratio=0.05, retrieval=False, kv="plain")
+    cut = [i for i, s in enumerate(reuse.chunk_parts) if s is not None and s[0] > 0]
+    assert cut
+    chosen = set(fused.pre.selected.tolist())
+    for i in cut:
+        cid, (a, b) = reuse.chunk_ids[i], reuse.chunk_parts[i]
+        start, stop = reuse.pre.spans[i]
+        entry = coarse.kv_source.get_many([(cid, "plain")])[0]
+        moved = entry.kv.slice(a, b).moved_to(start, lm.inv_freq)
+        assert torch.allclose(reuse.pre.kv.keys[:, :, start:stop].float(), moved.keys.float(), atol=1e-5)
+        assert torch.equal(reuse.pre.kv.values[:, :, start:stop].float(), moved.values.float())
+        assert set(range(start, start + 4)) <= chosen
+
+
+@pytest.mark.parametrize(("new_words", "expected"), [(0, "fusionrag"), (400, "full")])
+def test_auto_counts_the_context_that_has_kv_ready(coarse, lm, new_words, expected):
+    engine = Engine(coarse.store, lm, min_reuse_tokens=1)
+    fresh = " ".join(f"novel{i}" for i in range(new_words))
+    pasted = ("Context:\n" + "\n\n".join(_split(TEXT, 120, 30)[:4])
+              + f"\n\n{fresh}\n\n{PARAGRAPHS[-1]}\nQuestion: {QUESTION}")
+    prep = engine.prepare(pasted, method="auto", retrieval=False)
+    assert prep.method == expected, prep.note
+    assert "have KV ready" in prep.note

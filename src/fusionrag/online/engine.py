@@ -36,10 +36,11 @@ from fusionrag.kvcache.sources import Key, KVSource, NoStoredKV
 from fusionrag.models.clock import StageClock
 from fusionrag.models.fingerprint import same_weights
 from fusionrag.models.registry import LoadedModel
+from fusionrag.online import auto
 from fusionrag.online.kv_loading import ORIGIN, ChunkKVLoader
 from fusionrag.online.methods import make_policy, method_info
 from fusionrag.online.policies import SelectionInput, select
-from fusionrag.online.prefill import assemble_context, prefill_full_pieces, prefill_reused_pieces
+from fusionrag.online.prefill import assemble_context, prefill_full_pieces, prefill_reused_pieces, with_cut_starts
 from fusionrag.online.request import DEFAULT_MAX_NEW_TOKENS, DEFAULT_TOP_K, ReuseRequest, resolved_kv
 from fusionrag.online.resolved import Resolved
 from fusionrag.online.sampling import SamplingParams
@@ -51,19 +52,8 @@ from fusionrag.retrieval.matching import Piece, find_in_prompt, match_passages
 
 log = logging.getLogger(__name__)
 
-#: Context tokens (the passages' tokens) from which ``method="auto"`` reuses KV, per device type.
-#: CPU: parity at ~100 tokens for smollm2-135m and qwen2.5-0.5b, 1.13x / 1.37x faster at ~175
-#: (benchmarks/ttft/results/break_even); 256 leaves room for KV read from disk. CUDA: an estimate
-#: until a GPU run measures it (a GPU prefill of a short context takes milliseconds, so the pre-pass
-#: and KV movement weigh more there).
-BREAK_EVEN_TOKENS = {"cpu": 256, "cuda": 1024}
 #: The whole-context cache's default size: ~20 contexts of 4K tokens of qwen2.5-0.5b in bf16 (50 MB each).
 DEFAULT_CONTEXT_CACHE_BYTES = 1 << 30
-
-
-def break_even_tokens(lm: LoadedModel) -> int:
-    """The context length from which reuse is faster than a full prefill on ``lm``'s device."""
-    return BREAK_EVEN_TOKENS.get(str(lm.device).split(":")[0], BREAK_EVEN_TOKENS["cuda"])
 
 
 
@@ -81,7 +71,8 @@ class Engine:
         model's device above that (:mod:`fusionrag.kvcache.device_tier`: copies on a side stream, so
         prefetches overlap the model's work). ``store`` None: no retrieval, no stored KV; passages a
         request brings are computed once and kept in the prefix cache. ``min_reuse_tokens``: the
-        context length from which ``method="auto"`` reuses KV (default: :func:`break_even_tokens`).
+        context length from which ``method="auto"`` reuses KV (default:
+        :func:`fusionrag.online.auto.break_even_tokens`).
         ``context_cache_bytes``: the whole-context cache (:mod:`fusionrag.kvcache.context_cache`): a
         request whose ``S`` + chunks were computed before prefills only its question. Off (0) here, so
         that studies and benchmarks comparing methods on one engine measure each method; on in
@@ -91,7 +82,7 @@ class Engine:
         self.store = store
         self.lm = lm
         self.prompt = store.prompt if store is not None else PromptBuilder(lm.tokenizer)
-        self.min_reuse_tokens = break_even_tokens(lm) if min_reuse_tokens is None else int(min_reuse_tokens)
+        self.min_reuse_tokens = auto.break_even_tokens(lm) if min_reuse_tokens is None else int(min_reuse_tokens)
         source = kv_source if kv_source is not None else store.kv_source() if store is not None else NoStoredKV()
         self.kv_source: KVSource = kv_tiers(source, lm.device, memory_budget_bytes, device_budget_bytes,
                                             loader_threads=loader_threads)
@@ -239,7 +230,8 @@ class Engine:
         token_ids = resolved.token_ids(self)
         question_token_ids = resolved.question_ids(self, req)
         system_ids = resolved.system_ids(self, req)
-        method, why = self.resolve_method(req.method, sum(map(len, token_ids)))
+        method, why = self.resolve_method(req.method, sum(map(len, token_ids)), auto.ready_tokens(
+            self.prefix_cache, self.prompt.system_hash, resolved.pieces, token_ids))
         note = note or ("" if req.raw else why)  # a raw prompt has no passages to reuse by design
         if method == "full":
             kv_kind, ratio = "none", 1.0
@@ -263,7 +255,7 @@ class Engine:
             clock.skip("select")
             pre = yield from prefill_full_pieces(self.lm, system_ids, token_ids, question_token_ids, piece_tokens)
         else:
-            entries, fallbacks = self.loader.load(chunk_ids, passages, token_ids, kv_kind)
+            entries, fallbacks = self.loader.load(chunk_ids, passages, token_ids, kv_kind, resolved.spans)
             origins = [e.metadata.get(ORIGIN, "store") for e in entries]
             # One buffer for the prompt: the context, then room for the question, which the pass writes into.
             buffer, ctx_ids, spans = assemble_context(self.lm, self.system_kv, [e.kv for e in entries],
@@ -277,10 +269,11 @@ class Engine:
             if info.recomputes_nothing:
                 idx = None
             else:
-                scores = self.loader.cachecraft_scores(chunk_ids, entries, kv_kind) if method == "cachecraft" else []
+                scores = (self.loader.cachecraft_scores(chunk_ids, entries, kv_kind, resolved.spans)
+                          if method == "cachecraft" else [])
                 inp = SelectionInput(self.lm, ctx, ctx_ids, spans, torch.tensor(question_token_ids),
                                      chunk_scores=scores)
-                idx = select(make_policy(method), inp, float(ratio))
+                idx = with_cut_starts(select(make_policy(method), inp, float(ratio)), spans, resolved.spans)
             clock.lap("select")
             if cut and idx is not None:
                 yield  # the selection's pre-pass was a piece too
@@ -298,25 +291,15 @@ class Engine:
         out.prompt_token_ids = [*system_ids, *(t for c in token_ids for t in c), *question_token_ids]
         out.sampler.see_prompt(out.prompt_token_ids)
         out.chunk_ids, out.passages, out.chunk_token_ids, out.ttft_ms = chunk_ids, passages, token_ids, timings
+        out.chunk_parts = resolved.spans
         out.fused_fallbacks, out.sources, out.note = fallbacks, sources, note
         out.context_cache_hit, out.kv_origins, out.status = cached is not None, origins, Status.PREPARED
         return out
 
-    def resolve_method(self, method: str, context_tokens: int) -> tuple[str, str]:
-        """The method a request runs and, when that is not the one it named, why.
-
-        Without passages there is nothing to reuse: Full Attention of ``S`` + the question, whatever
-        the method. ``auto`` reuses KV (``fusionrag``) from :attr:`min_reuse_tokens` tokens of
-        context, and below that runs ``full``, which is faster there (the selection pass and the
-        KV loads cost more than they save: ``docs/decisions/``)."""
-        if context_tokens == 0:
-            return "full", "" if method == "full" else "no passages: nothing to reuse (full prefill of the question)"
-        if method != "auto":
-            return method, ""
-        if context_tokens < self.min_reuse_tokens:
-            return "full", (f"auto: {context_tokens} context tokens < {self.min_reuse_tokens}, where a full prefill "
-                            "is faster than reuse")
-        return "fusionrag", f"auto: {context_tokens} context tokens >= {self.min_reuse_tokens}: fusionrag"
+    def resolve_method(self, method: str, context_tokens: int, ready_tokens: int | None = None) -> tuple[str, str]:
+        """The method a request runs and, when that is not the one it named, why (:func:`fusionrag.online.auto.choose`
+        with this engine's :attr:`min_reuse_tokens`)."""
+        return auto.choose(method, context_tokens, ready_tokens, self.min_reuse_tokens)
 
     def finish(self, prep: Request, token_ids: list[int]) -> Request:
         """Complete a prepared request with its generated token ids (the same object, now ``finished``)."""

@@ -54,8 +54,10 @@ class ChunkKVLoader:
         return (chunk_id, "plain") if self.engine.store.has_kv(chunk_id, "plain") else None
 
     def load(self, chunk_ids: Sequence[int | None], passages: Sequence[dict], token_ids: Sequence[list[int]],
-              kind: str) -> tuple[list[KVEntry], int]:
-        """One entry per chunk: stored ones from the KV source, the rest through the prefix cache."""
+              kind: str, spans: Sequence[tuple[int, int] | None] | None = None) -> tuple[list[KVEntry], int]:
+        """One entry per chunk: stored ones from the KV source, the rest through the prefix cache.
+        ``spans``: where a piece is part of its stored chunk, its tokens of it (the entry is cut to them)."""
+        spans = list(spans) if spans is not None else [None] * len(chunk_ids)
         kinds = self.kinds_for(chunk_ids, kind)
         keys = [self.stored_key(cid, k) for cid, k in zip(chunk_ids, kinds, strict=True)]
         stored = [k for k in keys if k is not None]
@@ -65,9 +67,9 @@ class ChunkKVLoader:
                    for key, p, ids in zip(keys, passages, token_ids, strict=True) if key is None]
         adhoc = iter(self.adhoc_kvs(missing))
         entries, fallbacks = [], 0
-        for key, k in zip(keys, kinds, strict=True):
+        for key, k, span in zip(keys, kinds, spans, strict=True):
             if key is not None:
-                entries.append(loaded[key])
+                entries.append(loaded[key] if span is None else part_of(loaded[key], span))
             else:
                 kv, origin = next(adhoc)
                 entries.append(KVEntry(kv, None, {ORIGIN: origin}))
@@ -93,14 +95,17 @@ class ChunkKVLoader:
         return out
 
     def cachecraft_scores(self, chunk_ids: Sequence[int | None], entries: Sequence[KVEntry],
-                           kind: str) -> list[torch.Tensor | None]:
+                           kind: str, spans: Sequence[tuple[int, int] | None] | None = None,
+                           ) -> list[torch.Tensor | None]:
         """Cache-Craft's scores are recorded with the fused entries: the ones just loaded when the
         method runs on fused KV, otherwise read through the same source (so a memory tier serves them)."""
         if kind == "fused":
             return [e.scores for e in entries]
+        spans = list(spans) if spans is not None else [None] * len(chunk_ids)
         keys = [(c, "fused") for c in chunk_ids if c is not None and self.engine.store.has_kv(c, "fused")]
         fused = self.read_stored(keys)
-        return [fused[(c, "fused")].scores if (c, "fused") in fused else None for c in chunk_ids]
+        return [part_of(fused[(c, "fused")], span).scores if (c, "fused") in fused else None
+                for c, span in zip(chunk_ids, spans, strict=True)]
 
     def adhoc_kvs(self, items: list[tuple[str, list[int]]]) -> list[tuple[KV, str]]:
         """Plain KVs of passages the store does not hold (by content hash, in order), through the
@@ -113,3 +118,15 @@ class ChunkKVLoader:
             self.engine.prompt.system_hash, [h for h, _ in items],
             lambda _system, _context, chunk: chunk_kv_plain(self.engine.lm, self.engine.system_kv, ids_of[chunk]))
         return [(c.value, "computed" if c.source == "computed" else "prefix_cache") for c in result.chunks]
+
+
+def part_of(entry: KVEntry, span: tuple[int, int] | None) -> KVEntry:
+    """Tokens ``span[0]:span[1]`` of a stored entry (its KV at their stored positions, and their scores): a
+    part of a chunk a client's text holds (:attr:`fusionrag.retrieval.matching.Piece.span`)."""
+    if span is None:
+        return entry
+    a, b = span
+    scores = entry.scores
+    if scores is not None and scores.shape[-1] == len(entry.kv):
+        scores = scores[..., a:b]
+    return KVEntry(entry.kv.slice(a, b), scores, entry.metadata)

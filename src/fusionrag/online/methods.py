@@ -105,7 +105,7 @@ _REGISTRY["full"] = MethodInfo("full", None, "none", "product", description="Ful
 _REGISTRY["reuse"] = MethodInfo("reuse", None, "plain", "product", description="Full Reuse (recompute nothing)")
 register_policy("fusionrag", _builtin("QueryGuided"), kv="plain-first", kind="product",
                 description="FusionRAG: query-guided selection on fused KV")
-#: Chosen per request by the engine (``Engine.resolve_method``): ``fusionrag`` from the context length
+#: Chosen per request by the engine (``fusionrag.online.auto``): ``fusionrag`` from the context length
 #: where reuse pays, ``full`` below it. Not a policy: it never reaches ``make_policy``.
 _REGISTRY["auto"] = MethodInfo("auto", None, "plain-first", "product",
                                description="fusionrag where reuse pays (long contexts), full below that")

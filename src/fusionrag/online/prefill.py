@@ -133,3 +133,20 @@ def all_chunk_indices(spans: Sequence[tuple[int, int]]) -> torch.Tensor:
     if not spans:
         return torch.empty(0, dtype=torch.long)
     return torch.cat([torch.arange(a, b) for a, b in spans])
+
+
+#: Tokens recomputed at the start of a part of a stored chunk (a client's split that starts inside one): their
+#: stored KV read the chunk's text before the cut, which this prompt does not hold there.
+CUT_START_TOKENS = 4
+
+
+def with_cut_starts(idx: torch.Tensor, spans: Sequence[tuple[int, int]],
+                    parts: Sequence[tuple[int, int] | None]) -> torch.Tensor:
+    """``idx`` (selected context indices) and the first :data:`CUT_START_TOKENS` tokens of each chunk served from
+    a part of its stored KV that starts after the chunk's first token (``parts``: each chunk's stored token
+    range, None when whole), sorted, each once."""
+    starts = [torch.arange(a, min(b, a + CUT_START_TOKENS)) for (a, b), part in zip(spans, parts, strict=True)
+              if part is not None and part[0] > 0]
+    if not starts:
+        return idx
+    return torch.unique(torch.cat([idx.to(torch.long).cpu(), *starts]))

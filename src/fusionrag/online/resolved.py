@@ -42,11 +42,18 @@ class Resolved:
         return [p.as_passage() for p in self.pieces]
 
     def token_ids(self, engine: Any) -> list[list[int]]:
-        """Each passage's token ids: a stored chunk's as stored, a client's passage tokenized (once)."""
+        """Each passage's token ids: a stored chunk's as stored (a part: its tokens of them), a client's passage
+        tokenized (once)."""
         if self._token_ids is None:
-            self._token_ids = [list(engine.store.chunk(p.chunk_id).token_ids) if p.chunk_id is not None else
-                               engine.prompt.chunk_token_ids(p.title, p.text) for p in self.pieces]
+            self._token_ids = [engine.prompt.chunk_token_ids(p.title, p.text) if p.chunk_id is None else
+                               list(engine.store.chunk(p.chunk_id).token_ids)[slice(*(p.span or (None,)))]
+                               for p in self.pieces]
         return self._token_ids
+
+    @property
+    def spans(self) -> list[tuple[int, int] | None]:
+        """Each piece's tokens of its stored chunk when only part of it is served (None: all, or new text)."""
+        return [p.span for p in self.pieces]
 
     def question_ids(self, engine: Any, request: ReuseRequest) -> list[int]:
         """The question segment's token ids (once per question and preamble); a raw prompt's own ids."""

@@ -64,6 +64,9 @@ class Request:
         self.chunk_ids: list[int | None] = []  # None for request-supplied passages not in the store
         self.passages: list[dict] = []
         self.chunk_token_ids: list[list[int]] = []
+        #: Per chunk, the stored chunk's tokens it holds when only part of the chunk is in the prompt (a client's
+        #: own split: :attr:`fusionrag.retrieval.matching.Piece.span`); None for a whole chunk or new text.
+        self.chunk_parts: list[tuple[int, int] | None] = []
         self.prompt_token_ids: list[int] = []  # S + chunks + question (a raw prompt: its own ids), as prefilled
         self.ttft_ms: dict[str, float] = {}  # retrieve / load / select / recompute / first_token / total
         self.fused_fallbacks = 0

@@ -10,12 +10,14 @@ each passage is mapped onto stored chunks in three steps, cheapest first:
 2. **The store's chunker splits it into stored chunks**: the passage is split exactly as
    ingest splits a passage (same chunk size, same boundaries) and each piece is looked up by
    content hash; a document whose title and text equal an ingested passage reuses all of it.
-3. **Stored chunks occur in its text**: candidate chunks (the documents of the chunks the
-   passage's text retrieves, and the document named by its ``source``) whose text occurs in
-   the passage, whitespace aside, are reused where they occur; the text between them becomes
-   new pieces, computed once and kept in the prefix cache. A whole file
-   read by a framework's loader reuses every chunk ingest made of it (its markdown headings,
-   which ingest turned into titles, are not new text).
+3. **Stored chunks, or parts of them, occur in its text**: candidate chunks (the documents of the
+   chunks the passage's text retrieves, and the document named by its ``source``) whose text occurs
+   in the passage, whitespace aside, whole or in part (:mod:`.overlaps`), are reused where they
+   occur: a whole chunk as stored, a part from the stored KV of its tokens (``Piece.span``; the
+   prefill moves it to its place and recomputes its first tokens). The text between them becomes
+   new pieces, computed once and kept in the prefix cache. A whole file read by a framework's
+   loader reuses every chunk ingest made of it (its markdown headings, which ingest turned into
+   titles, are not new text); a framework's own, finer split reuses the parts of chunks it holds.
 
 A passage in which no stored chunk is found stays whole: one new chunk, as the client sent it.
 The prompt a request gets is the passages' text in the client's order; only which pieces
@@ -26,15 +28,14 @@ from __future__ import annotations
 
 import contextlib
 import re
-import unicodedata
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from fusionrag.prompt import PromptBuilder, passage_hash
+from fusionrag.prompt import PromptBuilder, chunk_text, passage_hash
 from fusionrag.retrieval.chunking import DEFAULT_CHUNK_TOKENS, Passage, make_chunks
+from fusionrag.retrieval.overlaps import Region, find_regions, normalise, positions, token_span
 
-_SPACE = re.compile(r"\s+")
 #: Stored chunks shorter than this (normalised characters) are not matched inside other text:
 #: a two-word chunk occurs by chance.
 MIN_MATCH_CHARS = 24
@@ -50,21 +51,19 @@ MAX_WINDOWS = 32
 
 @dataclass(frozen=True)
 class Piece:
-    """One chunk of a request's prompt: a stored chunk (``chunk_id``) or new text (``chunk_id`` None)."""
+    """One chunk of a request's prompt: a stored chunk (``chunk_id``) or new text (``chunk_id`` None).
+
+    ``span``: only tokens ``span[0]:span[1]`` of the stored chunk (a part of it the client's text holds;
+    ``text`` is then that part), None for all of them."""
 
     chunk_id: int | None
     title: str
     text: str
     source: str = ""
+    span: tuple[int, int] | None = None
 
     def as_passage(self) -> dict[str, str]:
         return {"title": self.title, "text": self.text}
-
-
-def normalise(text: str) -> str:
-    """Unicode NFC, whitespace runs as one space, ends stripped: frameworks re-flow whitespace and loaders
-    compose or decompose accents (a macOS file name or a PDF's text is often NFD), not words."""
-    return _SPACE.sub(" ", unicodedata.normalize("NFC", text)).strip()
 
 
 def match_passages(store, prompt: PromptBuilder, passages: Sequence[dict]) -> list[Piece]:
@@ -142,33 +141,63 @@ def _candidates(store, text: str, source: str) -> list[int]:
 
 
 def _contained(store, title: str, text: str, source: str) -> list[Piece] | None:
-    """Stored chunks found in the passage's text, in text order, with the text between them as new pieces."""
+    """Stored chunks, or parts of them, found in the passage's text, in text order, with the text between
+    them as new pieces."""
     norm = normalise(text)
-    matches: list[tuple[int, int, int]] = []  # (start, end, chunk id) in the normalised text
-    for cid in _candidates(store, text, source):
-        body = normalise(store.chunk(cid).text)
-        if len(body) < MIN_MATCH_CHARS:
-            continue
-        at = norm.find(body)
-        if at >= 0:
-            matches.append((at, at + len(body), cid))
-    if not matches:
+    records = {cid: store.chunk(cid) for cid in _candidates(store, text, source)}
+    bodies = {cid: _positions(rec) for cid, rec in records.items()}
+    found = [_served(store.prompt.tokenizer, r, records[r.chunk_id], bodies[r.chunk_id])
+             for r in find_regions(norm, [(c, w.body) for c, w in bodies.items()], MIN_MATCH_CHARS)]
+    chosen = [f for f in found if f is not None]
+    if not chosen:
         return None
-    chosen: list[tuple[int, int, int]] = []
-    for m in sorted(matches, key=lambda m: (m[0], -(m[1] - m[0]))):  # leftmost, longest first; no overlaps
-        if not chosen or m[0] >= chosen[-1][1]:
-            chosen.append(m)
-    titles = {normalise(store.chunk(cid).title).lower() for _, _, cid in chosen}
+    titles = {normalise(records[r.chunk_id].title).lower() for r, _ in chosen}
     out: list[Piece] = []
     pos = 0
-    for start, end, cid in [*chosen, (len(norm), len(norm), -1)]:
+    for region, span in [*chosen, (None, None)]:
+        start = region.start if region is not None else len(norm)
         gap = _new_text(text_between(norm, pos, start), titles)
         if gap:
             out.append(Piece(None, title, gap, source))
-        if cid >= 0:
-            out.append(_stored(store, cid, source))
-        pos = end
+        if region is not None:
+            rec = records[region.chunk_id]
+            if span is None:
+                out.append(_stored(store, region.chunk_id, source))
+            else:
+                out.append(Piece(rec.id, rec.title, norm[region.start:region.end], source or
+                                 store.source_of(rec.id), span))
+            pos = region.end
     return out
+
+
+def _positions(rec):
+    """A stored chunk's normalised text with where each character is in its prompt text (whole-only chunks,
+    whose text NFC changes, get their normalised text and no positions)."""
+    prompt_text, body = chunk_text(rec.title, rec.text), rec.text.strip()
+    where = positions(prompt_text, len(prompt_text) - len(body) - 2, body)  # the text between "[title] " and "\n\n"
+    return where if where is not None else _WholeOnly(normalise(rec.text))
+
+
+@dataclass(frozen=True)
+class _WholeOnly:
+    body: str
+    origin: tuple[int, ...] = ()
+
+
+def _served(tokenizer, region: Region, rec, where) -> tuple[Region, tuple[int, int] | None] | None:
+    """How a region is served: a whole chunk (span None), or the chunk's whole tokens inside it (the region
+    narrowed to what they cover); None when too little of it is whole tokens (its text is computed)."""
+    if region.whole:
+        return region, None
+    if not where.origin:
+        return None
+    cut = token_span(tokenizer, chunk_text(rec.title, rec.text), rec.token_ids, where, region.at,
+                     region.at + len(region))
+    if cut is None:
+        return None
+    first, stop, a, b = cut
+    shift = region.start - region.at
+    return region.cut(a + shift, b + shift), (first, stop)
 
 
 def find_in_prompt(store, text: str) -> tuple[list[Piece], str] | None:
