@@ -23,6 +23,9 @@ fi
 # The framework integrations' tests need the real packages; they skip (saying why) without them.
 .venv/bin/python -m pip install --quiet -e ".[langchain,llamaindex]" \
     || echo "setup: warning: LangChain/LlamaIndex not installed; their integration tests will be skipped" >&2
+# LangChain's splitter, for the test of a framework's own split against a live server (tests/serve/test_split_reuse.py).
+.venv/bin/python -m pip install --quiet "langchain-text-splitters==1.1.3" \
+    || echo "setup: warning: langchain-text-splitters not installed; the LangChain split test will be skipped" >&2
 # The /ui browser test needs a headless Chromium (Debian's package); it skips (saying why) without one.
 if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
   (apt-get update -qq && apt-get install -y -qq chromium) >/dev/null \
