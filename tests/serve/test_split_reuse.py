@@ -99,6 +99,7 @@ def test_llamaindex_sentence_splitter_nodes_sent_as_documents_are_served_from_st
         def _retrieve(self, query_bundle):
             return [NodeWithScore(node=n, score=1.0) for n in nodes[:4]]
 
-    usage = FusionRAGQueryEngine(retriever=Own(), llm=llm(url, model=MODEL, max_tokens=2)).query(Q).metadata["fusionrag"]
+    engine = FusionRAGQueryEngine(retriever=Own(), llm=llm(url, model=MODEL, max_tokens=2))
+    usage = engine.query(Q).metadata["fusionrag"]
     assert _precomputed_share(usage) >= 0.9, usage
     assert usage["reused_chunks"] >= 4
