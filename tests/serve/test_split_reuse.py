@@ -30,6 +30,7 @@ SENTENCES = [
 TEXT = "\n\n".join(" ".join(SENTENCES[i:i + 2]) for i in range(0, len(SENTENCES), 2)) + "\n"
 Q = "Which river runs through Velmora?"
 MODEL = "tiny-llama"
+pytestmark = pytest.mark.slow  # a live server and two framework pipelines (~15 s): not in the fast lane
 
 
 @pytest.fixture(scope="module")
