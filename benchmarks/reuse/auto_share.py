@@ -88,6 +88,9 @@ def markdown(doc: dict) -> str:
     for s in doc["summary"]:
         lines.append(f"| {s['ready_share']:.0%} | {s['n']} | {s['context_tokens']:.0f} | {s['full_s']:.2f} s | "
                      f"{s['fusionrag_s']:.2f} s | **{s['ratio']:.2f}x** [{s['lo']:.2f}, {s['hi']:.2f}] |")
+    if m.get("auto_min_ready_at_run", m["auto_min_ready"]) != m["auto_min_ready"]:
+        lines += ["", f"The run used `auto`'s earlier threshold ({m['auto_min_ready_at_run']:.0%}); this table set "
+                  f"it to {m['auto_min_ready']:.0%}, the lowest share measured where FusionRAG is clearly faster."]
     lines += ["", "New text is computed piece by piece (each passage after `S`) before the selection and the "
               "recompute pass; a full prefill computes everything once.", "", f"Command: `{m['command']}`", "",
               f"Store: `{m['store']}`", "", "Every run: `auto_share.json`.", ""]

@@ -21,9 +21,10 @@ from fusionrag.prompt import passage_hash
 #: until a GPU run measures it (a GPU prefill of a short context takes milliseconds, so the pre-pass
 #: and KV movement weigh more there).
 BREAK_EVEN_TOKENS = {"cpu": 256, "cuda": 1024}
-#: ``auto`` reuses KV only when at least this share of the context has it ready
+#: ``auto`` reuses KV only when at least this share of the context has it ready. qwen2.5-0.5b, ~1.3K tokens, one
+#: CPU thread: FusionRAG 15% over full is 1.13x [0.93, 1.25] with none ready, 2.34x [2.09, 2.39] with 27%
 #: (``benchmarks/reuse/results/auto_share``).
-AUTO_MIN_READY = 0.5
+AUTO_MIN_READY = 0.25
 
 
 def break_even_tokens(lm: LoadedModel) -> int:
