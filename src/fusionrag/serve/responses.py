@@ -43,11 +43,26 @@ def reuse_json(ans: Request) -> dict[str, Any]:
             "sources": ans.sources, "note": ans.note}
 
 
+def cached_tokens(req: Request) -> int:
+    """``usage.prompt_tokens_details.cached_tokens``: prompt tokens whose KV this request did not compute itself.
+
+    OpenAI and vLLM count there the prompt tokens served from a cache instead of being prefilled; the
+    clients that know no ``fusionrag`` extension (litellm, DSPy, the SDKs' typed ``usage``) read it. That
+    is :attr:`Request.reused_tokens`, not ``precomputed_tokens``: the latter still counts the tokens this
+    request found precomputed but recomputed anyway (FusionRAG's selected tokens, computed here like any
+    prefill), so it would overstate what came from a cache. ``method: full`` computes everything: 0. The
+    system prompt's KV (computed once at startup) is not counted: the number is the passages' reuse only
+    (equal to ``usage.fusionrag.reused_tokens``), a lower bound of what the request did not prefill.
+    """
+    return req.reused_tokens
+
+
 def usage_json(req: Request) -> dict[str, Any]:
-    """OpenAI's ``usage`` object of a finished request, plus ``fusionrag`` (:func:`reuse_json`)."""
+    """OpenAI's ``usage`` object of a finished request, with ``prompt_tokens_details.cached_tokens``
+    (:func:`cached_tokens`), plus ``fusionrag`` (:func:`reuse_json`)."""
     done = len(req.token_ids)
     return {"prompt_tokens": req.prompt_tokens, "completion_tokens": done, "total_tokens": req.prompt_tokens + done,
-            "fusionrag": reuse_json(req)}
+            "prompt_tokens_details": {"cached_tokens": cached_tokens(req)}, "fusionrag": reuse_json(req)}
 
 
 def fusionrag_json(req: Request) -> dict[str, Any]:
