@@ -1,12 +1,14 @@
 """The framework integrations installed without the engine: ``fusionrag-client`` in a venv without torch.
 
 ``scripts/setup.sh`` (``scripts/setup_client.sh``) makes ``.venv-client``: the ``clients/python``
-distribution with its LangChain, LlamaIndex and Haystack extras, and no torch. This test runs code in
-that environment (a subprocess) against a live ``fusionrag serve`` of this one on 127.0.0.1: ``import
-torch`` fails there, ``from fusionrag.integrations.langchain import ...`` works as with the engine's
+distribution with its LangChain, LlamaIndex and Haystack extras, litellm and DSPy, and no torch. These tests
+run code in that environment (a subprocess) against a live ``fusionrag serve`` of this one on 127.0.0.1:
+``import torch`` fails there, ``from fusionrag.integrations.langchain import ...`` works as with the engine's
 package, and a LangChain retriever + chat call, a LlamaIndex retriever and a Haystack pipeline get their
-answers with the store's chunks reused. Skipped, saying why, without ``.venv-client`` (failed in CI:
-``FUSIONRAG_CI=1``), and when its installed integrations are not this checkout's (rerun the setup).
+answers with the store's chunks reused; litellm and DSPy, unchanged, pasting stored chunks into their
+prompts get them reused (``usage.fusionrag`` and the standard ``prompt_tokens_details.cached_tokens``).
+Skipped, saying why, without ``.venv-client`` (failed in CI: ``FUSIONRAG_CI=1``), and when its installed
+integrations are not this checkout's or litellm or DSPy are missing there (rerun the setup).
 """
 
 from __future__ import annotations
@@ -18,7 +20,10 @@ from pathlib import Path
 
 import pytest
 
-from serve_helpers import live_small_server
+from fusionrag.serve.app import create_app
+from fusionrag.serve.server_thread import ServerThread
+from fusionrag.serve.settings import ServerSettings
+from serve_helpers import live_small_server, store_factory, stored_passages
 
 pytestmark = pytest.mark.slow
 
@@ -104,3 +109,78 @@ def test_the_integrations_work_from_the_client_package_without_torch(tmp_path_fa
     assert out["langchain"] == {"docs": 2, "reused": 2, "chunks": 2, "sources": 2, "answer": True}
     assert out["llamaindex"] == {"nodes": 2}
     assert out["haystack"] == {"reused": 2, "chunks": 2, "answer": True}
+
+
+#: litellm and DSPy, unchanged, pasting stored chunks (sys.argv[2], a JSON list) into their prompts; one JSON line.
+PASTING = r"""
+import json, sys
+url, passages = sys.argv[1], json.loads(sys.argv[2])
+question = "Who discovered polonium?"
+out = {}
+import litellm
+messages = [{"role": "user", "content": "Documents:\n" + "\n\n".join(passages) + "\n\nQuestion: " + question}]
+kw = dict(model="openai/tiny-llama", api_base=url, api_key="x", messages=messages, max_tokens=2)
+plain = litellm.completion(**kw)
+streamed = [c.usage for c in litellm.completion(**kw, stream=True, stream_options={"include_usage": True})
+            if getattr(c, "usage", None) is not None]
+out["litellm"] = {"fusionrag": plain.usage.fusionrag, "cached": plain.usage.prompt_tokens_details.cached_tokens,
+                  "streamed_cached": [u.prompt_tokens_details.cached_tokens for u in streamed]}
+
+import dspy
+lm = dspy.LM("openai/tiny-llama", api_base=url, api_key="x", cache=False, max_tokens=2)
+dspy.configure(lm=lm, adapter=dspy.ChatAdapter(use_json_adapter_fallback=False))
+try:
+    dspy.Predict("context, question -> answer")(context=passages, question=question)
+except dspy.utils.exceptions.AdapterParseError:
+    pass  # two tokens of a random model: no parsable answer, the request is what is checked
+entry = lm.history[-1]
+raw = getattr(entry["response"], "provider_data", None) or {}
+out["dspy"] = {"calls": len(lm.history), "fusionrag": raw.get("usage", {}).get("fusionrag"),
+               "cached": entry["usage"]["prompt_tokens_details"]["cached_tokens"]}
+print(json.dumps(out))
+"""
+
+
+def _reuse_server_factory(path: Path):
+    """The small store (serve_helpers.PASSAGES) with ``auto`` reusing KV from any context length: its pasted
+    contexts are far below the CPU break-even, under which ``auto`` runs ``full``."""
+
+    def make():
+        from fusionrag.online.engine import Engine
+
+        engine = store_factory(path)()
+        return Engine(engine.store, engine.lm, min_reuse_tokens=0)
+
+    return make
+
+
+def test_litellm_and_dspy_unchanged_reuse_the_stored_chunks_they_paste(tmp_path_factory):
+    """litellm and DSPy from .venv-client, as their users write them (no extra field), paste stored chunks into
+    the prompt: the server finds and reuses every one, adds none, and reports them in the standard
+    ``usage.prompt_tokens_details.cached_tokens`` too (litellm's streamed usage and DSPy keep only that)."""
+    python = _client_python()
+    cwd = tmp_path_factory.mktemp("client-pasting")
+    missing = _run(python, "import importlib.util, json; print(json.dumps("
+                   "[m for m in ('litellm', 'dspy') if importlib.util.find_spec(m) is None]))", cwd=cwd)
+    if missing:
+        message = f".venv-client lacks {', '.join(missing)}: rerun bash scripts/setup_client.sh"
+        pytest.fail(message) if os.environ.get("FUSIONRAG_CI") else pytest.skip(message)
+    app = create_app(_reuse_server_factory(tmp_path_factory.mktemp("kb-pasting") / "kb"),
+                     ServerSettings(default_max_tokens=8))
+    app.state.scheduler.wait_ready(120)
+    try:
+        ids = [0, 2, 4]  # chunks long enough to be found inside other text (matching.MIN_MATCH_CHARS)
+        passages = [p["text"] for p in stored_passages(app, ids)]
+        with ServerThread(app) as server:
+            out = _run(python, PASTING, server.base_url + "/v1", json.dumps(passages), cwd=cwd)
+    finally:
+        app.state.scheduler.close()
+    for name in ("litellm", "dspy"):
+        fr = out[name]["fusionrag"]
+        assert fr is not None, f"{name}: no usage.fusionrag in the response"
+        assert fr["method"] == "fusionrag", (name, fr["note"])
+        assert [s["chunk_id"] for s in fr["sources"] if s["stored"]] == ids, name  # each pasted chunk found
+        assert fr["reused_chunks"] == len(ids) and not any(s["score"] is not None for s in fr["sources"]), name
+        assert out[name]["cached"] == fr["reused_tokens"] > 0, name
+    assert len(out["litellm"]["streamed_cached"]) == 1 and out["litellm"]["streamed_cached"][0] > 0
+    assert out["dspy"]["calls"] == 1  # one request: the JSON adapter's fallback is off
