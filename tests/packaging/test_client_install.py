@@ -113,7 +113,8 @@ def test_the_integrations_work_from_the_client_package_without_torch(tmp_path_fa
 
 #: litellm and DSPy, unchanged, pasting stored chunks (sys.argv[2], a JSON list) into their prompts; one JSON line.
 PASTING = r"""
-import json, sys
+import json, os, sys
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # else litellm fetches it at import (no network here)
 url, passages = sys.argv[1], json.loads(sys.argv[2])
 question = "Who discovered polonium?"
 out = {}
