@@ -5,7 +5,8 @@ user's files -> ``ChatPromptBuilder`` pasting the retrieved documents' text -> `
 pointed at the server, ``max_tokens=1`` and greedy, so the pipeline's run time is its time to first token.
 The ``fusionrag`` cell is the pipeline exactly as a Haystack user writes it; the ``full`` cell adds only
 ``extra_body={"method": "full"}`` (the baseline: the same prompt, prefilled whole). Reads a JSON job on
-stdin, writes one JSON line per run on stdout.
+stdin, writes one JSON line per run on stdout; with ``--retrieve``, only the passages BM25 retrieves per
+question (one JSON list), for the other clients.
 """
 
 from __future__ import annotations
@@ -48,10 +49,20 @@ def pipeline(store: InMemoryDocumentStore, url: str, model: str, top_k: int, met
     return p
 
 
+def retrieved(store: InMemoryDocumentStore, questions: list[str], top_k: int) -> list[list[str]]:
+    """The documents' text the pipeline's BM25 retriever pastes for each question (``--retrieve``: what the
+    litellm and DSPy clients are given, so that every client pastes the same passages)."""
+    retriever = InMemoryBM25Retriever(document_store=store, top_k=top_k)
+    return [[d.content for d in retriever.run(query=q)["documents"]] for q in questions]
+
+
 def main() -> int:
     job = json.loads(sys.stdin.read())
     store = InMemoryDocumentStore()
     store.write_documents([Document(content=d["text"], meta={"title": d["title"]}) for d in job["documents"]])
+    if "--retrieve" in sys.argv[1:]:
+        print(json.dumps(retrieved(store, job["questions"], job["top_k"])))
+        return 0
     cells = {"fusionrag": pipeline(store, job["url"], job["model"], job["top_k"], None),
              "full": pipeline(store, job["url"], job["model"], job["top_k"], "full")}
     for rnd in range(job["rounds"] + 1):  # round 0: warm-up, not measured

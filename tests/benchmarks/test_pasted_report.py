@@ -8,8 +8,10 @@ from bench_helpers import assert_png, load_script
 
 def _usage(added: int, precomputed: int, context: int) -> dict:
     sources = [{"chunk_id": i, "score": 0.5 if i < added else None} for i in range(10)]
-    return {"fusionrag": {"sources": sources, "precomputed_tokens": precomputed, "context_tokens": context,
-                          "method": "fusionrag", "reused_chunks": 10 - added}}
+    return {"prompt_tokens": context + 50, "prompt_tokens_details": {"cached_tokens": precomputed},
+            "fusionrag": {"sources": sources, "precomputed_tokens": precomputed, "context_tokens": context,
+                          "method": "fusionrag", "reused_chunks": 10 - added, "reused_tokens": precomputed,
+                          "computed_chunks": added}}
 
 
 def test_pasted_report_leaves_out_the_warm_up_and_pairs_each_question(tmp_path):
@@ -24,7 +26,9 @@ def test_pasted_report_leaves_out_the_warm_up_and_pairs_each_question(tmp_path):
     s = pasted.summarise(rows)
     assert s["n_questions"] == 2 and s["rounds"] == 2 and s["chunks_added_max"] == 0
     assert s["ratio"]["per_question"] == [4.0, 3.0] and s["ttft_full_s"] == 8.5
-    assert s["precomputed_share_min"] == 0.95
+    assert s["precomputed_share_min"] == 0.95 and s["question_tokens_median"] == 50
+    assert s["cached_tokens_median"] == 950 and s["cached_equals_reused"] and s["full_cached_tokens_max"] == 0
+    assert s["computed_chunks_first_max"] == 1  # the warm-up round's, reported apart
     meta = {"command": "pasted_ttft.py --out x", "model": "qwen2.5-0.5b", "threads": 1, "top_k": 10,
             "data": "d.jsonl", "haystack": "3.4.1", "machine": {"cpu_model": "test CPU"}}
     pasted.write_report({"meta": meta, "summary": s, "rows": rows}, tmp_path)
