@@ -11,7 +11,7 @@ command -v "$PY" >/dev/null 2>&1 || PY=python3
 V=.venv-client
 [ -x "$V/bin/python" ] || "$PY" -m venv "$V"
 "$V/bin/python" -m pip install --quiet --upgrade pip
-"$V/bin/python" -m pip install --quiet "httpx==0.29.0" "langchain-core==1.8.3" "langchain-openai==1.8.1" \
+"$V/bin/python" -m pip install --quiet "httpx==0.29.0" "langchain-core==1.8.3" "langchain-openai==1.8.1" "langchain-text-splitters==1.1.3" \
     "llama-index-core==0.14.25" "llama-index-llms-openai-like==0.8.1" "haystack-ai==3.4.1" \
     "litellm==1.110.2" "dspy==3.4.1"
 "$V/bin/python" -m pip install --quiet --force-reinstall --no-deps ./clients/python
