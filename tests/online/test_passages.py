@@ -16,7 +16,7 @@ from fusionrag.offline import build
 from fusionrag.online.engine import Engine
 from fusionrag.retrieval.embedder import HashingEmbedder
 from fusionrag.retrieval.knowledge import KnowledgeStore
-from fusionrag.retrieval.matching import match_passages, reused_fraction
+from fusionrag.retrieval.matching import find_in_prompt, match_passages, reused_fraction
 
 QUESTION = "Which river runs through the old town?"
 PARAGRAPHS = [
@@ -268,3 +268,14 @@ def test_auto_counts_the_context_that_has_kv_ready(coarse, lm, new_words, expect
     prep = engine.prepare(pasted, method="auto", retrieval=False)
     assert prep.method == expected, prep.note
     assert "have KV ready" in prep.note
+
+
+def test_a_pasted_chunk_is_found_by_its_start_whatever_the_search_returns(engine, built, monkeypatch):
+    """A template that moves the search windows (DSPy's ``[N] «««`` markers, indented) and a chunk the
+    embedding search does not return: each stored chunk is still found by where its text starts."""
+    store = engine.store
+    stored = [c for c in store.chunk_ids_of_docs([str(built[1].resolve())]) if len(store.chunk(c).text) >= 24]
+    body = "\n".join(f"[{i + 1}] «««\n    {store.chunk(c).text}\n»»»" for i, c in enumerate(stored))
+    monkeypatch.setattr(store, "search_each", lambda queries, k: [])
+    found = find_in_prompt(store, f"[[ ## context ## ]]\n{body}\n\n[[ ## question ## ]]\n{QUESTION}")
+    assert found is not None and [p.chunk_id for p in found[0] if p.chunk_id is not None] == stored

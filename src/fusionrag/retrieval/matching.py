@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fusionrag.prompt import PromptBuilder, chunk_text, passage_hash
+from fusionrag.retrieval.chunk_starts import starting_in
 from fusionrag.retrieval.chunking import DEFAULT_CHUNK_TOKENS, Passage, make_chunks
 from fusionrag.retrieval.overlaps import Region, find_regions, normalise, positions, token_span
 
@@ -126,9 +127,9 @@ def windows(text: str, size: int = WINDOW_CHARS, most: int = MAX_WINDOWS) -> lis
 
 
 def _candidates(store, text: str, source: str) -> list[int]:
-    """Chunks the passage may contain: the documents of what its text retrieves (window by window), and its
-    ``source``'s."""
-    hits = store.search_each(windows(text), CANDIDATE_SEARCH)
+    """Chunks the passage may contain: those whose text starts in it (an exact lookup), the documents of what
+    its text retrieves (window by window), and its ``source``'s."""
+    hits = [*starting_in(store, normalise(text), MIN_MATCH_CHARS), *store.search_each(windows(text), CANDIDATE_SEARCH)]
     docs = set(store.documents.using(hits))
     if source:
         docs.add(source)
