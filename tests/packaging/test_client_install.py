@@ -138,6 +138,17 @@ entry = lm.history[-1]
 raw = getattr(entry["response"], "provider_data", None) or {}
 out["dspy"] = {"calls": len(lm.history), "fusionrag": raw.get("usage", {}).get("fusionrag"),
                "cached": entry["usage"]["prompt_tokens_details"]["cached_tokens"]}
+
+from haystack.components.generators.chat import OpenAIChatGenerator
+from haystack.dataclasses import ChatMessage
+from haystack.utils import Secret
+chunks = []
+gen = OpenAIChatGenerator(api_key=Secret.from_token("x"), model="tiny-llama", api_base_url=url,
+                          streaming_callback=chunks.append,
+                          generation_kwargs={"max_tokens": 2, "stream_options": {"include_usage": True}})
+usage = gen.run([ChatMessage.from_user(messages[0]["content"])])["replies"][0].meta["usage"]
+out["haystack_stream"] = {"fusionrag": usage.get("fusionrag"), "chunks": len(chunks),
+                          "cached": (usage.get("prompt_tokens_details") or {}).get("cached_tokens")}
 print(json.dumps(out))
 """
 
@@ -158,7 +169,8 @@ def _reuse_server_factory(path: Path):
 def test_litellm_and_dspy_unchanged_reuse_the_stored_chunks_they_paste(tmp_path_factory):
     """litellm and DSPy from .venv-client, as their users write them (no extra field), paste stored chunks into
     the prompt: the server finds and reuses every one, adds none, and reports them in the standard
-    ``usage.prompt_tokens_details.cached_tokens`` too (litellm's streamed usage and DSPy keep only that)."""
+    ``usage.prompt_tokens_details.cached_tokens`` too (litellm's streamed usage and DSPy keep only that). A
+    streaming Haystack ``OpenAIChatGenerator`` keeps both in its reply's usage."""
     python = _client_python()
     cwd = tmp_path_factory.mktemp("client-pasting")
     missing = _run(python, "import importlib.util, json; print(json.dumps("
@@ -176,7 +188,7 @@ def test_litellm_and_dspy_unchanged_reuse_the_stored_chunks_they_paste(tmp_path_
             out = _run(python, PASTING, server.base_url + "/v1", json.dumps(passages), cwd=cwd)
     finally:
         app.state.scheduler.close()
-    for name in ("litellm", "dspy"):
+    for name in ("litellm", "dspy", "haystack_stream"):
         fr = out[name]["fusionrag"]
         assert fr is not None, f"{name}: no usage.fusionrag in the response"
         assert fr["method"] == "fusionrag", (name, fr["note"])
