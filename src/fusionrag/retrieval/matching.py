@@ -31,6 +31,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from fusionrag.prompt import PromptBuilder, chunk_text, passage_hash
 from fusionrag.retrieval.chunk_starts import starting_in
@@ -44,6 +45,9 @@ MIN_MATCH_CHARS = 24
 CANDIDATE_SEARCH = 8
 #: Candidate chunks checked per passage at most (the documents of the retrieved chunks).
 MAX_CANDIDATES = 2048
+#: Unmatched text shorter than this after the exact lookup is not searched by embedding (separators, a
+#: template's lines): a part of a chunk worth finding there is longer.
+SEARCHED_CHARS = 64
 #: A long text is searched in windows of this many characters (~200 tokens: within an embedding's reach) ...
 WINDOW_CHARS = 800
 #: ... and at most this many of them, spread over the text.
@@ -126,10 +130,11 @@ def windows(text: str, size: int = WINDOW_CHARS, most: int = MAX_WINDOWS) -> lis
     return [norm[a:a + size] for a in starts]
 
 
-def _candidates(store, text: str, source: str) -> list[int]:
-    """Chunks the passage may contain: those whose text starts in it (an exact lookup), the documents of what
-    its text retrieves (window by window), and its ``source``'s."""
-    hits = [*starting_in(store, normalise(text), MIN_MATCH_CHARS), *store.search_each(windows(text), CANDIDATE_SEARCH)]
+def _candidates(store, norm: str, source: str, searched: Sequence[str]) -> list[int]:
+    """Chunks a passage (``norm``, normalised) may contain: those whose text starts in it (an exact lookup), what
+    the ``searched`` windows retrieve, the documents of both, and its ``source``'s."""
+    hits = [*starting_in(store, norm, MIN_MATCH_CHARS), *(store.search_each(searched, CANDIDATE_SEARCH) if searched
+                                                          else [])]
     docs = set(store.documents.using(hits))
     if source:
         docs.add(source)
@@ -143,13 +148,17 @@ def _candidates(store, text: str, source: str) -> list[int]:
 
 def _contained(store, title: str, text: str, source: str) -> list[Piece] | None:
     """Stored chunks, or parts of them, found in the passage's text, in text order, with the text between
-    them as new pieces."""
+    them as new pieces.
+
+    Two rounds: the chunks that start in the text (and their documents' chunks) first, then, only where
+    text of :data:`SEARCHED_CHARS` or more is left unmatched, the chunks its windows retrieve by embedding
+    (a part of a chunk that starts elsewhere). A prompt of whole pasted chunks embeds just its question."""
     norm = normalise(text)
-    records = {cid: store.chunk(cid) for cid in _candidates(store, text, source)}
-    bodies = {cid: _positions(rec) for cid, rec in records.items()}
-    found = [_served(store.prompt.tokenizer, r, records[r.chunk_id], bodies[r.chunk_id])
-             for r in find_regions(norm, [(c, w.body) for c, w in bodies.items()], MIN_MATCH_CHARS)]
-    chosen = [f for f in found if f is not None]
+    records: dict[int, Any] = {}
+    chosen = _regions(store, norm, _candidates(store, norm, source, []), records)
+    left = [norm[a:b] for a, b in _unmatched(norm, [r for r, _ in chosen]) if b - a >= SEARCHED_CHARS]
+    if left:
+        chosen = _regions(store, norm, _candidates(store, norm, source, windows(" ".join(left))), records)
     if not chosen:
         return None
     titles = {normalise(records[r.chunk_id].title).lower() for r, _ in chosen}
@@ -168,6 +177,30 @@ def _contained(store, title: str, text: str, source: str) -> list[Piece] | None:
                 out.append(Piece(rec.id, rec.title, norm[region.start:region.end], source or
                                  store.source_of(rec.id), span))
             pos = region.end
+    return out
+
+
+def _regions(store, norm: str, candidates: Sequence[int], records: dict[int, Any],
+             ) -> list[tuple[Region, tuple[int, int] | None]]:
+    """Where ``candidates`` occur in ``norm``, each as served (:func:`_served`), in text order; their records
+    are kept in ``records``."""
+    for cid in candidates:
+        if cid not in records:
+            records[cid] = store.chunk(cid)
+    bodies = {cid: _positions(records[cid]) for cid in candidates}
+    found = [_served(store.prompt.tokenizer, r, records[r.chunk_id], bodies[r.chunk_id])
+             for r in find_regions(norm, [(c, w.body) for c, w in bodies.items()], MIN_MATCH_CHARS)]
+    return [f for f in found if f is not None]
+
+
+def _unmatched(norm: str, regions: Sequence[Region]) -> list[tuple[int, int]]:
+    """The stretches of ``norm`` no region covers."""
+    out, pos = [], 0
+    for r in [*regions, None]:
+        start = r.start if r is not None else len(norm)
+        if start > pos:
+            out.append((pos, start))
+        pos = max(pos, r.end) if r is not None else pos
     return out
 
 
