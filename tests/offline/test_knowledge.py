@@ -106,9 +106,9 @@ def test_store_refuses_another_model(tmp_path, lm):
         KnowledgeStore.open(tmp_path / "kb", lm=lm, embedder=HashingEmbedder(32))
     with pytest.raises(FusionRAGError, match="already exists"):
         _store(tmp_path, lm)
-    with pytest.raises(FusionRAGError, match="no knowledge base"):
+    with pytest.raises(FusionRAGError, match="no knowledge store"):
         KnowledgeStore.open(tmp_path / "nothing-here", lm=lm)
-    with pytest.raises(FusionRAGError, match="no knowledge base"):
+    with pytest.raises(FusionRAGError, match="no knowledge store"):
         stored_model(tmp_path / "nothing-here")
 
 

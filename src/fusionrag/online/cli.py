@@ -38,14 +38,9 @@ def _check_store(args: argparse.Namespace) -> None:
     that cannot be the store's; said once when it was never preprocessed (no fused KV to reuse)."""
     if not args.store:
         return
-    from pathlib import Path
 
-    from fusionrag.errors import FusionRAGError
     from fusionrag.retrieval.store_info import check_model_matches, preprocess_hint, require_store
 
-    if not Path(args.store).exists():
-        raise FusionRAGError(f"no knowledge store at '{args.store}'; create one with "
-                             f"'fusionrag ingest FILES --store {args.store}'")
     require_store(args.store)
     if args.model:
         check_model_matches(args.store, args.model)

@@ -112,7 +112,7 @@ class Engine:
         A model that cannot be the store's is refused before it is loaded (or converted).
         """
         from fusionrag.models import DEFAULT_MODEL, load_model
-        from fusionrag.retrieval.store_info import check_model_matches, stored_model
+        from fusionrag.retrieval.store_info import check_model_matches, missing_store, stored_model
 
         engine_options.setdefault("context_cache_bytes", DEFAULT_CONTEXT_CACHE_BYTES)
         if store_dir is None:
@@ -120,9 +120,7 @@ class Engine:
             return cls(None, lm, **engine_options)
         path = Path(store_dir)
         if not path.exists():
-            raise FusionRAGError(
-                f"no knowledge store at '{path}'; create one with 'fusionrag ingest FILES --store {path}'"
-            )
+            raise missing_store(path)
         if model is not None:
             check_model_matches(path, model)
         lm = load_model(model or stored_model(path), dtype=dtype, device=device, attention=attention)

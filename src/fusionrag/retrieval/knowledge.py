@@ -63,7 +63,7 @@ from fusionrag.retrieval.store_files import (
     writer_lock,
 )
 from fusionrag.retrieval.store_index import StoreIndex
-from fusionrag.retrieval.store_info import DB_NAME, INDEX_NAME, KV_DIR, read_settings
+from fusionrag.retrieval.store_info import DB_NAME, INDEX_NAME, KV_DIR, missing_store, read_settings
 from fusionrag.retrieval.store_settings import check_usable, new_settings
 from fusionrag.retrieval.stored_docs import Documents
 from fusionrag.retrieval.stored_kv import StoredKV
@@ -146,7 +146,7 @@ class KnowledgeStore:
         anything: answering and verifying work on read-only media; a write raises a clear error."""
         path = Path(path)
         if not (path / DB_NAME).is_file():
-            raise FusionRAGError(f"no knowledge base at {path} (create one with: fusionrag ingest PATH --store {path})")
+            raise missing_store(path)
         if read_only is None:
             read_only = not store_is_writable(path)
         db = connect(path / DB_NAME, None if read_only else SCHEMA, read_only=read_only)

@@ -24,8 +24,13 @@ def require_store(path) -> Path:
     """``path`` as a Path when a store's database is there, else the one-line error every command gives."""
     path = Path(path)
     if not (path / DB_NAME).is_file():
-        raise FusionRAGError(f"no knowledge base at {path} (create one with: fusionrag ingest PATH --store {path})")
+        raise missing_store(path)
     return path
+
+
+def missing_store(path) -> FusionRAGError:
+    """The one error every command and the API give for a path that holds no store."""
+    return FusionRAGError(f"no knowledge store at '{path}'; create one with 'fusionrag ingest FILES --store {path}'")
 
 
 def _open_read_only(path: Path) -> sqlite3.Connection:

@@ -55,13 +55,13 @@ def model_folder(store: Path, model: str | None) -> tuple[str, Path]:
 def vllm_command(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
     """vLLM's OpenAI server for ``args`` (``fusionrag serve``'s options) and the environment to run it in."""
     from fusionrag.models.devices import resolve_device, resolve_dtype
+    from fusionrag.retrieval.store_info import missing_store
 
     if not args.store:
         raise FusionRAGError("--engine vllm serves a store: give --store (fusionrag ingest makes one)")
     store = Path(args.store).expanduser().resolve()
     if not store.exists():
-        raise FusionRAGError(f"no knowledge store at '{store}'; create one with "
-                             f"'fusionrag ingest FILES --store {store}'")
+        raise missing_store(store)
     name, folder = model_folder(store, args.model)
     device = resolve_device(args.device)
     dtype = str(resolve_dtype(args.dtype, device)).removeprefix("torch.")
