@@ -53,3 +53,23 @@ def test_without_vllm_or_a_store_it_says_so_in_one_line(store, monkeypatch, caps
     assert "give --store" in capsys.readouterr().err
     assert main(["serve", "--store", str(store), "--", "--max-num-seqs", "8"]) == 2
     assert "vLLM flags go after --" in capsys.readouterr().err
+
+
+def test_a_never_preprocessed_store_is_named_once_at_start(store, tmp_path, monkeypatch, capsys):
+    """As fusionrag's own server does: a store with chunks and no fused KV gets one warning before vLLM starts."""
+    doc = tmp_path / "note.txt"
+    doc.write_text("The old town of Velmora sits on both banks of the river Ostra.\n", encoding="utf-8")
+    lm = load_model("tiny-llama")
+    from fusionrag.retrieval.knowledge import KnowledgeStore
+
+    with KnowledgeStore.open(store, lm, embedder=HashingEmbedder()) as kb:
+        build.ingest(kb, lm, [doc], progress=False)
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("FUSIONRAG_VLLM_PYTHON", str(fake))
+    monkeypatch.setattr("fusionrag.vllm.launch.model_folder", lambda store, model: ("tiny", tmp_path))
+    monkeypatch.setattr("os.execvpe", lambda exe, cmd, env: None)
+    assert main(["serve", "--engine", "vllm", "--store", str(store), "--device", "cpu"]) == 0
+    err = capsys.readouterr().err
+    assert err.count("never preprocessed") == 1 and "fusionrag preprocess --store" in err

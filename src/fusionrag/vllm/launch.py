@@ -87,7 +87,12 @@ def vllm_command(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
 
 def run_vllm(args: argparse.Namespace) -> int:
     """Print the command, then become it (vLLM handles its own signals and logging from here on)."""
+    from fusionrag.retrieval.store_info import preprocess_hint
+
     cmd, env = vllm_command(args)
+    hint = preprocess_hint(args.store)  # once, at start, as fusionrag's own server says it
+    if hint:
+        print(f"fusionrag: warning: {hint}", file=sys.stderr)
     print(f"fusionrag: {shlex.join(cmd)}", file=sys.stderr, flush=True)
     os.execvpe(cmd[0], cmd, env)
     return 0  # not reached
