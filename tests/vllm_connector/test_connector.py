@@ -114,6 +114,28 @@ def test_ratio_one_is_vllms_own_prefill(parts):
     assert ours_tokens == their_tokens
 
 
+def test_chunks_pasted_into_another_template_are_served_and_ratio_one_is_vllms_prefill(parts):
+    """A client's own template (not fusionrag's ``S``), stored chunks pasted with separators between them: the
+    connector serves the chunks from the store and recomputes the template's and the separators' ids (the
+    gaps); at ratio 1 that is vLLM's own prefill, and at 15% every gap is among the recomputed tokens."""
+    store, tok = parts["store"], parts["lm"].tokenizer
+    enc = lambda text: tok.encode(text, add_special_tokens=False)  # noqa: E731
+    chunks = store.chunk_ids()[:3]
+    ids = [*enc("You answer from documents.\nDocuments:\n"), *store.chunk(chunks[0]).token_ids, *enc("\n---\n"),
+           *store.chunk(chunks[1]).token_ids, *enc("\n---\n"), *store.chunk(chunks[2]).token_ids,
+           *enc("\nQuestion: " + QUESTION + "\nAnswer:")]
+    ours, ours_tokens = run(parts, ids, {"ratio": 1.0}, max_tokens=16)
+    loaded = json.loads(next(parts["debug"].glob("*.json")).read_text())
+    assert [c[0] for c in loaded["chunks"]] == chunks and loaded["chunks"][0][2] > 0  # served after the template
+    theirs, their_tokens = run(parts, ids, "off", max_tokens=16)
+    assert (ours - theirs).abs().max() < 1e-3
+    assert ours_tokens == their_tokens
+    run(parts, ids, {"ratio": 0.15})
+    gaps = [*range(0, loaded["chunks"][0][2]),
+            *(p for a, b in zip(loaded["chunks"], loaded["chunks"][1:], strict=False) for p in range(a[3], b[2]))]
+    assert gaps and set(gaps) <= set(selected_of(parts))
+
+
 def test_ratio_zero_is_our_engines_full_reuse(parts):
     store, lm = parts["store"], parts["lm"]
     chunk_ids = store.chunk_ids()[1:5]

@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import re
 import unicodedata
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Any
 
 _SPACE = re.compile(r"\s+")
+#: What regions are found in: a normalised text, or token ids.
+Seq = str | tuple[int, ...]
 _WORD = re.compile(r"\S+")
 #: Characters an anchor compares: long enough that a chance hit is rare, short enough that every
 #: region worth serving holds one (anchors start every ``ANCHOR_CHARS // 2`` characters of a chunk).
@@ -59,66 +61,75 @@ class Region:
         return replace(self, start=start, end=end, at=self.at + start - self.start, whole=False)
 
 
-def find_regions(norm: str, bodies: Sequence[tuple[int, str]], min_whole: int, min_part: int = MIN_PART_CHARS,
-                 ) -> list[Region]:
-    """Regions of ``norm`` (a normalised text) that are chunks' normalised ``bodies`` (``(chunk id, text)``),
-    whole (``min_whole`` characters at least) or in part (``min_part``), without overlaps, in text order.
-    Longest first: a whole chunk wins over a part of another at the same place."""
+def find_regions(norm: Seq, bodies: Sequence[tuple[int, Seq]], min_whole: int, min_part: int = MIN_PART_CHARS,
+                 anchor: int = ANCHOR_CHARS) -> list[Region]:
+    """Regions of ``norm`` that are chunks' ``bodies`` (``(chunk id, body)``), whole (``min_whole`` at least) or
+    in part (``min_part``), without overlaps, in order. Longest first: a whole chunk wins over a part of another
+    at the same place.
+
+    ``norm`` and the bodies are normalised texts (anchors start at word starts) or token ids (a tuple: anchors
+    start anywhere; the vLLM connector's prompts, :mod:`fusionrag.vllm.matching`); ``anchor``: an anchor's length."""
     found: dict[tuple[int, int, int], Region] = {}
+    if isinstance(norm, str):  # a chunk shorter than an anchor is found whole
+        for cid, body in bodies:
+            if len(body) >= min_whole:
+                at = norm.find(body)
+                while at >= 0:  # every occurrence: a pipeline may paste the same passage twice
+                    found[(at, at + len(body), cid)] = Region(at, at + len(body), cid, 0, True)
+                    at = norm.find(body, at + 1)
+    anchors = _anchors(norm, anchor)
     for cid, body in bodies:
-        if len(body) >= min_whole:
-            at = norm.find(body)
-            while at >= 0:  # every occurrence: a pipeline may paste the same passage twice
-                found[(at, at + len(body), cid)] = Region(at, at + len(body), cid, 0, True)
-                at = norm.find(body, at + 1)
-    anchors = _anchors(norm)
-    for cid, body in bodies:
-        for r in _parts(norm, anchors, cid, body, min_part):
+        for r in _parts(norm, anchors, cid, body, max(min_part, anchor), anchor):
+            if r.whole and len(r) < min_whole:
+                continue
             found.setdefault((r.start, r.end, r.chunk_id), r)
     return _without_overlaps(sorted(found.values(), key=lambda r: (-len(r), not r.whole, r.start)), min_part)
 
 
-def _anchors(norm: str) -> dict[str, list[int]]:
-    """The client text's anchors: its ``ANCHOR_CHARS`` characters from each word start, where they occur."""
-    out: dict[str, list[int]] = {}
-    for m in _WORD.finditer(norm):
-        i = m.start()
-        if i + ANCHOR_CHARS > len(norm):
+def _starts(seq: Seq) -> Iterator[int]:
+    """Where an anchor may start: a word start of a text, any position of token ids."""
+    return (m.start() for m in _WORD.finditer(seq)) if isinstance(seq, str) else iter(range(len(seq)))
+
+
+def _anchors(norm: Seq, n: int) -> dict[Seq, list[int]]:
+    """``norm``'s anchors: its ``n`` items from each start (:func:`_starts`), where they occur."""
+    out: dict[Seq, list[int]] = {}
+    for i in _starts(norm):
+        if i + n > len(norm):
             break
-        out.setdefault(norm[i:i + ANCHOR_CHARS], []).append(i)
+        out.setdefault(norm[i:i + n], []).append(i)
     return out
 
 
-def _parts(norm: str, anchors: dict[str, list[int]], cid: int, body: str, min_part: int) -> list[Region]:
-    """Maximal regions where ``body`` and ``norm`` agree, found from ``body``'s anchors."""
+def _parts(norm: Seq, anchors: dict[Seq, list[int]], cid: int, body: Seq, min_part: int, n: int) -> list[Region]:
+    """Maximal regions where ``body`` and ``norm`` agree, found from ``body``'s anchors (one every ``n // 2``)."""
     out: list[Region] = []
     covered: dict[int, list[tuple[int, int]]] = {}  # offset (client position - body position) -> body ranges
     next_at = 0
-    for m in _WORD.finditer(body):
-        j = m.start()
+    for j in _starts(body):
         if j < next_at:
             continue
-        if j + ANCHOR_CHARS > len(body):
+        if j + n > len(body):
             break
-        next_at = j + ANCHOR_CHARS // 2
-        for i in anchors.get(body[j:j + ANCHOR_CHARS], ()):
+        next_at = j + max(1, n // 2)
+        for i in anchors.get(body[j:j + n], ()):
             if any(a <= j < b for a, b in covered.get(i - j, ())):
                 continue  # inside a region found from an earlier anchor on the same alignment
             left = _common_suffix(norm, i, body, j)
             right = _common_prefix(norm, i, body, j)
             covered.setdefault(i - j, []).append((j - left, j + right))
-            if left + right >= min_part:
-                whole = j - left == 0 and j + right == len(body)
+            whole = j - left == 0 and j + right == len(body)
+            if whole or left + right >= min_part:  # a whole chunk at any length (find_regions checks min_whole)
                 out.append(Region(i - left, i + right, cid, j - left, whole))
     return out
 
 
-def _common_prefix(a: str, i: int, b: str, j: int) -> int:
+def _common_prefix(a: Seq, i: int, b: Seq, j: int) -> int:
     """How many characters ``a[i:]`` and ``b[j:]`` share at their start."""
     return _agreement(lambda n, k: a[i + n:i + n + k] == b[j + n:j + n + k], min(len(a) - i, len(b) - j))
 
 
-def _common_suffix(a: str, i: int, b: str, j: int) -> int:
+def _common_suffix(a: Seq, i: int, b: Seq, j: int) -> int:
     """How many characters ``a[:i]`` and ``b[:j]`` share at their end."""
     return _agreement(lambda n, k: a[i - n - k:i - n] == b[j - n - k:j - n], min(i, j))
 

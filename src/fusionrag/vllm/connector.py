@@ -45,6 +45,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from fusionrag.kvcache.kv import KV, assemble
+from fusionrag.online.prefill import CUT_START_TOKENS
 from fusionrag.vllm.matching import ChunkMatcher, ContextMatch
 from fusionrag.vllm.passes import VLLMModel, prefill_into, question_scores, recompute, slot_mapping, write_paged
 
@@ -61,7 +62,8 @@ class ReqLoad:
     req_id: str
     token_ids: list[int]  # the prompt
     system_len: int
-    chunks: list[tuple[int, str, int, int]]  # (chunk_id, kind, start, stop) in prompt positions
+    chunks: list[tuple[int, str, int, int, int]]  # (chunk_id, kind, start, stop, offset): prompt positions, and
+    # where they start in the chunk's ids
     first: int  # the first external token (vLLM's own prefix hit, block-aligned)
     end: int  # one past the last external token (never the last prompt token)
     block_ids: list[int]
@@ -169,7 +171,7 @@ class FusionRAGConnector(KVConnectorBase_V1):
             self.fallbacks["no stored chunks in the prompt"] += 1
             return None
         end = min(match.end, len(ids) - 1)
-        if match.context_tokens < int(self.options["min_context_tokens"]) or end <= local:
+        if match.stored_tokens < int(self.options["min_context_tokens"]) or end <= local:
             return None
         ratio = float(params.get("ratio", self.options["ratio"])) if isinstance(params, dict) else \
             float(self.options["ratio"])
@@ -198,7 +200,7 @@ class FusionRAGConnector(KVConnectorBase_V1):
         return meta
 
     def _load_of(self, req_id: str, request: Any, plan: _Plan, block_ids: list[int]) -> ReqLoad:
-        chunks = [(c.chunk_id, c.kind, c.start, c.stop) for c in plan.match.chunks]
+        chunks = [(c.chunk_id, c.kind, c.start, c.stop, c.offset) for c in plan.match.chunks]
         return ReqLoad(req_id, list(request.prompt_token_ids), plan.match.system_len, chunks, plan.first, plan.end,
                        block_ids, self.block_size, plan.method, plan.ratio)
 
@@ -254,16 +256,29 @@ class FusionRAGConnector(KVConnectorBase_V1):
         if self.store.refresh():  # another process rewrote entries: no cached copy of the old ones is read
             self.kv_source.invalidate(None)
         ids, end = load.token_ids, load.end
-        system = self._system_kv(tuple(ids[: load.system_len]))
-        keys = [(chunk_id, kind) for chunk_id, kind, _, _ in load.chunks]
+        system = self._system_kv(tuple(ids[: load.system_len])) if load.system_len else vm.empty_kv(0)
+        keys = [(chunk_id, kind) for chunk_id, kind, *_ in load.chunks]
         entries = [e.dequantized() for e in self.kv_source.get_many(keys)]
-        context, _ = assemble(system, [e.kv for e in entries], vm.inv_freq, device=vm.device, dtype=vm.dtype)
+        segments, gaps, pos = [], [], load.system_len
+        for (_, _, start, stop, offset), entry in zip(load.chunks, entries, strict=True):
+            if start > pos:  # a gap (a template's text, a separator): zeros here, recomputed below
+                shape = (*entry.kv.keys.shape[:2], start - pos, entry.kv.keys.shape[3])
+                segments.append(KV(entry.kv.keys.new_zeros(shape), entry.kv.values.new_zeros(shape), pos))
+                gaps.extend(range(pos, start))
+            segments.append(entry.kv.slice(offset, offset + stop - start))
+            pos = stop
+        context, _ = assemble(system, segments, vm.inv_freq, device=vm.device, dtype=vm.dtype)
         question = ids[end:]
         work = vm.empty_kv(end + len(question))
         work.keys[:, :, :end] = context.keys[:, :, :end]
         work.values[:, :, :end] = context.values[:, :, :end]
         candidates = torch.arange(max(load.first, load.system_len), end)
         selected = select(vm, load, question, work, candidates)
+        cut = [start + k for _, _, start, stop, offset in load.chunks if offset > 0
+               for k in range(min(CUT_START_TOKENS, stop - start))]  # a part's first tokens, as the engine does
+        cut = [p for p in cut if p < end]
+        if gaps or cut:  # every gap position (also before vLLM's own prefix hit: the pass reads them)
+            selected = torch.unique(torch.cat([selected.cpu(), torch.tensor([*gaps, *cut], dtype=torch.long)]))
         recompute(vm, ids[:end], selected, work)
         write_paged(vm, work, load.first, end, slot_mapping(load.block_ids, load.block_size, load.first, end))
         if self.options.get("debug_dir"):  # what was loaded and recomputed, one JSON per request (tests, studies)

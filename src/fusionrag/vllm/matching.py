@@ -1,13 +1,16 @@
 """Where a store's chunks are in a prompt's token ids: the scheduler side's whole job, without vLLM.
 
-A prompt built the way fusionrag builds them (:class:`~fusionrag.prompt.PromptBuilder`) is ``S`` followed
-by chunks, each tokenised as the store tokenised it, then the question. :class:`ChunkMatcher` checks that
-the ids start with the store's ``S``, then walks the chunks that follow one after the other: at each
-point it looks the next :data:`KEY_TOKENS` ids up in an index of every chunk's first ids and confirms a
-candidate by comparing all of its ids (the longest first). It stops at the first passage it does not
-hold (that text and everything after it is prefilled by vLLM, over the reused context before it). Only
-chunks whose KV the store holds are taken (the kind the method reads: ``plain-first`` reads the first
-chunk's plain KV and the others' fused KV, falling back to plain as the engine does).
+A prompt fusionrag built (:class:`~fusionrag.prompt.PromptBuilder`) is ``S``, chunks tokenised as the
+store tokenised them, then the question; a prompt a client pasted its passages into has its own template
+around them. :class:`ChunkMatcher` takes ``S`` when the ids start with it, then finds the stored chunks in
+the ids that follow, whole or in part, with the engine's matcher on token ids
+(:func:`fusionrag.retrieval.overlaps.find_regions`: anchors of :data:`KEY_TOKENS` ids, extended both ways,
+longest first): candidates come from an index of every chunk's ids at every :data:`INDEX_STRIDE`-th
+position. The ids between them (a template's text, separators, a cut word) are the *gaps*: the worker
+recomputes them with the selected tokens. The context ends after the last stored chunk; the rest is the
+question, prefilled by vLLM. Only chunks whose KV the store holds are taken (the kind the method reads:
+``plain-first`` reads the first chunk's plain KV and the others' fused KV, falling back to plain as the
+engine does).
 """
 
 from __future__ import annotations
@@ -17,23 +20,33 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-#: Ids of a chunk's start that index it (long enough to be nearly unique, short enough for short chunks).
+from fusionrag.retrieval.overlaps import find_regions
+
+#: Ids an anchor compares (long enough to be nearly unique, short enough for short chunks).
 KEY_TOKENS = 8
+#: A chunk is indexed by its ids at every this-many positions: a part of it holding one such anchor is found.
+INDEX_STRIDE = 16
+#: A part of a chunk is served from KV only with at least this many ids: a few shared words (the question
+#: naming what a passage names) are not a passage, whatever the tokenizer (a byte-level one makes a word 8 ids).
+MIN_PART_IDS = 32
 
 
 @dataclass(frozen=True)
 class ChunkSpan:
-    """One stored chunk found in the prompt: its id, the KV kind to read, and its token positions."""
+    """One stored chunk found in the prompt: its id, the KV kind to read, its token positions, and where they
+    start in the chunk's ids (``offset``: 0 for a whole chunk)."""
 
     chunk_id: int
     kind: str
     start: int
     stop: int
+    offset: int = 0
 
 
 @dataclass(frozen=True)
 class ContextMatch:
-    """``S`` and the stored chunks right after it, in prompt order; ``end``: the position after the last."""
+    """``S`` (``system_len`` ids; 0 when the prompt does not start with it) and the stored chunks after it, in
+    prompt order; ``end``: the position after the last."""
 
     system_len: int
     chunks: tuple[ChunkSpan, ...]
@@ -46,9 +59,22 @@ class ContextMatch:
     def context_tokens(self) -> int:
         return self.end - self.system_len
 
+    @property
+    def stored_tokens(self) -> int:
+        """Context positions served from stored KV (the rest are gaps)."""
+        return sum(c.stop - c.start for c in self.chunks)
+
+    def gaps(self) -> list[int]:
+        """Context positions no stored chunk covers: computed by the worker, with the selected tokens."""
+        out, pos = [], self.system_len
+        for c in self.chunks:
+            out.extend(range(pos, c.start))
+            pos = c.stop
+        return out
+
 
 class ChunkMatcher:
-    """Finds ``S`` and the stored chunks at the start of a prompt (see the module doc).
+    """Finds ``S`` and the stored chunks in a prompt (see the module doc).
 
     ``chunks``: ``(chunk_id, token_ids)`` of every stored chunk; ``has_kv(chunk_id, kind)``: whether the
     store holds that entry (checked when a chunk is matched, so entries written later are seen)."""
@@ -74,39 +100,25 @@ class ChunkMatcher:
         if not ids:
             return
         self._ids[int(chunk_id)] = ids
-        bucket = self._index[ids[:KEY_TOKENS]]
-        bucket.append(int(chunk_id))
-        bucket.sort(key=lambda c: -len(self._ids[c]))  # the longest candidate first
+        for at in range(0, max(1, len(ids) - KEY_TOKENS + 1), INDEX_STRIDE):
+            self._index[ids[at:at + KEY_TOKENS]].append(int(chunk_id))
 
     def __len__(self) -> int:
         return len(self._ids)
 
-    def match(self, ids: Sequence[int]) -> ContextMatch | None:
-        """``S`` and the stored chunks that follow it in ``ids``, or None when ``ids`` do not start with ``S``."""
-        s = len(self.system_ids)
-        if len(ids) < s or tuple(ids[:s]) != self.system_ids:
-            return None
+    def match(self, ids: Sequence[int]) -> ContextMatch:
+        """``S`` (when ``ids`` start with it) and the stored chunks, whole or in part, found in the ids after it."""
+        s = len(self.system_ids) if tuple(ids[:len(self.system_ids)]) == self.system_ids else 0
+        rest = tuple(int(t) for t in ids[s:])
+        candidates = dict.fromkeys(c for i in range(len(rest)) for c in self._index.get(rest[i:i + KEY_TOKENS], ()))
+        with_kv = {c: self._ids[c] for c in candidates if self._kind_of(c, first=False) or self._kind_of(c, True)}
+        regions = find_regions(rest, list(with_kv.items()), min_whole=1, min_part=MIN_PART_IDS, anchor=KEY_TOKENS)
         spans: list[ChunkSpan] = []
-        pos = s
-        while True:
-            found = self._chunk_at(ids, pos, first=not spans)
-            if found is None:
-                break
-            chunk_id, kind = found
-            stop = pos + len(self._ids[chunk_id])
-            spans.append(ChunkSpan(chunk_id, kind, pos, stop))
-            pos = stop
-        return ContextMatch(s, tuple(spans))
-
-    def _chunk_at(self, ids: Sequence[int], pos: int, first: bool) -> tuple[int, str] | None:
-        for chunk_id in self._index.get(tuple(ids[pos:pos + KEY_TOKENS]), ()):
-            chunk = self._ids[chunk_id]
-            if tuple(ids[pos:pos + len(chunk)]) != chunk:
-                continue
-            kind = self._kind_of(chunk_id, first)
+        for r in regions:
+            kind = self._kind_of(r.chunk_id, first=not spans)
             if kind is not None:
-                return chunk_id, kind
-        return None
+                spans.append(ChunkSpan(r.chunk_id, kind, s + r.start, s + r.end, r.at))
+        return ContextMatch(s, tuple(spans))
 
     def _kind_of(self, chunk_id: int, first: bool) -> str | None:
         """The entry this chunk reads (the engine's rule: ``plain-first`` falls back to plain, fused to
