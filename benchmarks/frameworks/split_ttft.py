@@ -178,6 +178,7 @@ def write_report(doc: dict, out: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     from framework_ttft import build_store, fusionrag_exe, read_questions, served
+    from pasted_ttft import versions
 
     from fusionrag.bench.provenance import machine_info
 
@@ -204,13 +205,12 @@ def main(argv: list[str] | None = None) -> int:
             if done.returncode != 0:
                 raise SystemExit(f"the {splitter} client failed: {done.stderr[-3000:]}")
             rows += [json.loads(line) for line in done.stdout.splitlines() if line.strip()]
-    versions = subprocess.run([str(client), "-c", "import importlib.metadata as m; print(', '.join(f'{p} '"
-                               "+ m.version(p) for p in ('langchain-core', 'langchain-openai', "
-                               "'langchain-text-splitters', 'llama-index-core', 'llama-index-llms-openai-like')))"],
-                              capture_output=True, text=True).stdout.strip()
+    found = versions(client, ["langchain-core", "langchain-openai", "langchain-text-splitters", "llama-index-core",
+                              "llama-index-llms-openai-like"])
     meta = {"command": "benchmarks/frameworks/split_ttft.py " + shlex.join(sys.argv[1:]), "model": args.model,
             "threads": args.threads, "top_k": top_k, "data": args.data, "files": len(paths), "chunks": chunks,
-            "versions": versions, "machine": machine_info(), "server": server["command"]}
+            "versions": ", ".join(f"{k} {v}" for k, v in found.items()), "machine": machine_info(),
+            "server": server["command"]}
     doc = {"meta": meta, "summary": summarise(rows), "rows": rows}
     write_report(doc, Path(args.out))
     print(markdown(doc))
