@@ -79,6 +79,8 @@ def test_langchain_splits_pasted_into_a_prompt_are_served_from_stored_kv(live):
     usage = reply.response_metadata["token_usage"]["fusionrag"]
     assert _precomputed_share(usage) >= 0.9, usage
     assert all(s.get("score") is None for s in usage["sources"])  # nothing retrieved: no chunk added
+    parts = [s["part"] for s in usage["sources"] if s["part"] is not None]
+    assert parts and all(0 <= a < b for a, b in parts)  # which tokens of a stored chunk each part used
     assert usage["method"] == "fusionrag"
 
 

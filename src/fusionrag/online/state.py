@@ -70,7 +70,8 @@ class Request:
         self.prompt_token_ids: list[int] = []  # S + chunks + question (a raw prompt: its own ids), as prefilled
         self.ttft_ms: dict[str, float] = {}  # retrieve / load / select / recompute / first_token / total
         self.fused_fallbacks = 0
-        #: Where each chunk came from, for citing: ``{chunk_id, title, source, score, stored}``.
+        #: Where each chunk came from, for citing: ``{chunk_id, title, source, score, stored, part}`` (``part``: the
+        #: stored chunk's ``[first, stop]`` tokens when only part of it is in the prompt).
         self.sources: list[dict] = []
         #: Why the request ran as it did when that differs from what it asked; empty otherwise.
         self.note = ""

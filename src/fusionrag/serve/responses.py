@@ -28,7 +28,8 @@ def reuse_json(ans: Request) -> dict[str, Any]:
     ``precomputed_tokens``: context tokens whose KV came precomputed (store or cache); ``reused_tokens``: those
     of them served as they came, i.e. less the ones this request recomputed.
     ``method`` is the method that ran (``auto`` resolved; ``note`` says why when it differs from the
-    request's); ``sources``: each chunk's ``chunk_id, title, source, score, stored``, for citing.
+    request's); ``sources``: each chunk's ``chunk_id, title, source, score, stored``, for citing, and ``part``:
+    ``[first, stop]``, the stored chunk's tokens a part of it used (a client's own split), else null.
     """
     stored = sum(c is not None for c in ans.chunk_ids)
     full = ans.method == "full"
