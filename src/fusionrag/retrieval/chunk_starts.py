@@ -12,13 +12,11 @@ again when the store's generation changes.
 
 from __future__ import annotations
 
-import re
 import threading
 from weakref import WeakKeyDictionary
 
-from fusionrag.retrieval.overlaps import ANCHOR_CHARS, normalise
+from fusionrag.retrieval.overlaps import ANCHOR_CHARS, normalise, word_starts
 
-_WORD = re.compile(r"\S+")
 _LOCK = threading.Lock()
 _INDEXES: WeakKeyDictionary = WeakKeyDictionary()  # store -> (generation, {start: [chunk ids]})
 
@@ -46,8 +44,7 @@ def starting_in(store, norm: str, min_chars: int) -> list[int]:
     index = starts(store, min_chars)
     lengths = sorted({len(k) for k in index}, reverse=True)
     found: dict[int, None] = {}
-    for m in _WORD.finditer(norm):
-        i = m.start()
+    for i in word_starts(norm):
         for n in lengths:
             for cid in index.get(norm[i:i + n], ()):
                 found[cid] = None

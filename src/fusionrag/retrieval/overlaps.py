@@ -86,9 +86,14 @@ def find_regions(norm: Seq, bodies: Sequence[tuple[int, Seq]], min_whole: int, m
     return _without_overlaps(sorted(found.values(), key=lambda r: (-len(r), not r.whole, r.start)), min_part)
 
 
+def word_starts(text: str) -> Iterator[int]:
+    """Where each word of ``text`` starts."""
+    return (m.start() for m in _WORD.finditer(text))
+
+
 def _starts(seq: Seq) -> Iterator[int]:
     """Where an anchor may start: a word start of a text, any position of token ids."""
-    return (m.start() for m in _WORD.finditer(seq)) if isinstance(seq, str) else iter(range(len(seq)))
+    return word_starts(seq) if isinstance(seq, str) else iter(range(len(seq)))
 
 
 def _anchors(norm: Seq, n: int) -> dict[Seq, list[int]]:

@@ -45,7 +45,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from fusionrag.kvcache.kv import KV, assemble
-from fusionrag.online.prefill import CUT_START_TOKENS
+from fusionrag.online.prefill import with_cut_starts
 from fusionrag.vllm.matching import ChunkMatcher, ContextMatch
 from fusionrag.vllm.passes import VLLMModel, prefill_into, question_scores, recompute, slot_mapping, write_paged
 
@@ -274,11 +274,10 @@ class FusionRAGConnector(KVConnectorBase_V1):
         work.values[:, :, :end] = context.values[:, :, :end]
         candidates = torch.arange(max(load.first, load.system_len), end)
         selected = select(vm, load, question, work, candidates)
-        cut = [start + k for _, _, start, stop, offset in load.chunks if offset > 0
-               for k in range(min(CUT_START_TOKENS, stop - start))]  # a part's first tokens, as the engine does
-        cut = [p for p in cut if p < end]
-        if gaps or cut:  # every gap position (also before vLLM's own prefix hit: the pass reads them)
-            selected = torch.unique(torch.cat([selected.cpu(), torch.tensor([*gaps, *cut], dtype=torch.long)]))
+        selected = with_cut_starts(selected, [(start, min(stop, end)) for _, _, start, stop, _ in load.chunks],
+                                   [(offset, offset + stop - start) for _, _, start, stop, offset in load.chunks])
+        if gaps:  # every gap position (also before vLLM's own prefix hit: the pass reads them)
+            selected = torch.unique(torch.cat([selected.cpu(), torch.tensor(gaps, dtype=torch.long)]))
         recompute(vm, ids[:end], selected, work)
         write_paged(vm, work, load.first, end, slot_mapping(load.block_ids, load.block_size, load.first, end))
         if self.options.get("debug_dir"):  # what was loaded and recomputed, one JSON per request (tests, studies)
