@@ -8,7 +8,6 @@ cell with ``kv_transfer_params`` (``{"fusionrag": {"ratio": r}}``, or ``"off"``:
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import time
 
@@ -18,88 +17,8 @@ import torch
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed here: the connector tests run in .venv-vllm "
                                           "(bash scripts/setup.sh makes it)")
 
-from fusionrag.models import load_model  # noqa: E402
-from fusionrag.models.tiny import byte_tokenizer, tiny_model  # noqa: E402
-from fusionrag.offline import build  # noqa: E402
 from fusionrag.online.engine import Engine  # noqa: E402
-from fusionrag.retrieval.embedder import HashingEmbedder  # noqa: E402
-from fusionrag.sample import load_sample  # noqa: E402
-
-QUESTION = "Who discovered polonium?"
-VOCAB = 262
-
-
-@pytest.fixture(scope="module")
-def parts(tmp_path_factory):
-    """A tiny Qwen2 folder (head size 32: vLLM's CPU kernels need >= 32), a fused store of the sample's
-    passages built by fusionrag from that folder, and one vLLM engine with the connector, whose shared
-    Redis tier is unreachable (nothing listens on its port): every test below is also served through a
-    tier that is down, which must cost nothing but reads from the store's files."""
-    root = tmp_path_factory.mktemp("vllm")
-    folder = root / "tiny-qwen2-32"
-    model = tiny_model("qwen2", num_attention_heads=2, num_key_value_heads=1)
-    model.config.architectures = ["Qwen2ForCausalLM"]
-    model.save_pretrained(folder)
-    byte_tokenizer().save_pretrained(folder)
-    lm = load_model(str(folder), dtype="float32", device="cpu")
-    store = build.create_store(root / "kb", lm, chunk_tokens=4096, kv_dtype="float32", embedder=HashingEmbedder(),
-                               model_source=str(folder))
-    passages = [p for ex in load_sample()[:2] for p in ex["passages"]]
-    build.add_passages(store, lm, passages, doc="sample")
-    build.fuse(store, lm, top_n=2, progress=False)
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-    from vllm import LLM
-
-    debug = root / "debug"
-    config = {"kv_connector": "FusionRAGConnector", "kv_connector_module_path": "fusionrag.vllm",
-              "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-              "kv_connector_extra_config": {"store": str(root / "kb"), "ratio": 0.15, "min_context_tokens": 16,
-                                            "memory_budget_mb": 0,  # every read from the files: the fault tests
-                                            "kv_tier": f"redis://127.0.0.1:{closed_port()}",
-                                            "debug_dir": str(debug)}}
-    llm = LLM(model=str(folder), dtype="float32", enforce_eager=True, enable_prefix_caching=False, block_size=32,
-              max_model_len=4096, max_logprobs=VOCAB, kv_transfer_config=config, seed=0)
-    yield {"folder": folder, "lm": lm, "store": store, "llm": llm, "debug": debug, "root": root}
-    del llm
-
-
-def closed_port() -> int:
-    """A loopback port nothing listens on (bound, then released)."""
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def prompt_ids(store, chunk_ids):
-    ids = list(store.prompt.system_token_ids)
-    for c in chunk_ids:
-        ids += list(store.chunk(c).token_ids)
-    return ids + list(store.prompt.question_token_ids(QUESTION))
-
-
-def run(parts, ids, cell, max_tokens=1):
-    """First-token log-probabilities over the whole vocabulary and the greedy tokens, for one cell."""
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    for old in parts["debug"].glob("*.json"):  # what the connector writes now is this request's
-        old.unlink()
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=VOCAB,
-                            extra_args={"kv_transfer_params": {"fusionrag": cell}})
-    out = parts["llm"].generate(TokensPrompt(prompt_token_ids=ids), params, use_tqdm=False)[0].outputs[0]
-    first = torch.full((VOCAB,), float("-inf"))
-    for tok, lp in out.logprobs[0].items():
-        first[tok] = lp.logprob
-    return first, list(out.token_ids)
-
-
-def selected_of(parts) -> list[int]:
-    files = list(parts["debug"].glob("*.json"))
-    assert len(files) == 1, "the connector loaded no request (or several)"
-    return json.loads(files[0].read_text())["selected"]
+from vllm_helpers import QUESTION, prompt_ids, run, selected_of  # noqa: E402
 
 
 def test_ratio_one_is_vllms_own_prefill(parts):
@@ -222,6 +141,7 @@ def test_a_chat_request_built_with_rag_messages_is_served_by_the_connector(parts
     messages = rag_messages(store.prompt.system_prompt, passages, QUESTION)
     for old in parts["debug"].glob("*.json"):
         old.unlink()
+    parts["llm"].reset_prefix_cache()
     parts["llm"].chat(messages, SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
     (loaded,) = [json.loads(p.read_text()) for p in parts["debug"].glob("*.json")]
     assert [c[0] for c in loaded["chunks"]] == store.chunk_ids()[:3]

@@ -74,6 +74,12 @@ class KV:
             self.base_position + start,
         )
 
+    def kv_heads(self, heads: slice) -> KV:
+        """Only the KV heads ``heads`` (a view): a tensor-parallel rank's share of a stored entry."""
+        if heads == slice(None):
+            return self
+        return KV(self.keys[:, heads], self.values[:, heads], self.base_position, self.read_rule)
+
     def head(self, n: int) -> KV:
         """Its first ``n`` tokens as a view (no copy: writes to either show in both)."""
         return KV(self.keys[:, :, :n], self.values[:, :, :n], self.base_position, self.read_rule)

@@ -13,7 +13,7 @@ head feed nothing a connector needs).
 - :func:`prefill_into` computes a segment's KV over what the buffer holds before it (``S``'s KV);
 - :func:`question_scores` is the selection pre-pass: the question over the assembled context, its last
   layer's attention over it, summed over heads and question tokens (:func:`fusionrag.online.policies.
-  attention_scores`' rule, one softmax over the whole prompt);
+  attention_scores`' rule, one softmax over the whole prompt), and over the tensor-parallel ranks' heads;
 - :func:`recompute` refreshes the selected tokens through every layer, writing in place.
 """
 
@@ -30,6 +30,7 @@ from fusionrag.execution.attention import attention_probs
 from fusionrag.execution.attention_backends.blocked import attend_in_place
 from fusionrag.execution.masks import visibility
 from fusionrag.kvcache.kv import KV
+from fusionrag.vllm.parallel import SINGLE, TPLayout
 
 
 class _Stop(Exception):
@@ -50,11 +51,13 @@ class VLLMModel:
     inv_freq: torch.Tensor  # the rotary embedding's, float32 (re-positioning stored keys)
     dtype: torch.dtype
     device: torch.device
+    tp: TPLayout = SINGLE  # this rank's KV heads and the TP group's collectives
 
     @classmethod
-    def of(cls, model: Any) -> VLLMModel:
+    def of(cls, model: Any, layout: Any = None) -> VLLMModel:
         """Read the structure of a vLLM Llama-family model (Llama, Qwen2, Qwen3, Mistral); refuses others in
-        one line (a rotary embedding that is not rotate-half over the whole head, a sliding window)."""
+        one line (a rotary embedding that is not rotate-half over the whole head, a sliding window).
+        ``layout(local_kv_heads)`` gives this rank's :class:`TPLayout` (one rank when None)."""
         body = model.model
         start, stop = getattr(body, "start_layer", 0), getattr(body, "end_layer", len(body.layers))
         if start != 0 or stop != len(body.layers):
@@ -71,8 +74,9 @@ class VLLMModel:
             raise ValueError("the model has sliding-window layers: chunk KV reuse is unsound there")
         inv_freq = rotary._compute_inv_freq(rotary.base).float()
         param = next(model.parameters())
+        tp = layout(first.num_kv_heads) if layout is not None else SINGLE
         return cls(model, layers, attention, first.num_heads, first.num_kv_heads, first.head_size,
-                   float(first.impl.scale), inv_freq.to(param.device), param.dtype, param.device)
+                   float(first.impl.scale), inv_freq.to(param.device), param.dtype, param.device, tp)
 
     @property
     def num_layers(self) -> int:
@@ -150,7 +154,7 @@ def question_scores(vm: VLLMModel, question_ids: Sequence[int], context_len: int
     keys = work.keys[-1][:, : context_len + len(question_ids)].float()
     allowed = visibility(torch.arange(context_len), None, q_pos)
     probs = attention_probs(captured[-1], keys, allowed, vm.scale)  # [heads, q, T + q]
-    return probs.sum(dim=(0, 1))[:context_len]
+    return vm.tp.sum(probs.sum(dim=(0, 1))[:context_len])  # every head's, whichever rank holds it
 
 
 def recompute(vm: VLLMModel, context_ids: Sequence[int], selected: torch.Tensor, work: KV) -> None:
