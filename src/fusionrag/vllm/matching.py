@@ -6,7 +6,10 @@ around them. :class:`ChunkMatcher` takes ``S`` when the ids start with it, then 
 the ids that follow, whole or in part, with the engine's matcher on token ids
 (:func:`fusionrag.retrieval.overlaps.find_regions`: anchors of :data:`KEY_TOKENS` ids, extended both ways,
 longest first): candidates come from an index of every chunk's ids at every :data:`INDEX_STRIDE`-th
-position. The ids between them (a template's text, separators, a cut word) are the *gaps*: the worker
+position (every 4th for a short chunk). Whole chunks of any length are found where they occur; a part is
+served from :data:`MIN_PART_IDS` ids, or at any length when it is a short chunk's whole text framed by the
+client's template instead of the store's (its ``[title]`` and closing blank line rendered otherwise).
+The ids between them (a template's text, separators, a cut word) are the *gaps*: the worker
 recomputes them with the selected tokens. The context ends after the last stored chunk; the rest is the
 question, prefilled by vLLM. Only chunks whose KV the store holds are taken (the kind the method reads:
 ``plain-first`` reads the first chunk's plain KV and the others' fused KV, falling back to plain as the
@@ -28,7 +31,11 @@ KEY_TOKENS = 8
 INDEX_STRIDE = 16
 #: A part of a chunk is served from KV only with at least this many ids: a few shared words (the question
 #: naming what a passage names) are not a passage, whatever the tokenizer (a byte-level one makes a word 8 ids).
+#: A short chunk's whole text (all its ids but its framing, :data:`FRAMING_SLACK`) is served at any length.
 MIN_PART_IDS = 32
+#: Ids of a chunk's framing a client's template may render otherwise, beyond the title's own: the id where the
+#: title's bracket meets the text, and the closing blank line (which may merge with what follows it).
+FRAMING_SLACK = (2, 3)
 
 
 @dataclass(frozen=True)
@@ -80,28 +87,42 @@ class ChunkMatcher:
     store holds that entry (checked when a chunk is matched, so entries written later are seen)."""
 
     def __init__(self, system_ids: Sequence[int], chunks: Iterable[tuple[int, Sequence[int]]],
-                 has_kv: Callable[[int, str], bool], kind: str = "plain-first") -> None:
+                 has_kv: Callable[[int, str], bool], kind: str = "plain-first",
+                 title_ids: Callable[[int], int] | None = None) -> None:
         self.system_ids = tuple(int(t) for t in system_ids)
         self.has_kv = has_kv
         self.kind = kind
+        self.title_ids = title_ids or (lambda chunk_id: 0)
         self._ids: dict[int, tuple[int, ...]] = {}
         self._index: dict[tuple[int, ...], list[int]] = defaultdict(list)
+        self._tiny: dict[tuple[int, ...], list[int]] = defaultdict(list)  # whole chunks shorter than a key
+        self._framing: dict[int, tuple[int, int]] = {}
         for chunk_id, ids in chunks:
             self.add(chunk_id, ids)
 
     @classmethod
     def from_store(cls, store: Any, kind: str = "plain-first") -> ChunkMatcher:
         """Every chunk of a :class:`~fusionrag.retrieval.knowledge.KnowledgeStore` and its ``S``."""
+        def title_ids(chunk_id: int) -> int:
+            title = (store.chunk(chunk_id).title or "").strip()
+            return len(store.prompt.encode(f"[{title}]")) if title else 0
+
         return cls(store.prompt.system_token_ids, ((c, store.chunk(c).token_ids) for c in store.chunk_ids()),
-                   store.has_kv, kind)
+                   store.has_kv, kind, title_ids)
 
     def add(self, chunk_id: int, token_ids: Sequence[int]) -> None:
-        ids = tuple(int(t) for t in token_ids)
+        ids, chunk_id = tuple(int(t) for t in token_ids), int(chunk_id)
         if not ids:
             return
-        self._ids[int(chunk_id)] = ids
-        for at in range(0, max(1, len(ids) - KEY_TOKENS + 1), INDEX_STRIDE):
-            self._index[ids[at:at + KEY_TOKENS]].append(int(chunk_id))
+        self._ids[chunk_id] = ids
+        if len(ids) < KEY_TOKENS:
+            self._tiny[ids].append(chunk_id)
+            return
+        short = len(ids) < 2 * MIN_PART_IDS  # its text, framed otherwise, may be found in part: keys at every anchor
+        if short:
+            self._framing[chunk_id] = (self.title_ids(chunk_id) + FRAMING_SLACK[0], FRAMING_SLACK[1])
+        for at in range(0, max(1, len(ids) - KEY_TOKENS + 1), KEY_TOKENS // 2 if short else INDEX_STRIDE):
+            self._index[ids[at:at + KEY_TOKENS]].append(chunk_id)
 
     def __len__(self) -> int:
         return len(self._ids)
@@ -111,8 +132,11 @@ class ChunkMatcher:
         s = len(self.system_ids) if tuple(ids[:len(self.system_ids)]) == self.system_ids else 0
         rest = tuple(int(t) for t in ids[s:])
         candidates = dict.fromkeys(c for i in range(len(rest)) for c in self._index.get(rest[i:i + KEY_TOKENS], ()))
+        for n in {len(k) for k in self._tiny}:  # whole chunks too short for a key: looked up at every position
+            candidates.update(dict.fromkeys(c for i in range(len(rest)) for c in self._tiny.get(rest[i:i + n], ())))
         with_kv = {c: self._ids[c] for c in candidates if self._kind_of(c, first=False) or self._kind_of(c, True)}
-        regions = find_regions(rest, list(with_kv.items()), min_whole=1, min_part=MIN_PART_IDS, anchor=KEY_TOKENS)
+        regions = find_regions(rest, list(with_kv.items()), min_whole=1, min_part=MIN_PART_IDS, anchor=KEY_TOKENS,
+                               framing=self._framing)
         spans: list[ChunkSpan] = []
         for r in regions:
             kind = self._kind_of(r.chunk_id, first=not spans)
