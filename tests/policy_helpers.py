@@ -5,6 +5,7 @@ import torch
 from fusionrag.execution.attention import prefill_with_context_attention
 from fusionrag.execution.forward import prefill, to_dynamic_cache
 from fusionrag.execution.segments import chunk_kv_plain
+from fusionrag.models.rope import rotate_half
 from fusionrag.online.policies import SelectionInput
 from fusionrag.online.prefill import assemble_context
 
@@ -36,3 +37,17 @@ def eager_attentions(lm, inp):
     finally:
         model.set_attn_implementation("sdpa")
     return out.attentions
+
+
+def queries_by_hand(lm, q_proj_out: torch.Tensor, positions: torch.Tensor, layer: int = -1) -> torch.Tensor:
+    """A Llama-style layer's raw ``q_proj`` output -> its queries ``[heads, n, head_dim]`` (fp32): the per-head
+    norm where the layer has one (Qwen3), then the model's rotary embedding at ``positions``."""
+    a = lm.adapter
+    q = q_proj_out.reshape(1, -1, a.num_heads, a.head_dim)
+    q_norm = getattr(a.attention(layer), "q_norm", None)
+    if q_norm is not None:
+        q = q_norm(q)
+    q = q.transpose(1, 2)
+    cos, sin = a.rotary(q, positions.reshape(1, -1).to(q.device))
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return (q * cos + rotate_half(q) * sin)[0].float()

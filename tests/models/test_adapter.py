@@ -3,7 +3,6 @@
 import torch
 
 from fusionrag.execution.forward import prefill
-from fusionrag.models.rope import rotate_half
 
 
 def test_adapter_reads_the_shapes_the_cache_has(tiny_lm):
@@ -15,17 +14,19 @@ def test_adapter_reads_the_shapes_the_cache_has(tiny_lm):
     assert tiny_lm.adapter is a  # built once per model
 
 
-def test_finished_queries_are_the_models_rotary_embedding_applied_per_head(tiny_lm):
-    """The adapter's queries are the raw projection rotated with the model's own (cos, sin) at their
-    positions (the tiny families have no per-head norm); the eager-attention check of the selection
-    scores (tests/online/test_policies.py) covers the rest of the path."""
+def test_captured_queries_are_the_projection_normed_and_rotated_by_the_model(tiny_lm):
+    """What the attention function captures equals the layer's query projection finished by hand (the
+    per-head norm where there is one, the model's rotary embedding at the positions)."""
+    from fusionrag.execution.attention import capture_queries
+    from policy_helpers import queries_by_hand
+
     a = tiny_lm.adapter
-    assert getattr(a.last_attention, "q_norm", None) is None
-    pos = torch.arange(3, 7)
-    cos, sin = a.rotary(torch.zeros(1), pos[None])
-    x = torch.randn(4, a.head_dim, generator=torch.Generator().manual_seed(0))
-    expected = x * cos[0] + rotate_half(x) * sin[0]
-    raw = x.repeat(1, a.num_heads)[None]  # [1, n, heads*d]: every head the same vector
-    out = a.finish_queries(raw, pos)
-    assert out.shape == (a.num_heads, 4, a.head_dim)
-    assert torch.allclose(out[0], expected.float(), atol=1e-5) and torch.allclose(out[-1], out[0])
+    raw: list[torch.Tensor] = []
+    handle = a.last_attention.q_proj.register_forward_hook(lambda _m, _i, out: raw.append(out.detach()))
+    try:
+        with capture_queries(tiny_lm) as captured:
+            prefill(tiny_lm, torch.arange(3, 9), start=3)
+    finally:
+        handle.remove()
+    assert captured[-1].shape == (a.num_heads, 6, a.head_dim)
+    assert torch.allclose(captured[-1], queries_by_hand(tiny_lm, raw[-1], torch.arange(3, 9)), atol=1e-6)

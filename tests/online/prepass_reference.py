@@ -1,7 +1,9 @@
 """The selection pre-pass before decision 048, kept as the reference the stopped pass is tested against.
 
 The question's whole forward over the assembled context (every layer, the final norm, the LM head),
-capturing its last layer's queries. The pass that ends where the scored layer's attention begins
+its last layer's queries rebuilt by hand from the query projection (a hook on ``q_proj``, the per-head norm,
+the model's rotary embedding at the question's positions), independently of the attention-function capture
+the product uses. The pass that ends where the scored layer's attention begins
 (:func:`fusionrag.online.policies.question_queries`) must give the same queries, keys and selection
 bit for bit (``test_selection_prepass.py``); ``benchmarks/ttft/prepass_*.py`` time the two.
 """
@@ -12,18 +14,22 @@ from dataclasses import dataclass
 
 import torch
 
-from fusionrag.execution.attention import capture_last_layer_queries, finish_queries
 from fusionrag.execution.forward import forward
 from fusionrag.online.policies import QueryGuided, QuestionQueries, SelectionInput, attention_scores
+from policy_helpers import queries_by_hand
 
 
 def question_queries_reference(inp: SelectionInput) -> QuestionQueries:
-    """The question's last-layer queries and keys from one whole forward."""
+    """The question's last-layer queries (rebuilt by hand) and keys from one whole forward."""
     lm, T = inp.lm, len(inp.context)
     q_pos = torch.arange(T, T + inp.question_token_ids.numel())
-    with capture_last_layer_queries(lm) as captured:
+    captured: list[torch.Tensor] = []
+    handle = lm.adapter.attention(-1).q_proj.register_forward_hook(lambda _m, _i, out: captured.append(out.detach()))
+    try:
         res = forward(lm, inp.question_token_ids, q_pos, inp.context)
-    return QuestionQueries(finish_queries(lm, captured[-1], q_pos), res.keys[-1], q_pos)
+    finally:
+        handle.remove()
+    return QuestionQueries(queries_by_hand(lm, captured[-1], q_pos), res.keys[-1], q_pos)
 
 
 def reference_attention(inp: SelectionInput) -> torch.Tensor:

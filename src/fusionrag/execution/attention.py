@@ -2,31 +2,24 @@
 
 Query-guided selection (FusionRAG) and Cache-Craft scoring need attention weights that
 sdpa never materialises. Rather than switching the whole model to eager attention, we
-capture the last layer's query projection during the normal forward (a hook on
-``q_proj``), finish it exactly as the layer does (per-head norm for Qwen3, RoPE at the
-tokens' positions) and recompute ``softmax(q k^T / sqrt(d))`` against the keys we hold.
+capture the layer's queries where its attention function receives them (already normed and
+rotated by the model's own code, whatever the family: :func:`attention_hook.capture`) and
+recompute ``softmax(q k^T * scale)`` against the keys we hold.
 """
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
+
 import torch
 
+from fusionrag.execution import attention_hook
 from fusionrag.models.registry import LoadedModel
 
 
-def capture_last_layer_queries(lm: LoadedModel):
-    """Collect the last layer's raw ``q_proj`` outputs while inside (:meth:`ModelAdapter.capture_last_queries`)."""
-    return lm.adapter.capture_last_queries()
-
-
-def capture_queries(lm: LoadedModel, layer: int = -1):
-    """Collect layer ``layer``'s raw ``q_proj`` outputs while inside (:meth:`ModelAdapter.capture_queries`)."""
-    return lm.adapter.capture_queries(layer)
-
-
-def finish_queries(lm: LoadedModel, q_proj_out: torch.Tensor, positions: torch.Tensor, layer: int = -1) -> torch.Tensor:
-    """Raw ``q_proj`` output of layer ``layer`` -> post-norm, post-RoPE queries ``[heads, n, head_dim]`` (fp32)."""
-    return lm.adapter.finish_queries(q_proj_out, positions, layer)
+def capture_queries(lm: LoadedModel, layer: int = -1) -> AbstractContextManager[list[torch.Tensor]]:
+    """Collect layer ``layer``'s queries (``[heads, n, head_dim]`` fp32, normed and rotated) while inside."""
+    return attention_hook.capture(layer % lm.num_layers)
 
 
 def attention_probs(queries: torch.Tensor, keys: torch.Tensor, allowed: torch.Tensor, scale: float) -> torch.Tensor:
@@ -59,12 +52,12 @@ def prefill_with_context_attention(
     """
     from fusionrag.execution.forward import prefill, visibility
 
-    with capture_last_layer_queries(lm) as captured:
+    with capture_queries(lm) as captured:
         kv, _ = prefill(lm, ids, past=past)
     n = len(kv)
     device = lm.device
     positions = torch.arange(kv.base_position, kv.base_position + n, device=device)
-    queries = finish_queries(lm, captured[-1], positions)
+    queries = captured[-1]
     past_len = 0 if past is None else len(past)
     last = kv.keys[-1].float()
     keys = last if past is None else torch.cat([past.keys[-1].to(device).float(), last], dim=1)

@@ -15,6 +15,9 @@ instead, whatever the backend (:mod:`~fusionrag.execution.attention_backends.rul
 Transformers builds no mask for an attention function it has no mask function for, so a
 pass with ``attention_mask=None`` reaches us with ``None`` whatever its positions are.
 
+Inside :func:`capture` a layer's attention hands its queries (normed and rotated by the model, whatever
+its family) to the caller: attention weights that sdpa never materialises are then recomputed from them.
+
 Inside :func:`stop_at_attention` a pass ends where one layer's attention would begin: every
 decoder layer writes its new keys and values to the cache before it calls the attention
 function, so at that point the layer's queries have been projected and its keys are in the
@@ -78,6 +81,8 @@ class RowRules:
 
 
 _ROW_RULES: ContextVar[RowRules | None] = ContextVar("fusionrag_row_rules", default=None)
+#: Layers whose queries are being captured (:func:`capture`), each with the list they go to.
+_CAPTURE: ContextVar[dict[int, list[torch.Tensor]] | None] = ContextVar("fusionrag_capture", default=None)
 
 
 class _Stopped(Exception):
@@ -90,6 +95,9 @@ def fusionrag_attention(module: Any, query: torch.Tensor, key: torch.Tensor, val
     """The registered attention function (signature of transformers' attention interface)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    captures = _CAPTURE.get()
+    if captures is not None and module.layer_idx in captures:
+        captures[module.layer_idx].append(query[0].float())  # [heads, n, d]: normed and rotated by the model
     active = _ACTIVE.get()
     if active is not None and active.in_place is not None:
         _write_in_place(active, module.layer_idx, key, value, query.shape[2])
@@ -173,6 +181,20 @@ def read_rules(rows: RowRules | None) -> Iterator[None]:
         yield
     finally:
         _ROW_RULES.reset(token)
+
+
+@contextmanager
+def capture(layer: int) -> Iterator[list[torch.Tensor]]:
+    """Inside: every call of layer ``layer``'s attention (>= 0) appends its queries, ``[heads, n, head_dim]``
+    fp32, exactly as the layer made them (any family's projection, norms and rotary embedding), to the list
+    yielded. Captures of several layers nest."""
+    before = _CAPTURE.get()
+    captured: list[torch.Tensor] = []
+    token = _CAPTURE.set({**(before or {}), layer: captured})
+    try:
+        yield captured
+    finally:
+        _CAPTURE.reset(token)
 
 
 @contextmanager

@@ -102,27 +102,22 @@ def _run(lm: LoadedModel, input_ids: torch.Tensor, positions: torch.Tensor, past
 
 def _call(lm: LoadedModel, input_ids: torch.Tensor, positions: torch.Tensor, cache: DynamicCache,
           logits_to_keep: int, n_layers: int | None, stop_at: int | None = None) -> torch.Tensor:
-    """The whole model (logits kept); with ``n_layers``, only its first layers (no logits); with
-    ``stop_at``, the model's own forward ended where that layer's attention begins (no logits)."""
+    """The whole model (logits kept); with ``n_layers``, only its first layers (no logits: the model's own
+    forward ended where layer ``n_layers``'s attention begins, so any family's embedding scale, norms and
+    residual rules are its own); with ``stop_at``, the model's own forward ended where that layer's attention
+    begins (no logits)."""
+    if n_layers is not None and n_layers < lm.num_layers:
+        stop_at = n_layers
     if stop_at is not None:
         with attention_hook.stop_at_attention(stop_at):
             lm.model(input_ids=input_ids[None], position_ids=positions[None], attention_mask=None,
                      use_cache=True, logits_to_keep=logits_to_keep,
                      **{attention_hook.cache_keyword(lm.model.forward): cache})
         return torch.empty(0)
-    if n_layers is None:
-        out = lm.model(input_ids=input_ids[None], position_ids=positions[None], attention_mask=None,
-                       use_cache=True, logits_to_keep=logits_to_keep,
-                       **{attention_hook.cache_keyword(lm.model.forward): cache})
-        return out.logits[0].float()
-    adapter = lm.adapter
-    hidden = adapter.body.embed_tokens(input_ids[None])
-    pos_emb = adapter.rotary(hidden, positions[None])
-    for layer in adapter.layers[:n_layers]:
-        hidden = layer(hidden, attention_mask=None, position_ids=positions[None], use_cache=True,
-                       position_embeddings=pos_emb, **{attention_hook.cache_keyword(layer.forward): cache})
-        hidden = hidden[0] if isinstance(hidden, tuple) else hidden
-    return torch.empty(0)
+    out = lm.model(input_ids=input_ids[None], position_ids=positions[None], attention_mask=None,
+                   use_cache=True, logits_to_keep=logits_to_keep,
+                   **{attention_hook.cache_keyword(lm.model.forward): cache})
+    return out.logits[0].float()
 
 
 def forward(
@@ -265,11 +260,12 @@ def forward_first_layers(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fresh KV of the first ``n_layers`` layers only (CacheBlend's cheap probe).
 
-    Runs the embedding and the first decoder layers by hand (the model's own modules, in
-    its own order), causal over ``past`` + the new tokens. Returns ``[n_layers, H, n, D]``.
+    The model's own forward, ended where layer ``n_layers``'s attention begins, causal over ``past`` + the
+    new tokens. Returns ``[n_layers, H, n, D]``.
     """
     _, cache = _run(lm, input_ids, positions, past, None, 1, n_layers)
-    return cache_tail(cache, int(torch.as_tensor(input_ids).numel()))
+    keys, values = cache_tail(cache, int(torch.as_tensor(input_ids).numel()))
+    return keys[:n_layers], values[:n_layers]
 
 
 def forward_to_attention(lm: LoadedModel, input_ids: torch.Tensor, positions: torch.Tensor, past: KV | None,

@@ -78,6 +78,14 @@ class LoadedModel:
     def inv_freq(self) -> torch.Tensor:
         return self.adapter.inv_freq()
 
+    @cached_property
+    def exact_context_limit(self) -> int | None:
+        """The longest prompt (and answer) on which KV reuse is exact for this model (a sliding window,
+        longrope's original length), or None (:func:`fusionrag.models.compat.exact_context_limit`)."""
+        from fusionrag.models.compat import exact_context_limit
+
+        return exact_context_limit(self.config)
+
     @property
     def adapter(self) -> ModelAdapter:
         """Head sizes, the last layer's attention inputs and the rotary embedding (``models.adapter``)."""

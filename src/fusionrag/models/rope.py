@@ -6,6 +6,10 @@ computed at position ``p`` is ``R(p) k``; since rotations compose,
 ``R(delta) R(p) k = R(p + delta) k``. Moving a stored chunk to a new offset is
 therefore one extra rotation of its keys; values carry no position and stay as they are.
 
+A partial rotary embedding (GPT-NeoX, StableLM, Phi-4-mini) rotates only the first ``rotary_dim``
+dimensions of a head (rotate-half within them) and leaves the rest: ``inv_freq`` then has
+``rotary_dim / 2`` entries, and the dimensions after ``2 * len(inv_freq)`` move unchanged.
+
 Angles are formed in float64 (``delta * inv_freq`` for deltas of thousands of
 positions loses ~1e-4 rad in fp32) and the rotation itself runs in fp32, on whatever
 device the keys are (the result keeps the keys' dtype: callers widen fp16/bf16 first).
@@ -31,16 +35,19 @@ def rotation(delta: int | torch.Tensor, inv_freq: torch.Tensor,
 
 
 def rotate_into(out: torch.Tensor, keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-    """Write ``keys`` (``[..., seq, head_dim]``) rotated by ``(cos, sin)`` (``[seq or 1, head_dim/2]`` fp32
+    """Write ``keys`` (``[..., seq, head_dim]``) rotated by ``(cos, sin)`` (``[seq or 1, rotary_dim/2]`` fp32
     from :func:`rotation`) into ``out`` (same shape, any float dtype): fp32 math (fp16/bf16 keys promote
     exactly against the fp32 cos/sin; no widened copy is made), one cast on the write. The halves are
-    rotate-half's pairs: ``(x1 c - x2 s, x2 c + x1 s)``, bit for bit ``k c + rotate_half(k) s``."""
+    rotate-half's pairs: ``(x1 c - x2 s, x2 c + x1 s)``, bit for bit ``k c + rotate_half(k) s``; the
+    dimensions after ``rotary_dim`` (a partial rotary embedding) are copied."""
     if keys.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         keys = keys.to(torch.float32)
-    half = keys.shape[-1] // 2
-    x1, x2 = keys[..., :half], keys[..., half:]
+    half = cos.shape[-1]
+    x1, x2 = keys[..., :half], keys[..., half:2 * half]
     torch.sub(x1 * cos, x2 * sin, out=out[..., :half])
-    torch.add(x2 * cos, x1 * sin, out=out[..., half:])
+    torch.add(x2 * cos, x1 * sin, out=out[..., half:2 * half])
+    if 2 * half < keys.shape[-1]:
+        out[..., 2 * half:] = keys[..., 2 * half:]
 
 
 def rotate_keys(keys: torch.Tensor, delta: int | torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:

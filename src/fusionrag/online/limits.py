@@ -14,13 +14,28 @@ from fusionrag.online.request import ReuseRequest
 from fusionrag.online.resolved import Resolved
 
 
-def check_prompt_length(engine: Any, request: ReuseRequest, resolved: Resolved | None, limit: int) -> Resolved:
-    """Raise :class:`PromptTooLongError` when ``S`` + passages + question exceed ``limit`` tokens; returns the
-    passages it counted (``resolved``, or found here when the prefetch found none) for the prefill."""
+def prompt_limit(engine: Any, max_prompt_tokens: int | None) -> tuple[int | None, str]:
+    """The prompt-token limit a request is held to and what sets it: the server's ``max_prompt_tokens``, or
+    the model's own, lower, exact-reuse limit (a sliding window, longrope's original length:
+    :func:`fusionrag.models.compat.exact_context_limit`)."""
+    from fusionrag.models.compat import limit_reason
+
+    lm = getattr(engine, "lm", None)
+    model_limit = getattr(lm, "exact_context_limit", None)
+    if model_limit and (not max_prompt_tokens or model_limit <= max_prompt_tokens):
+        return model_limit, f"{lm.name} reuses KV exactly only within {limit_reason(lm.config)}"
+    return max_prompt_tokens, f"this server accepts at most {max_prompt_tokens}"
+
+
+def check_prompt_length(engine: Any, request: ReuseRequest, resolved: Resolved | None, limit: int,
+                        why: str | None = None) -> Resolved:
+    """Raise :class:`PromptTooLongError` when ``S`` + passages + question exceed ``limit`` tokens (``why``: what
+    sets the limit, said in the error); returns the passages it counted (``resolved``, or found here when the
+    prefetch found none) for the prefill."""
     if resolved is None:
         resolved = engine.resolve(request)
     n = resolved.prompt_tokens(engine, request)
     if n > limit:
-        raise PromptTooLongError(f"the prompt has {n} tokens; this server accepts at most {limit} "
+        raise PromptTooLongError(f"the prompt has {n} tokens; {why or f'this server accepts at most {limit}'} "
                                  "(fewer or shorter documents, or a lower retrieval depth)")
     return resolved

@@ -31,7 +31,6 @@ from fusionrag.execution.attention import (
     attention_probs,
     attention_scale,
     capture_queries,
-    finish_queries,
 )
 from fusionrag.execution.forward import forward_first_layers, forward_to_attention, visibility
 from fusionrag.kvcache.kv import KV
@@ -114,7 +113,7 @@ def question_queries(inp: SelectionInput, layer: int = -1) -> QuestionQueries:
     q_pos = torch.arange(T, T + inp.question_token_ids.numel())
     with capture_queries(lm, layer) as captured:
         keys = forward_to_attention(lm, inp.question_token_ids, q_pos, inp.context, layer)
-    return QuestionQueries(finish_queries(lm, captured[-1], q_pos, layer), keys, q_pos, layer)
+    return QuestionQueries(captured[-1], keys, q_pos, layer)
 
 
 def question_attention(inp: SelectionInput, layer: int = -1) -> torch.Tensor:
@@ -170,7 +169,7 @@ def layerwise_question_attention(inp: SelectionInput) -> torch.Tensor:
     allowed = torch.ones(q_pos.numel(), T, dtype=torch.bool)
     total = torch.zeros(T, dtype=torch.float32, device=inp.context.keys.device)
     for layer, raw in enumerate(captured):
-        queries = finish_queries(lm, raw[-1], q_pos, layer)
+        queries = raw[-1]
         probs = attention_probs(queries, inp.context.keys[layer].float(), allowed, attention_scale(lm, layer))
         total += probs.mean(dim=(0, 1)).to(total.device)
     return (total / lm.num_layers)[inp.candidates.to(total.device)]

@@ -33,7 +33,7 @@ import torch
 
 from fusionrag.errors import PromptTooLongError, QueueFullError, RequestCancelledError, SchedulerClosedError
 from fusionrag.execution.decoder import BatchDecoder
-from fusionrag.online.limits import check_prompt_length
+from fusionrag.online.limits import check_prompt_length, prompt_limit
 from fusionrag.online.outcomes import emit_token, fail, finish
 from fusionrag.online.request import ReuseRequest
 from fusionrag.online.sampling import SamplingParams
@@ -318,8 +318,9 @@ class BatchScheduler:
         try:
             req.reuse = reuse = req.reuse.validated()
             resolved = req.prefetched()
-            if self.max_prompt_tokens:
-                resolved = check_prompt_length(self.engine, reuse, resolved, self.max_prompt_tokens)
+            limit, why = prompt_limit(self.engine, self.max_prompt_tokens)
+            if limit:
+                resolved = check_prompt_length(self.engine, reuse, resolved, limit, why)
             decoding = len(self._rows) + len(self._joining)
             piece = None if not decoding or self.step_tokens is None else \
                 max(MIN_PIECE_TOKENS, self.step_tokens - decoding)
@@ -359,10 +360,14 @@ class BatchScheduler:
             self.stats.prefill_seconds += time.perf_counter() - t0
         self._prefilling = None
         self.stats.prefills += 1
-        if self.max_prompt_tokens and req.prompt_tokens > self.max_prompt_tokens:
-            fail(req, PromptTooLongError(f"the prompt has {req.prompt_tokens} tokens; this server accepts at "
-                                         f"most {self.max_prompt_tokens} (use a lower retrieval depth)"), self.stats)
+        limit, why = prompt_limit(self.engine, self.max_prompt_tokens)
+        if limit and req.prompt_tokens > limit:
+            fail(req, PromptTooLongError(f"the prompt has {req.prompt_tokens} tokens; {why} (use a lower retrieval "
+                                         "depth)"), self.stats)
             return
+        model_limit = getattr(getattr(self.engine, "lm", None), "exact_context_limit", None)
+        if model_limit:  # decoding past a sliding window would read tokens the model no longer sees: stop there
+            req.max_new_tokens = min(req.max_new_tokens, model_limit - req.prompt_tokens)
         if req.max_new_tokens <= 0:
             finish(self.engine, req, "length", self.stats)
             return
