@@ -10,20 +10,20 @@ QUESTION = "Who discovered polonium?"
 VOCAB = 262
 
 
-def tiny_store(root, family: str = "qwen2", architecture: str = "Qwen2ForCausalLM", **overrides):
-    """A tiny random checkpoint saved as a Hugging Face folder (head size 32 by default: vLLM's CPU kernels need
-    >= 32) with the byte tokenizer, and a fused fp32 store of the sample's passages built by fusionrag from it:
-    ``(folder, lm, store)``."""
+def tiny_store(root, family: str = "qwen2", architecture: str = "Qwen2ForCausalLM", model=None, **overrides):
+    """A tiny random checkpoint (``model``, or one of ``family`` made here; head size 32 by default: vLLM's CPU
+    kernels need >= 32) saved as a Hugging Face folder with the byte tokenizer, and a fused fp32 store of the
+    sample's passages built by fusionrag from it: ``(folder, lm, store)``."""
     from fusionrag.models import load_model
     from fusionrag.models.tiny import byte_tokenizer, tiny_model
     from fusionrag.offline import build
     from fusionrag.retrieval.embedder import HashingEmbedder
     from fusionrag.sample import load_sample
 
-    overrides = {"num_attention_heads": 2, "num_key_value_heads": 1, **overrides}
     folder = root / f"tiny-{family}"
-    model = tiny_model(family, **overrides)
-    model.config.architectures = [architecture]
+    if model is None:
+        model = tiny_model(family, **{"num_attention_heads": 2, "num_key_value_heads": 1, **overrides})
+        model.config.architectures = [architecture]
     model.save_pretrained(folder)
     byte_tokenizer().save_pretrained(folder)
     lm = load_model(str(folder), dtype="float32", device="cpu")

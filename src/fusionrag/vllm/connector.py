@@ -45,8 +45,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 
 from fusionrag.vllm.isolation import can_salt
 from fusionrag.vllm.loading import Loader, find_model
+from fusionrag.vllm.model_view import VLLMModel
 from fusionrag.vllm.parallel import tp_layout
-from fusionrag.vllm.passes import VLLMModel
+from fusionrag.vllm.passes import check_rotation
 from fusionrag.vllm.planning import Planner, ReqLoad
 
 log = logging.getLogger("fusionrag.vllm")
@@ -91,8 +92,10 @@ class FusionRAGConnector(KVConnectorBase_V1):
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        from fusionrag.models.compat import check_supported, exact_context_limit
         from fusionrag.vllm.store_access import open_store
 
+        check_supported(vllm_config.model_config.hf_config)  # a family fusionrag cannot serve: named at start
         self.options = _options(self._kv_transfer_config)
         self.block_size = int(vllm_config.cache_config.block_size)
         self.fallbacks: Counter[str] = Counter()
@@ -108,7 +111,8 @@ class FusionRAGConnector(KVConnectorBase_V1):
                     raise ValueError("this vLLM's requests cannot be re-salted, so the connector's approximate KV "
                                      "would enter vLLM's prefix cache under exact prompts: start vLLM with "
                                      "--no-enable-prefix-caching (enable_prefix_caching=False)")
-            self.planner = Planner(self.store, self.options, self.block_size, salting, self._fallback)
+            self.planner = Planner(self.store, self.options, self.block_size, salting, self._fallback,
+                                   exact_context_limit(vllm_config.model_config.hf_config))
         else:
             from fusionrag.kvcache.device_tier import kv_tiers
 
@@ -146,11 +150,14 @@ class FusionRAGConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Find and check the model this worker runs: a model or a layout the connector cannot drive stops vLLM
         at start, in one line (never a connector that silently serves nothing, or something wrong)."""
-        total_kv_heads = int(self._vllm_config.model_config.get_total_num_kv_heads())
-        vm = VLLMModel.of(find_model(self._vllm_config), lambda local: tp_layout(total_kv_heads, local))
+        config = self._vllm_config.model_config
+        total_kv_heads = int(config.get_total_num_kv_heads())
+        vm = VLLMModel.of(find_model(self._vllm_config), config.hf_config,
+                          lambda local: tp_layout(total_kv_heads, local))
         kernel_block = int(vm.attention[0].kv_cache.shape[2])
         if kernel_block != self.block_size:
             raise ValueError(f"kernel block size {kernel_block} != scheduler block size {self.block_size}")
+        check_model_rotation(vm, self._vllm_config)
         self.loader = Loader(vm, self.store, self.kv_source, self.options.get("debug_dir"))
         log.info("fusionrag connector: %d layers of %s, KV heads %s of %d (rank %d of %d), store %s",
                  vm.num_layers, type(vm.model).__name__, vm.tp.kv_heads, total_kv_heads, vm.tp.rank, vm.tp.size,
@@ -204,6 +211,27 @@ class FusionRAGConnector(KVConnectorBase_V1):
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> Any:
         return FusionRAGStats(dict(data or {}))
+
+
+def check_model_rotation(vm: VLLMModel, vllm_config: Any) -> None:
+    """Stop vLLM at start, in one line, when it rotates keys otherwise than the store's model (another rope
+    scaling, longrope's long factors, an interleaved rotary layout): a reused chunk would sit at the wrong
+    position without a word."""
+    from vllm.forward_context import set_forward_context
+
+    from fusionrag.doctor import KEY_REL_TOL, REDUCED_KEY_REL_TOL
+    from fusionrag.models.compat import exact_context_limit
+
+    longest = min(x for x in (int(vllm_config.model_config.max_model_len),
+                              exact_context_limit(vllm_config.model_config.hf_config), 8192) if x)
+    with set_forward_context(None, vllm_config):
+        gap = check_rotation(vm, 1, sorted({1, min(97, longest - 1), longest - 1}))
+    tolerance = KEY_REL_TOL if vm.dtype == torch.float32 else REDUCED_KEY_REL_TOL
+    if not gap < tolerance:
+        raise ValueError(f"vLLM rotates {vllm_config.model_config.hf_config.model_type}'s keys otherwise than the "
+                         f"model the store was built with (a moved key is off by {gap:.2g} of its size, tolerance "
+                         f"{tolerance:g}): check its rope scaling and max_model_len (longrope switches to its long "
+                         "factors past its original length)")
 
 
 def _prefix_caching(vllm_config: Any) -> bool:

@@ -22,7 +22,8 @@ import torch
 
 from fusionrag.kvcache.kv import KV, assemble
 from fusionrag.online.prefill import with_cut_starts
-from fusionrag.vllm.passes import VLLMModel, prefill_into, question_scores, recompute, slot_mapping, write_paged
+from fusionrag.vllm.model_view import VLLMModel
+from fusionrag.vllm.passes import prefill_into, question_scores, recompute, slot_mapping, write_paged
 from fusionrag.vllm.planning import ReqLoad
 
 

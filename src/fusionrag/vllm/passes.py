@@ -1,27 +1,28 @@
 """FusionRAG's passes on vLLM's own loaded model: no second copy of the weights, vLLM's kernels for everything
 but the attention.
 
-The passes call vLLM's decoder layers one by one (its embedding, norms, fused projections, RoPE and MLP)
-with each layer's ``Attention`` module routed, for the duration of the pass, to fusionrag's in-place
-attention over a request-local KV (:func:`routed_attention`): the layer's new keys and values (normed and
-rotated by vLLM) are written at their slots first, then each query reads every slot at or before its
-position (:func:`fusionrag.execution.attention_backends.blocked.attend_in_place`). vLLM's paged cache is
-never read; the result is written into it once, with the attention backend's own write op
-(:func:`write_paged`). Every pass stops at the last layer's attention (its MLP, the final norm and the LM
-head feed nothing a connector needs).
+The passes run vLLM's decoder body (:class:`~fusionrag.vllm.model_view.VLLMModel`: its embedding, norms,
+fused projections, RoPE and MLP, as the family has them) with each layer's ``Attention`` module routed, for
+the duration of the pass, to fusionrag's in-place attention over a request-local KV (:func:`routed_attention`):
+the layer's new keys and values (normed and rotated by vLLM) are written at their slots first, then each query
+reads every slot at or before its position
+(:func:`fusionrag.execution.attention_backends.blocked.attend_in_place`). vLLM's paged cache is never read; the
+result is written into it once, with the attention backend's own write op (:func:`write_paged`). Every pass
+stops at the last layer's attention (its MLP, the final norm and the LM head feed nothing a connector needs).
 
 - :func:`prefill_into` computes a segment's KV over what the buffer holds before it (``S``'s KV);
 - :func:`question_scores` is the selection pre-pass: the question over the assembled context, its last
   layer's attention over it, summed over heads and question tokens (:func:`fusionrag.online.policies.
   attention_scores`' rule, one softmax over the whole prompt), and over the tensor-parallel ranks' heads;
-- :func:`recompute` refreshes the selected tokens through every layer, writing in place.
+- :func:`recompute` refreshes the selected tokens through every layer, writing in place;
+- :func:`check_rotation` proves at start that a key vLLM computes at position ``p`` is the key it computes at
+  0 moved by the store's rotation (the identity every reused chunk relies on).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,73 +31,23 @@ from fusionrag.execution.attention import attention_probs
 from fusionrag.execution.attention_backends.blocked import attend_in_place
 from fusionrag.execution.masks import visibility
 from fusionrag.kvcache.kv import KV
-from fusionrag.vllm.parallel import SINGLE, TPLayout
+from fusionrag.models.rope import rotate_keys
+from fusionrag.vllm.model_view import VLLMModel
 
 
 class _Stop(Exception):
-    """Raised by the routed attention of the last layer once its KV is written: the pass is over."""
-
-
-@dataclass
-class VLLMModel:
-    """The parts of vLLM's loaded decoder-only model the passes drive, in layer order."""
-
-    model: Any  # e.g. vllm.model_executor.models.qwen2.Qwen2ForCausalLM
-    layers: list  # decoder layers: layer(positions, hidden, residual) -> (hidden, residual)
-    attention: list  # each layer's vllm Attention module (layer.self_attn.attn)
-    num_heads: int
-    num_kv_heads: int
-    head_size: int
-    scale: float
-    inv_freq: torch.Tensor  # the rotary embedding's, float32 (re-positioning stored keys)
-    dtype: torch.dtype
-    device: torch.device
-    tp: TPLayout = SINGLE  # this rank's KV heads and the TP group's collectives
-
-    @classmethod
-    def of(cls, model: Any, layout: Any = None) -> VLLMModel:
-        """Read the structure of a vLLM Llama-family model (Llama, Qwen2, Qwen3, Mistral); refuses others in
-        one line (a rotary embedding that is not rotate-half over the whole head, a sliding window).
-        ``layout(local_kv_heads)`` gives this rank's :class:`TPLayout` (one rank when None)."""
-        body = model.model
-        start, stop = getattr(body, "start_layer", 0), getattr(body, "end_layer", len(body.layers))
-        if start != 0 or stop != len(body.layers):
-            raise ValueError("pipeline parallelism is not supported: every layer must be on this worker")
-        layers = list(body.layers)
-        attention = [layer.self_attn.attn for layer in layers]
-        first = attention[0]
-        rotary = layers[0].self_attn.rotary_emb
-        if not getattr(rotary, "is_neox_style", True) or getattr(rotary, "rotary_dim", first.head_size) \
-                != first.head_size:
-            raise ValueError("the model's rotary embedding is not rotate-half over the whole head: its KV cannot "
-                             "be re-positioned by a rotation")
-        if any(getattr(a, "sliding_window", None) for a in attention):
-            raise ValueError("the model has sliding-window layers: chunk KV reuse is unsound there")
-        inv_freq = rotary._compute_inv_freq(rotary.base).float()
-        param = next(model.parameters())
-        tp = layout(first.num_kv_heads) if layout is not None else SINGLE
-        return cls(model, layers, attention, first.num_heads, first.num_kv_heads, first.head_size,
-                   float(first.impl.scale), inv_freq.to(param.device), param.dtype, param.device, tp)
-
-    @property
-    def num_layers(self) -> int:
-        return len(self.layers)
-
-    def empty_kv(self, slots: int) -> KV:
-        """A request-local KV of ``slots`` positions (from 0), in the model's dtype, zeros."""
-        t = torch.zeros(self.num_layers, self.num_kv_heads, slots, self.head_size, dtype=self.dtype,
-                        device=self.device)
-        return KV(t, torch.zeros_like(t), 0)
+    """Raised by the routed attention of the pass's last layer once its KV is written: the pass is over."""
 
 
 @contextmanager
 def routed_attention(vm: VLLMModel, work: KV, positions: torch.Tensor,
-                     captured: list[torch.Tensor] | None = None) -> Iterator[None]:
+                     captured: list[torch.Tensor] | None = None, last: int | None = None) -> Iterator[None]:
     """Inside: every layer's attention writes its new KV into ``work`` at ``positions`` and attends in place;
-    the last layer writes, hands its queries to ``captured`` (``[heads, n, d]``, fp32) and ends the pass."""
+    layer ``last`` (default: the last) writes, hands its queries to ``captured`` (``[heads, n, d]``, fp32) and
+    ends the pass."""
     memo: dict = {}
     slots = positions - work.base_position
-    last = vm.num_layers - 1
+    last = vm.num_layers - 1 if last is None else last
 
     def route(index: int, attn: Any):
         def forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, output_shape: Any = None,
@@ -126,15 +77,14 @@ def routed_attention(vm: VLLMModel, work: KV, positions: torch.Tensor,
 
 
 def run_pass(vm: VLLMModel, ids: torch.Tensor, positions: torch.Tensor, work: KV,
-             captured: list[torch.Tensor] | None = None) -> None:
-    """``ids`` at ``positions`` through vLLM's layers over ``work`` (written in place), to the last attention."""
+             captured: list[torch.Tensor] | None = None, last: int | None = None) -> None:
+    """``ids`` at ``positions`` through vLLM's body over ``work`` (written in place), to layer ``last``'s
+    attention (default: the last layer's)."""
     ids = torch.as_tensor(ids, dtype=torch.long).reshape(-1).to(vm.device)
     positions = torch.as_tensor(positions, dtype=torch.long).reshape(-1).to(vm.device)
-    hidden, residual = vm.model.model.embed_input_ids(ids), None
-    with routed_attention(vm, work, positions, captured):
+    with routed_attention(vm, work, positions, captured, last):
         try:
-            for layer in vm.layers:
-                hidden, residual = layer(positions, hidden, residual)
+            vm.run_body(ids, positions)
         except _Stop:
             return
     raise RuntimeError("the pass never reached the last layer's attention")
@@ -180,3 +130,21 @@ def write_paged(vm: VLLMModel, work: KV, start: int, stop: int, slots: torch.Ten
         key = work.keys[i][:, start:stop].transpose(0, 1).contiguous()
         value = work.values[i][:, start:stop].transpose(0, 1).contiguous()
         attn.impl.do_kv_cache_update(attn, key, value, attn.kv_cache, slots)
+
+
+def check_rotation(vm: VLLMModel, token: int, positions: Sequence[int]) -> float:
+    """The largest gap, relative to the key's size, between the first layer's key of ``token`` computed by vLLM
+    at each of ``positions`` and the same key computed at 0 then moved there by the store's rotation (the one
+    :func:`~fusionrag.kvcache.kv.assemble` applies to every stored chunk). One token, no context: the first
+    layer's key depends only on its position. Every rank calls it (the passes run vLLM's collectives)."""
+    at = [0, *positions]
+    work = vm.empty_kv(max(at) + 1)
+    for p in at:
+        run_pass(vm, torch.tensor([token]), torch.tensor([p]), work, last=0)
+    base = work.keys[0][:, 0:1].float()
+    worst = 0.0
+    for p in positions:
+        moved = rotate_keys(base, p, vm.inv_freq)
+        computed = work.keys[0][:, p:p + 1].float()
+        worst = max(worst, float((moved - computed).abs().max() / computed.abs().max().clamp_min(1e-12)))
+    return worst

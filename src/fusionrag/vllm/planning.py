@@ -65,8 +65,9 @@ class Planner:
     ``fallback(reason, exc)``: counts and logs a request vLLM prefills itself."""
 
     def __init__(self, store: Any, options: dict[str, Any], block_size: int, salting: bool,
-                 fallback: Callable[..., None]) -> None:
+                 fallback: Callable[..., None], exact_limit: int | None = None) -> None:
         self.store = store
+        self.exact_limit = exact_limit  # the model's sliding window / longrope length: longer prompts not loaded
         self.options = options
         self.block_size = block_size
         self.salting = salting
@@ -164,6 +165,9 @@ class Planner:
             self._reasons[rid] = "off"
             return None
         ids = list(request.prompt_token_ids or [])
+        if self.exact_limit and len(ids) > self.exact_limit:  # vLLM's own (windowed) prefill is the exact one
+            self._reasons[rid] = f"the prompt is longer than the model's exact-reuse limit ({self.exact_limit})"
+            return None
         match = self.matcher.match(ids)
         if match is None or not match.chunks:
             self.fallback("no stored chunks in the prompt")
