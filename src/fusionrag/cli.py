@@ -26,7 +26,12 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     from fusionrag.models.options import device_options
 
     report = run_checks(args.model, **device_options(args))
-    print(json.dumps(report, indent=None if args.compact else 2))
+    if args.table:
+        from fusionrag.models.family_report import table
+
+        print(table(report))
+    else:
+        print(json.dumps(report, indent=None if args.compact else 2))
     return 0 if report["ok"] else 1
 
 
@@ -61,6 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
                                           "dtype auto chooses (JSON report)")
     p.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
     p.add_argument("--compact", action="store_true", help="print the JSON on one line")
+    p.add_argument("--table", action="store_true", help="print one readable table (the family, each check per dtype)")
     add_device_args(p)
     p.set_defaults(func=_cmd_doctor)
 

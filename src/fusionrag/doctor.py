@@ -70,9 +70,12 @@ def run_checks(model: str, device: str | None = None, dtype: str | None = None,
     if chosen != torch.float32:
         lm = load_model(model, dtype=chosen, device=dev, attention=attention)
         reports[str(chosen).removeprefix("torch.")] = run_doctor(lm, reference=reference)
+    from fusionrag.models.family_report import family_report
+
     # model and device at the top as before per-dtype reports existed (scripts read them there)
     return {"model": reports["float32"]["model"], "device": reports["float32"]["device"],
-            "compute_dtype": dtype_choice(dtype, dev), "ok": all(r["ok"] for r in reports.values()), **reports}
+            "compute_dtype": dtype_choice(dtype, dev), "ok": all(r["ok"] for r in reports.values()),
+            "family": family_report(reference.config), **reports}
 
 
 def run_doctor(lm: LoadedModel, generate_tokens: int = 16, reference: LoadedModel | None = None) -> dict:

@@ -76,3 +76,23 @@ def test_a_windowed_model_answers_within_its_window_and_refuses_a_longer_prompt_
     assert capped.prompt_tokens + len(capped.token_ids) <= 600 and capped.finish_reason == "length"
     with pytest.raises(PromptTooLongError, match="window of 600 tokens"):
         engine.answer(example["question"], chunks=example["passages"], max_new_tokens=4)
+
+
+def test_doctor_reports_a_checkpoints_family_in_one_table(tmp_path, fusionrag_home):
+    """``fusionrag doctor --model PATH --table`` on a local checkpoint: the family's rotation and limits, each
+    check per dtype, and how vLLM's connector serves it."""
+    from fusionrag.cli import main
+
+    folder = tmp_path / "tiny-phi3-longrope"
+    family_model("phi3-longrope").save_pretrained(folder)
+    byte_tokenizer().save_pretrained(folder)
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main(["doctor", "--model", str(folder), "--dtype", "float32", "--table"])
+    text = out.getvalue()
+    assert code == 0 and "family phi3 (rope longrope, rotary 32 of 32 dims, 4 query / 2 KV heads)" in text
+    assert "| all checks within tolerance | yes |" in text and "exact-reuse limit: 2048 tokens" in text
+    assert "--max-model-len 2048" in text
