@@ -31,6 +31,20 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
 
 
+def pytest_collection_finish(session):
+    """Start the connector's tests in ``.venv-vllm`` now when this session runs them: beside the rest."""
+    import vllm_env_run
+
+    if any(item.nodeid == vllm_env_run.TEST_ID for item in session.items):
+        vllm_env_run.start()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    import vllm_env_run
+
+    vllm_env_run.stop()
+
+
 @pytest.fixture(scope="session", params=["llama", "qwen2"])
 def tiny_lm(request):
     """A tiny randomly initialised model of each family the tests must cover."""

@@ -31,6 +31,8 @@ def parse_args(argv=None):
     p.add_argument("--max-model-len", type=int, default=10240)
     p.add_argument("--kv-space-gib", type=int, default=3, help="VLLM_CPU_KVCACHE_SPACE")
     p.add_argument("--no-warmup", action="store_true", help="skip the short warm-up generate at load")
+    p.add_argument("--tp", type=int, default=1, help="tensor_parallel_size (mp executor, one core per rank: the "
+                                                      "worker's taskset gives the cores)")
     p.add_argument("--kv-transfer-config", default=None,
                    help="JSON of vLLM's --kv-transfer-config (e.g. fusionrag's connector); a request then picks "
                         "its cell with \"kv_transfer_params\"")
@@ -43,7 +45,9 @@ def main(argv=None) -> None:
     # Read by vLLM (and OpenMP) at import / engine start: set before importing vllm. The engine
     # core runs in a spawned child process, which inherits them (and the taskset CPU mask).
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(args.kv_space_gib)
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
+    cores = sorted(os.sched_getaffinity(0))
+    # one core per rank under tensor parallelism (vLLM binds rank r's threads to the r-th list), else no binding
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(map(str, cores[:args.tp])) if args.tp > 1 else "nobind"
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -55,6 +59,8 @@ def main(argv=None) -> None:
     from vllm.inputs import TokensPrompt
 
     extra = {} if args.kv_transfer_config is None else {"kv_transfer_config": json.loads(args.kv_transfer_config)}
+    if args.tp > 1:
+        extra.update(tensor_parallel_size=args.tp, distributed_executor_backend="mp")
     llm = LLM(model=args.model, dtype=args.dtype, enable_prefix_caching=True, enforce_eager=True,
               max_model_len=args.max_model_len, seed=0, **extra)
 
@@ -76,7 +82,7 @@ def main(argv=None) -> None:
         elapsed = time.perf_counter() - start
         return {"ttft_s": elapsed, "first_token": int(out.outputs[0].token_ids[0]),
                 "prompt_tokens": len(out.prompt_token_ids), "cached_tokens": out.num_cached_tokens,
-                "cache": cache}
+                "cache": cache, "served": (out.kv_transfer_params or {}).get("fusionrag")}
 
     def config_value(path: str):
         obj = llm.llm_engine
@@ -89,7 +95,7 @@ def main(argv=None) -> None:
 
     def info() -> dict:
         return {"engine": "vllm", "vllm": vllm.__version__, "torch": torch.__version__,
-                "transformers": transformers.__version__, "dtype": args.dtype, "threads": args.threads,
+                "transformers": transformers.__version__, "dtype": args.dtype, "threads": args.threads, "tp": args.tp,
                 "torch_threads": torch.get_num_threads(), "model": args.model,
                 "max_model_len": args.max_model_len, "kv_cache_space_gib": args.kv_space_gib,
                 "block_size": config_value("vllm_config.cache_config.block_size"),

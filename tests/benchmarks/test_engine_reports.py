@@ -38,23 +38,31 @@ def test_engines_report_states_each_target_with_its_paired_ratio(tmp_path):
     assert_png(tmp_path / "engines.png")
 
 
-def test_the_vllm_report_names_the_connector_and_lists_first_tokens(tmp_path):
+def test_the_vllm_report_names_the_connector_per_tp_and_lists_first_tokens(tmp_path):
     bench = load_script("benchmarks/vllm/vllm_bench.py")
     rows = []
-    for n, full in ((4096, 26.0), (8192, 67.0)):
-        rows += [row("vllm", "full", [full] * 3, n, first=3564), row("vllm", "prefix_hit", [0.4] * 3, n, first=42),
-                 row("vllm", "reuse", [0.36] * 3, n, ratio=0.0),
-                 row("vllm", "fusionrag", [full / 5.5] * 3, n, ratio=0.15),
-                 row("vllm", "fusionrag", [full * 1.1] * 3, n, ratio=1.0, first=3564),
-                 row("fusionrag", "fusionrag", [full / 5.3] * 3, n, ratio=0.15)]
+    served = {"served": {"loaded_tokens": 4000, "stored_share": 0.98, "context_tokens": 4100}}
+    for tp, scale in ((1, 1.0), (2, 0.6)):
+        for n, full in ((2048, 10.0 * scale), (4096, 26.0 * scale)):
+            vllm = f"vllm-tp{tp}"
+            rows += [{**row(vllm, "full", [full] * 3, n, first=3564), "tp": tp},
+                     {**row(vllm, "prefix_hit", [0.4] * 3, n, first=42), "tp": tp},
+                     {**row(vllm, "fusionrag", [full / (5.5 if tp == 1 else 4.5)] * 3, n, ratio=0.15), "tp": tp,
+                      "extra": [served] * 3},
+                     {**row(vllm, "fusionrag-prefix_hit", [0.5] * 3, n, ratio=0.15, first=42), "tp": tp},
+                     {**row(vllm, "reuse", [0.36] * 3, n, ratio=0.0), "tp": tp},
+                     {**row(vllm, "fusionrag", [full * 1.1] * 3, n, ratio=1.0, first=3564), "tp": tp}]
+    rows += [{**row("fusionrag", "fusionrag", [26.0 / 5.3] * 3, 4096, ratio=0.15), "tp": 1}]
     targets = bench.targets(rows)
-    assert [t["met"] for t in targets if "sooner" in t["target"]] == [True, False]  # 5.5x: >= 5 but < 6
-    doc = {"meta": {**META, "worker": {"vllm": "0.32.0"}}, "rows": rows, "targets": targets}
+    assert [t["met"] for t in targets if "sooner" in t["target"]] == [True, False]  # TP=1 5.5x, TP=2 4.5x
+    assert all(t["met"] for t in targets if "second question" in t["target"])  # 0.5 / 0.4 = 1.25x
+    doc = {"meta": {**META, "worker": {"tp1": {"vllm": "0.32.0"}}}, "rows": rows, "targets": targets}
     (tmp_path / "vllm.json").write_text(json.dumps(doc))
     assert bench.main(["--out", str(tmp_path), "--report"]) == 0
     text = (tmp_path / "README.md").read_text()
-    assert "| vllm + connector fusionrag 15% (bfloat16) | 785 | 785 |" in text
-    assert "| vllm + connector fusionrag 100% (bfloat16) | 3564 | 3564 |" in text
+    assert "| vLLM TP=2 + connector fusionrag 100% | 3564 | 3564 |" in text
+    assert "| vLLM TP=1 + connector fusionrag 15% prefix_hit | 42 | 42 |" in text
+    assert "98% of 4100" in text
     assert_png(tmp_path / "vllm.png")
 
 

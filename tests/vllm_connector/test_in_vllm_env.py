@@ -1,21 +1,21 @@
 """The connector's tests, run from the main environment: in the vLLM environment ``scripts/setup.sh`` makes.
 
 vLLM pins an older transformers than fusionrag's own environment uses, so it has its own virtual
-environment (``.venv-vllm``); this test runs ``tests/vllm_connector`` there, so the README's one test command covers
-the connector too. Where vLLM is importable here, those tests ran directly and this one steps aside.
+environment (``.venv-vllm``); this test runs ``tests/vllm_connector`` there (started when collection finishes, so
+they run beside the rest of the suite: ``tests/vllm_env_run.py``), so the README's one test command covers the
+connector too. Where vLLM is importable here, those tests ran directly and this one steps aside.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
-import subprocess
-from pathlib import Path
+import re
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-VENV = ROOT / ".venv-vllm" / "bin" / "python"
+import vllm_env_run
+from vllm_env_run import VENV
 
 
 @pytest.mark.slow
@@ -26,10 +26,8 @@ def test_the_connector_tests_pass_in_the_vllm_environment():
         if os.environ.get("FUSIONRAG_CI"):
             pytest.fail("no .venv-vllm in CI: scripts/setup.sh (scripts/setup_vllm.sh) must make it")
         pytest.skip("no .venv-vllm here (bash scripts/setup_vllm.sh makes it)")
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    done = subprocess.run([str(VENV), "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/vllm_connector",
-                           "--ignore=tests/vllm_connector/test_in_vllm_env.py"], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=1800)
-    tail = "\n".join((done.stdout + done.stderr).splitlines()[-25:])
-    assert done.returncode == 0, f"tests/vllm_connector failed in .venv-vllm:\n{tail}"
-    assert " passed" in done.stdout and "skipped" not in done.stdout, tail
+    code, output = vllm_env_run.result(timeout_s=2400)  # started when collection finished (tests/conftest.py)
+    tail = "\n".join(output.splitlines()[-25:])
+    assert code == 0, f"tests/vllm_connector failed in .venv-vllm:\n{tail}"
+    summary = [line for line in output.splitlines() if re.search(r"\d+ passed", line)]
+    assert summary and "skipped" not in summary[-1], tail  # every connector test ran

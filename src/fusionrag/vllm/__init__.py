@@ -7,8 +7,12 @@
 (on the CPU build: ``python -m vllm.entrypoints.openai.api_server --model MODEL_FOLDER ...``, its ``vllm``
 command fails to find its own version), or ``fusionrag serve --engine vllm --store kb/``
 (:mod:`fusionrag.vllm.launch`). See
-:mod:`fusionrag.vllm.connector`. Importing this package imports vLLM only when the connector is asked for,
-so the matching and the launcher are usable (and tested) without it.
+:mod:`fusionrag.vllm.connector`. It is correct as vLLM is deployed (decision 062): with prefix caching on
+(each mode in its own prefix-cache namespace: an ``off`` request always gets vLLM's exact KV), with tensor
+parallelism (``--tensor-parallel-size``), and on every family fusionrag serves; a configuration it cannot
+serve stops vLLM at start with one line. The response's ``kv_transfer_params["fusionrag"]`` says what a
+request was served. Importing this package imports vLLM only when the connector is asked for, so the
+matching, the planning and the launcher are usable (and tested) without it.
 """
 
 from __future__ import annotations

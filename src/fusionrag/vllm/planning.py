@@ -99,8 +99,10 @@ class Planner:
         except Exception as exc:  # never take the engine down: vLLM prefills the request itself
             self.fallback("matching failed", exc)
             return 0, False
-        if plan is None or plan.end <= num_computed_tokens:
-            return 0, False  # nothing stored, or vLLM's prefix cache (this mode's own blocks) already holds it
+        if plan is None or plan.end - num_computed_tokens < int(self.options["min_context_tokens"]):
+            # nothing stored, or this mode's prefix-cache blocks hold (nearly) all of it: vLLM computes the few
+            # context tokens left over them itself, sooner than a load would (a whole pass over the context)
+            return 0, False
         if self._loads_this_step >= int(self.options["max_loads_per_step"]):
             return None, False  # asked again next step
         self._loads_this_step += 1
