@@ -160,7 +160,8 @@ def wait_for_quiet(lock: Path | None) -> None:
 
 def measure(args: argparse.Namespace) -> int:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    cores = sorted(os.sched_getaffinity(0))
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(map(str, cores[:args.tp])) if args.tp > 1 else "nobind")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import torch
     import vllm
@@ -198,9 +199,10 @@ def measure(args: argparse.Namespace) -> int:
     for old in debug.glob("*.json"):
         old.unlink()
     vocab = int(lm.model.config.vocab_size)
-    llm = LLM(model=str(folder), dtype="float32", enforce_eager=True, enable_prefix_caching=False,
+    parallel = {} if args.tp == 1 else {"tensor_parallel_size": args.tp, "distributed_executor_backend": "mp"}
+    llm = LLM(model=str(folder), dtype="float32", enforce_eager=True, enable_prefix_caching=args.tp > 1,
               max_model_len=args.max_model_len, max_logprobs=-1, seed=0,
-              kv_transfer_config=connector_config(store.path, debug))
+              kv_transfer_config=connector_config(store.path, debug), **parallel)
     rows: list[dict] = []
     for i, ex in enumerate(examples):
         ref = reference.get(dataset, ex.id, REFERENCE_MAX_NEW_TOKENS, example_sha(ex))
@@ -282,7 +284,7 @@ def measure(args: argparse.Namespace) -> int:
             "ratio": args.ratio, "store": store.path.name, "store_kv_dtype": store.settings.get("kv_dtype"),
             "store_source": how, "model": MODEL, "model_folder": folder.name, "dtype": "float32",
             "vllm": vllm.__version__, "torch": torch.__version__, "transformers": _version("transformers"),
-            "threads": torch.get_num_threads(), "cpu_affinity": sorted(os.sched_getaffinity(0)),
+            "threads": torch.get_num_threads(), "cpu_affinity": sorted(os.sched_getaffinity(0)), "tp": args.tp,
             "wall_s": round(time.perf_counter() - t_start, 1)}
     atomic_write(out / f"{dataset}.meta.json", json.dumps(meta, indent=1))
     del llm
@@ -403,8 +405,8 @@ def markdown(summaries: list[dict]) -> str:
                          f"mean KL {x['study_kl_first_mean']:.4f} vs the engine here {x['engine_kl_first_mean']:.4f} "
                          f"(max abs per-question gap {x['max_abs_engine_minus_study']:.2e}).")
         lines.append(f"  Command: `{m.get('command')}` (vLLM {m.get('vllm')}, torch {m.get('torch')}, transformers "
-                     f"{m.get('transformers')}, {m.get('threads')} thread(s), cores {m.get('cpu_affinity')}, "
-                     f"{m.get('wall_s')} s).")
+                     f"{m.get('transformers')}, TP={m.get('tp', 1)}, {m.get('threads')} thread(s), cores "
+                     f"{m.get('cpu_affinity')}, {m.get('wall_s')} s).")
     return "\n".join(lines) + "\n"
 
 
@@ -482,6 +484,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cache-dir", default=str(ROOT / "runs" / "cache"))
     ap.add_argument("--reference", default=str(REFERENCE))
     ap.add_argument("--max-model-len", type=int, default=8192)
+    ap.add_argument("--tp", type=int, default=1, help="vLLM's tensor_parallel_size (one core per rank; prefix caching "
+                                                      "on, as deployed): our engine (one rank) is the comparison")
     ap.add_argument("--lock", default="/tmp/fusionrag-bench.lock",
                     help="wait while this file exists before starting ('' to not wait)")
     ap.add_argument("--report", action="store_true", help="only rebuild summary.json/.md and the plot from the rows")
