@@ -183,3 +183,22 @@ def test_a_server_config_file_selects_the_redis_tier(server, store_dir, lm, tmp_
     flag = settings_from_args(p.parse_args(["--store", str(store_dir), "--config", str(cfg), "--kv-tier",
                                             "redis://127.0.0.1:1"]))
     assert flag.kv_tier == "redis://127.0.0.1:1"  # the flag over the file
+
+
+def test_a_store_changed_by_another_process_empties_the_shared_namespace_and_answers(server, store_dir, lm):
+    """Issue 47 bug 9: the first request after a CLI change to the store took the Redis tier's ``invalidate(None)``
+    (nobody said what changed) and failed with a TypeError. Now every copy in this store's namespace is deleted,
+    so no server reads a copy of what the change rewrote, and the request is answered."""
+    engine, source = _engine(store_dir, lm, server.url)
+    engine.answer(QUESTION, method="fusionrag", ratio=0.15, max_new_tokens=2)
+    client = redis.Redis(unix_socket_path=str(server.socket))
+    assert list(client.scan_iter(match=f"{source.prefix}:*"))
+    client.set("another-store:1:plain", b"kept")
+    other = KnowledgeStore.open(store_dir, lm=lm)  # "another process": the CLI adding a document
+    build.add_passages(other, lm, [{"title": "Rome", "text": "Rome is the capital of Italy, on the Tiber."}])
+    other.close()
+    answer = engine.answer(QUESTION, method="fusionrag", ratio=0.15, max_new_tokens=2)
+    assert answer.text is not None
+    assert client.get("another-store:1:plain") == b"kept"
+    assert all(int(name.split(b":")[-2]) in engine.store.chunk_ids() for name in
+               client.scan_iter(match=f"{source.prefix}:*"))  # what is there was read after the change

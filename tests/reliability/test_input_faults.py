@@ -211,3 +211,18 @@ def test_docx_is_streamed_paragraph_by_paragraph_with_nested_text_boxes_read_onc
     problems = []
     assert readers.read_passages(truncated, problems) == [] and "cannot read this DOCX" in problems[-1].message
     assert formats.DOCX_MAX_XML <= 16 << 20
+
+
+@pytest.mark.parametrize("value", ["abc", "-1", "0", "inf", "nan"])
+def test_a_file_limit_that_is_not_a_size_is_one_line_before_anything_is_read(tmp_path, monkeypatch, capsys, value,
+                                                                              fusionrag_home):
+    """Issue 47 bug 11: ``FUSIONRAG_MAX_FILE_MB=abc`` was a traceback and ``-1`` skipped every file. Now either is
+    one line naming the variable, and no store is made."""
+    from fusionrag.cli import main
+
+    monkeypatch.setenv("FUSIONRAG_MAX_FILE_MB", value)
+    (tmp_path / "a.txt").write_text("Polonium was discovered by Marie Curie.")
+    assert main(["ingest", str(tmp_path / "a.txt"), "--store", str(tmp_path / "kb"), "--model", "tiny-llama"]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "FUSIONRAG_MAX_FILE_MB" in err[0] and "Traceback" not in err[0]
+    assert not (tmp_path / "kb").exists()

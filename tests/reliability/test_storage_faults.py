@@ -145,3 +145,24 @@ def test_no_os_or_sqlite_error_reaches_a_client_as_a_500():
         err = as_api_error(exc)
         assert (err.status, err.code) == (status, code)
         assert "/srv/private" not in str(err) and "\n" not in str(err)
+
+
+def test_a_read_only_home_holding_the_model_answers(tmp_path, mount, capsys, monkeypatch):
+    """Issue 47 bug 12: a read-only ``$FUSIONRAG_HOME`` holding the model (a prepared image mounted elsewhere):
+    ``ask`` exited 3 because the weights' hash memo was always written. The memo only saves time: the answer
+    comes, the hash computed."""
+    from family_helpers import family_model
+    from fusionrag.models.tiny import byte_tokenizer
+
+    home = mount("size=40m")
+    folder = home / "models" / "tiny-qwen2"
+    family_model("qwen2-rope-yarn").save_pretrained(folder)
+    byte_tokenizer().save_pretrained(folder)
+    monkeypatch.setenv("FUSIONRAG_HOME", str(tmp_path / "build-home"))
+    data = _passages(tmp_path / "few.jsonl", 6)
+    assert main(["ingest", str(data), "--store", str(tmp_path / "kb"), "--model", str(folder), "--embedder",
+                 "hashing-64", "--quiet"]) == 0
+    mount.remount("ro")
+    monkeypatch.setenv("FUSIONRAG_HOME", str(home))  # no memo there, and nothing can be written
+    capsys.readouterr()
+    assert main(["ask", "passage 3?", "--store", str(tmp_path / "kb"), "--max-new-tokens", "2", "--json"]) == 0

@@ -69,3 +69,29 @@ def test_deep_and_wide_pages_are_linear():
         assert "deep" in page_text(deep)[1] and page_text(wide)[1].count("a") == n
         times[n] = time.perf_counter() - t0
     assert times[200_000] < 10 * times[50_000] + 0.5, times
+
+
+def test_end_tags_with_no_open_element_cost_nothing_at_any_depth():
+    """Issue 47 bug 10: every stray end tag scanned the whole stack of open elements (0.75 / 3.0 / 10.8 s at
+    depth 2k / 4k / 8k; a 1.2 MB file hung ``ingest``). Counted, not timed: the stack entries looked at stay
+    linear in the page, and the text is still the tree walk's."""
+    from fusionrag.retrieval.html_text import _Extractor
+
+    class Counting(list):
+        reads = 0
+
+        def __getitem__(self, i):
+            Counting.reads += 1
+            return super().__getitem__(i)
+
+    reads = {}
+    for depth in (1_000, 4_000):
+        page = "<html><body>" + "<div>" * depth + "</span>" * depth + "text" + "</div>" * depth + "</body></html>"
+        parser = _Extractor()
+        parser.stack = Counting()
+        Counting.reads = 0
+        parser.feed(page)
+        parser.close()
+        reads[depth] = Counting.reads
+        assert page_text(page) == reference_page_text(page)
+    assert reads[4_000] <= 4 * reads[1_000] + 100, reads  # linear (it was 16x: quadratic)

@@ -146,14 +146,27 @@ class RedisSource:
     def prefetch(self, keys: Iterable[Key]) -> None:
         return None  # the memory tier above prefetches (through get_many)
 
-    def invalidate(self, keys: Iterable[Key]) -> None:
-        """Delete the shared copies: every server sees the store's change at its next read."""
-        names = [self._name(k) for k in keys]
-        if names and self._up():
-            try:
+    def invalidate(self, keys: Iterable[Key] | None) -> None:
+        """Delete the shared copies: every server sees the store's change at its next read. ``None`` (another
+        process changed the store, nobody said what): every copy of this store's namespace, in batches."""
+        if not self._up():
+            return
+        try:
+            if keys is None:
+                batch: list = []
+                for name in self.client.scan_iter(match=f"{self.prefix}:*", count=500):
+                    batch.append(name)
+                    if len(batch) >= 500:
+                        self.client.delete(*batch)
+                        batch = []
+                if batch:
+                    self.client.delete(*batch)
+                return
+            names = [self._name(k) for k in keys]
+            if names:
                 self.client.delete(*names)
-            except self._errors:
-                self._failed()
+        except self._errors:
+            self._failed()
 
     def stats(self) -> dict[str, Any]:
         with self._lock:

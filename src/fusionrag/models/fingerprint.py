@@ -10,6 +10,7 @@ computes in another dtype, so that recomputing 100% still equals Full Attention.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 from concurrent.futures import ThreadPoolExecutor
@@ -41,7 +42,8 @@ def weights_hash(model_dir: Path) -> str:
         with ThreadPoolExecutor(max_workers=min(8, len(todo))) as pool:
             for (_, key), digest in zip(todo, pool.map(file_sha256, [p for p, _ in todo]), strict=True):
                 memo[key] = digest
-        atomic_write(memo_path, json.dumps(memo))
+        with contextlib.suppress(OSError):  # a read-only or full $FUSIONRAG_HOME: the memo only saves time
+            atomic_write(memo_path, json.dumps(memo))
     h = hashlib.sha256()
     for p, key in zip(files, keys, strict=True):
         h.update(p.name.encode())

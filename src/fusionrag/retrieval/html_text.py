@@ -11,6 +11,7 @@ Memory is the text plus one small entry per open element; time is linear in the 
 from __future__ import annotations
 
 import re
+from collections import Counter
 from html.parser import HTMLParser
 
 #: Elements that are not the page's text: their whole content is left out.
@@ -41,6 +42,7 @@ class _Extractor(HTMLParser):
         super().__init__(convert_charrefs=True)
         # open elements: (name, mode inherited by content, region it opened or "")
         self.stack: list[tuple[str, int, str]] = []
+        self.open: Counter[str] = Counter()  # open elements by name: an end tag with none open costs nothing
         self.regions: dict[str, list[str]] = {"": []}  # "" = the whole page; "main", "article", "body" when seen
         self.active: list[list[str]] = [self.regions[""]]
         self.raw: list[str] | None = None  # the heading or <pre> being collected
@@ -71,7 +73,7 @@ class _Extractor(HTMLParser):
             return
         hidden = any(k == "hidden" or (k == "aria-hidden" and v == "true") for k, v in attrs)
         if mode == _SKIP or tag in NOISE or hidden:
-            self.stack.append((tag, _SKIP, ""))
+            self._push((tag, _SKIP, ""))
             return
         region = ""
         if tag in ("main", "article", "body") and tag not in self.regions:
@@ -79,20 +81,31 @@ class _Extractor(HTMLParser):
             self.regions[tag] = []
             self.active.append(self.regions[tag])
         if mode == _RAW:
-            self.stack.append((tag, _RAW, region))
+            self._push((tag, _RAW, region))
         elif tag == "pre" or tag in HEADINGS:
             self.raw = []
-            self.stack.append((tag, _RAW, region))
+            self._push((tag, _RAW, region))
         else:
             if tag in BLOCKS:
                 self._out("\n\n")
-            self.stack.append((tag, _TEXT, region))
+            self._push((tag, _TEXT, region))
+
+    def _push(self, entry: tuple[str, int, str]) -> None:
+        self.stack.append(entry)
+        self.open[entry[0]] += 1
+
+    def _pop(self) -> tuple[str, int, str]:
+        entry = self.stack.pop()
+        self.open[entry[0]] -= 1
+        return entry
 
     def handle_endtag(self, tag: str) -> None:
+        if not self.open[tag]:  # no open element of its name: ignored at once (a scan per stray tag was quadratic)
+            return
         for i in range(len(self.stack) - 1, -1, -1):
             if self.stack[i][0] == tag:
                 while len(self.stack) > i:
-                    self._close(*self.stack.pop())
+                    self._close(*self._pop())
                 return
 
     def _close(self, tag: str, mode: int, region: str) -> None:
@@ -126,7 +139,7 @@ class _Extractor(HTMLParser):
     def close(self) -> None:
         super().close()
         while self.stack:  # elements never closed end with the page
-            self._close(*self.stack.pop())
+            self._close(*self._pop())
         if self.title is not None:
             self.page_title, self.title = " ".join(self.title), None
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
+from fusionrag.errors import FusionRAGError
 from fusionrag.prompt import is_valid_text
 from fusionrag.retrieval.formats import html_passages, read_docx, read_html, read_pdf
 from fusionrag.retrieval.passages import ParsedFile, Passage, Problem, sections
@@ -130,9 +131,16 @@ MAX_FILE_BYTES = 256 << 20
 def max_file_bytes(suffix: str) -> int:
     """The largest file the reader of ``suffix`` takes: its format's limit, measured to read in under 10 s and
     500 MB at that size in its worst shapes (``benchmarks/readers``), or ``FUSIONRAG_MAX_FILE_MB``."""
-    override = os.environ.get("FUSIONRAG_MAX_FILE_MB")
+    override = os.environ.get("FUSIONRAG_MAX_FILE_MB", "").strip()
     if override:
-        return int(override) << 20
+        try:
+            mb = float(override)
+        except ValueError:
+            mb = float("nan")
+        if not (0 < mb < float("inf")):
+            raise FusionRAGError(f"FUSIONRAG_MAX_FILE_MB={override!r} is not a size: give a positive number of "
+                                 "megabytes (e.g. 64), or unset it for each format's own limit")
+        return int(mb * (1 << 20))
     fmt = READERS.get(suffix.lower())
     return MAX_FILE_BYTES if fmt is None else min(MAX_FILE_BYTES, fmt.max_mb << 20)
 

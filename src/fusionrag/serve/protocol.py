@@ -280,7 +280,8 @@ def _common(req: ChatCompletionRequest | CompletionRequest, s: ServerSettings, q
         repetition_penalty=1.0 if req.repetition_penalty is None else float(req.repetition_penalty),
         seed=req.seed, stop=tuple(stops), logprobs=logprobs, top_logprobs=top_logprobs)
     try:  # the one validation of this request: the engine takes it as it is
-        retrieval = req.retrieval if req.retrieval is not None else bool(req.retrieval_top_k) or s.default_retrieval
+        retrieval = req.retrieval if req.retrieval is not None else \
+            bool(req.retrieval_top_k) or (s.default_retrieval and not raw)  # a raw prompt is the whole prompt
         reuse = ReuseRequest(question if raw else question.strip(), method, ratio, req.kv, req.retrieval_top_k,
                              documents, preamble, retrieval, raw=raw,
                              prompt_ids=None if raw_ids is None else tuple(raw_ids)).validated(max_top_k=s.max_top_k)
