@@ -72,3 +72,23 @@ def test_passages_found_before_another_process_changed_the_store_are_found_again
     with engine.lock:
         engine.prepare(req, resolved=resolved)
     assert calls["retrieve"] == 2
+
+
+def test_a_prompt_far_over_the_limit_is_refused_before_any_matching(counted, monkeypatch):
+    """Issue 47: a 0.5 MB prompt was matched against the store for 30 s on the model thread before its 400. Its
+    texts are tokenised once and it is refused, with nothing matched or retrieved."""
+    import fusionrag.online.engine as engine_module
+
+    app, _, calls = counted
+    monkeypatch.setattr(engine_module, "find_in_prompt", lambda *a, **k: calls.update(["find"]) or [])
+    app.state.scheduler.max_prompt_tokens = 400
+    pasted = "Context:\n" + " ".join(p["text"] for p in PASSAGES) * 40 + "\n\nQuestion: who found polonium?"
+    with TestClient(app) as client:
+        r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": pasted}]})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+        assert "texts alone" in r.json()["error"]["message"]
+        r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Capital?"}],
+                                                      "documents": [{"title": f"T{i}", "text": f"note {i} " * 30}
+                                                                    for i in range(20)]})
+        assert r.status_code == 400 and "texts alone" in r.json()["error"]["message"]
+    assert not calls["match"] and not calls["retrieve"] and not calls["find"]

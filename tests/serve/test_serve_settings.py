@@ -85,3 +85,29 @@ def test_the_client_passage_cache_cap_is_a_setting_shown_in_help_and_metrics(cli
     assert "adhoc_cache_mb" in settings_help() and "shutdown_timeout_s" in settings_help()
     text = client.get("/metrics").text
     assert "fusionrag_adhoc_kv_limit_bytes" in text and "fusionrag_adhoc_kv_bytes" in text
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", "-inf"])
+def test_a_timeout_that_is_not_finite_is_refused_in_one_line(monkeypatch, value):
+    """Issue 47: ``SHUTDOWN_TIMEOUT_S=inf`` was accepted (a shutdown that never ends)."""
+    monkeypatch.setenv("FUSIONRAG_SHUTDOWN_TIMEOUT_S", value)
+    with pytest.raises(FusionRAGError, match="shutdown_timeout_s: Input should be a finite number"):
+        load_settings()
+
+
+def test_a_prompt_limit_beyond_the_models_context_is_refused_at_start_or_lowered_when_default(monkeypatch):
+    """Issue 47: ``FUSIONRAG_MAX_PROMPT_TOKENS=10^9`` on an 8,192-token model was accepted and a 9,017-token prompt
+    served without a word. Asked for: one line at start; the default: lowered to the model's context."""
+    from types import SimpleNamespace
+
+    from fusionrag.serve.launch import fit_prompt_limit
+
+    lm = SimpleNamespace(name="tiny", config=SimpleNamespace(max_position_embeddings=4096))
+    scheduler = SimpleNamespace(max_prompt_tokens=8192)
+    default = load_settings()
+    fit_prompt_limit(default, scheduler, lm)
+    assert default.max_prompt_tokens == scheduler.max_prompt_tokens == 4096
+    monkeypatch.setenv("FUSIONRAG_MAX_PROMPT_TOKENS", str(10 ** 9))
+    with pytest.raises(FusionRAGError, match="beyond tiny's context of 4096 tokens"):
+        fit_prompt_limit(load_settings(), scheduler, lm)
+    fit_prompt_limit(load_settings(max_prompt_tokens=2048), scheduler, lm)  # within it: kept

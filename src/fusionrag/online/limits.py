@@ -27,6 +27,29 @@ def prompt_limit(engine: Any, max_prompt_tokens: int | None) -> tuple[int | None
     return max_prompt_tokens, f"this server accepts at most {max_prompt_tokens}"
 
 
+#: Tokens a prompt's own texts may exceed the limit by before matching them is skipped: matching replaces pasted text
+#: by the stored ids of the same text, a few boundary tokens apart, never many fewer.
+RAW_SLACK = 1.02
+
+
+def surely_too_long(engine: Any, request: ReuseRequest, limit: int, why: str | None = None) -> None:
+    """Raise :class:`PromptTooLongError` when the request's texts alone (its question, with anything pasted in it,
+    and its passages) tokenise to more than ``limit``: found by one tokenisation, before any matching or retrieval
+    is spent on it (a 0.5 MB prompt was matched for 30 s on the model thread before its 400)."""
+    from fusionrag.prompt import chunk_text
+
+    prompt = engine.prompt
+    n = len(prompt.encode(request.question or ""))
+    for c in request.chunks or ():
+        if n > limit * RAW_SLACK:
+            break
+        n += len(prompt.encode(chunk_text(str(c.get("title", "")), str(c.get("text", "")))))
+    if n > limit * RAW_SLACK:
+        raise PromptTooLongError(f"the prompt has more than {limit} tokens ({n} in its texts alone); "
+                                 f"{why or f'this server accepts at most {limit}'} (fewer or shorter documents, or "
+                                 "a lower retrieval depth)")
+
+
 def check_prompt_length(engine: Any, request: ReuseRequest, resolved: Resolved | None, limit: int,
                         why: str | None = None) -> Resolved:
     """Raise :class:`PromptTooLongError` when ``S`` + passages + question exceed ``limit`` tokens (``why``: what

@@ -33,7 +33,7 @@ import torch
 
 from fusionrag.errors import PromptTooLongError, QueueFullError, RequestCancelledError, SchedulerClosedError
 from fusionrag.execution.decoder import BatchDecoder
-from fusionrag.online.limits import check_prompt_length, prompt_limit
+from fusionrag.online.limits import check_prompt_length, prompt_limit, surely_too_long
 from fusionrag.online.outcomes import emit_token, fail, finish
 from fusionrag.online.request import ReuseRequest
 from fusionrag.online.sampling import SamplingParams
@@ -182,10 +182,21 @@ class BatchScheduler:
             if self.engine is not None:
                 if self._prefetcher is None:
                     self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="fusionrag-prefetch")
-                req.resolved = self._prefetcher.submit(self.engine.prefetch, reuse)
+                req.resolved = self._prefetcher.submit(self._prefetch, reuse)
             self._pending.append(req)
             self._cond.notify_all()
         return req
+
+    def _prefetch(self, reuse: Any) -> Any:
+        """The prefetch thread's work for a queued request: nothing for one whose texts alone are over the limit
+        (its prefill says so at once), else the engine's prefetch."""
+        limit, why = prompt_limit(self.engine, self.max_prompt_tokens)
+        if limit:
+            try:
+                surely_too_long(self.engine, reuse, limit, why)
+            except PromptTooLongError:
+                return None
+        return self.engine.prefetch(reuse)
 
     def run_task(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Future:
         """Run ``fn(*args, **kwargs)`` on the model thread between decode steps; returns a Future.
@@ -317,8 +328,10 @@ class BatchScheduler:
         t0 = time.perf_counter()
         try:
             req.reuse = reuse = req.reuse.validated()
-            resolved = req.prefetched()
             limit, why = prompt_limit(self.engine, self.max_prompt_tokens)
+            if limit:
+                surely_too_long(self.engine, reuse, limit, why)  # before waiting on any matching
+            resolved = req.prefetched()
             if limit:
                 resolved = check_prompt_length(self.engine, reuse, resolved, limit, why)
             decoding = len(self._rows) + len(self._joining)

@@ -151,6 +151,19 @@ def engine_factory(store: str | None, model: str | None, memory_budget_mb: int =
     return factory
 
 
+def fit_prompt_limit(settings: ServerSettings, scheduler: Any, lm: Any) -> None:
+    """A prompt limit the model cannot take is refused at start (one line) when it was asked for, and lowered
+    to the model's context when it is only the default (a 9,017-token prompt was served on an 8,192-token
+    model without a word)."""
+    context = getattr(lm.config, "max_position_embeddings", None)
+    if not context or settings.max_prompt_tokens <= int(context):
+        return
+    if "max_prompt_tokens" in settings.model_fields_set:
+        raise FusionRAGError(f"--max-prompt-tokens {settings.max_prompt_tokens} is beyond {lm.name}'s context of "
+                             f"{int(context)} tokens: give {int(context)} or less")
+    settings.max_prompt_tokens = scheduler.max_prompt_tokens = int(context)
+
+
 def build_app(args: argparse.Namespace) -> tuple[FastAPI, ServerSettings]:
     """The app for ``args`` with its model loaded, so a bad store or model fails here, before binding."""
     settings = settings_from_args(args)
@@ -165,5 +178,6 @@ def build_app(args: argparse.Namespace) -> tuple[FastAPI, ServerSettings]:
     print(f"fusionrag: loading {args.model or 'the model'} {what} ...", file=sys.stderr)
     app.state.scheduler.wait_ready()  # a bad store or model fails here, as one line, before binding
     lm = app.state.scheduler.engine.lm
+    fit_prompt_limit(settings, app.state.scheduler, lm)
     print(f"fusionrag: {lm.name} on {lm.device}, computing in {dtype_choice(args.dtype, lm.device)}", file=sys.stderr)
     return app, settings

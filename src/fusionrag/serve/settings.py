@@ -25,7 +25,7 @@ ENV_PREFIX = "FUSIONRAG_"
 class ServerSettings(BaseModel):
     """Limits and defaults of one server; every limit exists so that bad input gets a 4xx, not an outage."""
 
-    model_config = ConfigDict(validate_assignment=True, extra="forbid")
+    model_config = ConfigDict(validate_assignment=True, extra="forbid", allow_inf_nan=False)  # inf is no timeout
 
     host: str = Field("127.0.0.1", description="bind address (loopback by default: exposing a server is a choice)")
     port: int = Field(8000, ge=0, le=65535, description="TCP port (0: any free port)")
@@ -133,7 +133,8 @@ class ServerSettings(BaseModel):
 class _Sources(ServerSettings, BaseSettings):
     """ServerSettings read from the environment and a YAML file (init arguments, i.e. flags, first)."""
 
-    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore", validate_assignment=True)
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore", validate_assignment=True,
+                                      allow_inf_nan=False)
     _yaml: dict[str, Any] = {}
 
     @classmethod
@@ -193,7 +194,7 @@ def load_settings(config_file: str | Path | None = None, **flags: Any) -> Server
         raise FusionRAGError(f"invalid server setting {'.'.join(map(str, err['loc']))}: {err['msg']}") from None
     finally:
         _Sources._yaml = {}
-    return ServerSettings(**merged.model_dump())
+    return ServerSettings(**merged.model_dump(exclude_unset=True))  # model_fields_set: what was asked for
 
 
 def settings_help() -> str:
