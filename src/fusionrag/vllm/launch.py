@@ -7,7 +7,9 @@ command looks its version up under the name ``vllm`` and fails) with ``--kv-tran
 :class:`~fusionrag.vllm.connector.FusionRAGConnector` over the store, prints it (so it can be copied into
 a deployment) and replaces this process with it. vLLM flags after ``--`` are passed through. vLLM runs
 from its own environment (it pins an older transformers): ``$FUSIONRAG_VLLM_PYTHON``, else this
-interpreter if it has vLLM, else ``.venv-vllm/bin/python``.
+interpreter if it has vLLM, else a ``.venv-vllm`` beside the installation. vLLM's
+``--enable-prompt-tokens-details`` is on (clients read reuse in ``usage.prompt_tokens_details.cached_tokens``)
+unless the flags after ``--`` say otherwise.
 """
 
 from __future__ import annotations
@@ -25,14 +27,25 @@ from fusionrag.errors import FusionRAGError
 
 
 def vllm_python() -> str:
-    """The Python interpreter that has vLLM, or a one-line error saying how to get one."""
+    """The Python interpreter that has vLLM, or a one-line error saying how to get one: ``$FUSIONRAG_VLLM_PYTHON``,
+    else this interpreter if it has vLLM, else a ``.venv-vllm`` beside this installation (the checkout of an
+    editable install, or next to this virtual environment), wherever the command is run from."""
     here = sys.executable if importlib.util.find_spec("vllm") is not None else None
-    for candidate in (os.environ.get("FUSIONRAG_VLLM_PYTHON"), here, ".venv-vllm/bin/python"):
+    for candidate in (os.environ.get("FUSIONRAG_VLLM_PYTHON"), here, *beside_installation()):
         if candidate and Path(candidate).exists() and os.access(candidate, os.X_OK):
             return str(candidate)
     raise FusionRAGError("--engine vllm needs vLLM: set FUSIONRAG_VLLM_PYTHON to the python of an environment with "
-                         "vLLM, or make .venv-vllm here (bash scripts/setup_vllm.sh; pip install 'fusionrag[vllm]' "
-                         "on CUDA)")
+                         f"vLLM, or make {CHECKOUT / '.venv-vllm'} (bash scripts/setup_vllm.sh; pip install "
+                         "'fusionrag[vllm]' on CUDA)")
+
+
+#: The checkout of an editable install (src/fusionrag/vllm/launch.py -> the repository root).
+CHECKOUT = Path(__file__).resolve().parents[3]
+
+
+def beside_installation() -> list[Path]:
+    """Where a ``.venv-vllm`` made for this installation would be: in its checkout, or next to this venv."""
+    return [root / ".venv-vllm" / "bin" / "python" for root in dict.fromkeys((CHECKOUT, Path(sys.prefix).parent))]
 
 
 def model_folder(store: Path, model: str | None) -> tuple[str, Path]:
@@ -78,7 +91,11 @@ def vllm_command(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
     if getattr(args, "api_key", None):
         cmd += ["--api-key", args.api_key]
     passthrough = list(getattr(args, "vllm_args", None) or [])
-    cmd += passthrough[1:] if passthrough[:1] == ["--"] else passthrough
+    passthrough = passthrough[1:] if passthrough[:1] == ["--"] else passthrough
+    if not any(a.startswith(("--enable-prompt-tokens-details", "--no-enable-prompt-tokens-details"))
+               for a in passthrough):
+        cmd.append("--enable-prompt-tokens-details")  # usage.prompt_tokens_details.cached_tokens: clients see reuse
+    cmd += passthrough
     env = dict(os.environ)
     if device.type == "cpu":
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")  # GiB of KV cache; vLLM's CPU build wants it said
