@@ -311,3 +311,45 @@ def test_open_streams_are_ended_before_the_shutdown_deadline_cuts_them():
     assert ended.is_set() and b"shutting down" in body and time.monotonic() - t0 < 5
     thread.join(10)
     assert not thread.is_alive()
+
+
+def test_sigterm_lets_the_in_flight_answer_finish_and_closes_idle_keep_alive_connections_at_once(tmp_path):
+    """Issue 47: SIGTERM with a keep-alive client attached waited and then failed the in-flight request. The
+    answer being computed finishes (200, whole), the idle keep-alive connection is closed at once, and the
+    server exits as soon as the answer is out, well before the shutdown deadline."""
+    import threading
+
+    from fusionrag.serve.http import Server, make_config
+
+    app = create_app(store_factory(tmp_path / "kb"), ServerSettings(default_max_tokens=2, max_new_tokens=1000))
+    sched = app.state.scheduler
+    sched.wait_ready(120)
+    sched.stop_ids = set()  # no end of turn: the answer runs its max_tokens, long enough to be in flight
+    srv = Server(make_config(app, "127.0.0.1", 0, "warning", shutdown_timeout_s=60.0), on_deadline=sched.close)
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not srv.started and time.monotonic() < deadline:
+        time.sleep(0.02)
+    url = f"http://127.0.0.1:{srv.servers[0].sockets[0].getsockname()[1]}"
+    idle = socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])), timeout=30)
+    idle.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert b"200 OK" in idle.recv(4096)  # served, and kept alive
+    result = {}
+
+    def ask():
+        r = httpx.post(f"{url}/v1/chat/completions", timeout=120, json={
+            "messages": [{"role": "user", "content": "Who discovered polonium?"}], "max_tokens": 400})
+        result.update(status=r.status_code, tokens=r.json().get("usage", {}).get("completion_tokens"))
+
+    asking = threading.Thread(target=ask)
+    asking.start()
+    while not sched.active and asking.is_alive():
+        time.sleep(0.01)
+    t0 = time.monotonic()
+    srv.handle_exit(signal.SIGTERM, None)
+    assert idle.recv(4096) == b"" and time.monotonic() - t0 < 5  # the idle connection closed at once
+    asking.join(120)
+    thread.join(60)
+    assert result == {"status": 200, "tokens": 400}
+    assert not thread.is_alive() and time.monotonic() - t0 < 50  # exited after the answer, not at the deadline
