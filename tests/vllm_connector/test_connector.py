@@ -15,7 +15,7 @@ import pytest
 import torch
 
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed here: the connector tests run in .venv-vllm "
-                                          "(bash scripts/setup.sh makes it)")
+                                          "(bash scripts/setup.sh --test makes it)")
 
 from fusionrag.online.engine import Engine  # noqa: E402
 from vllm_helpers import QUESTION, prompt_ids, run, selected_of  # noqa: E402

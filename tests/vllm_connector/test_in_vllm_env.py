@@ -24,7 +24,7 @@ def test_the_connector_tests_pass_in_the_vllm_environment():
         pytest.skip("vLLM is importable here: tests/vllm_connector ran in this interpreter")
     if not VENV.exists():
         if os.environ.get("FUSIONRAG_CI"):
-            pytest.fail("no .venv-vllm in CI: scripts/setup.sh (scripts/setup_vllm.sh) must make it")
+            pytest.fail("no .venv-vllm in CI: scripts/setup.sh --test (scripts/setup_vllm.sh) must make it")
         pytest.skip("no .venv-vllm here (bash scripts/setup_vllm.sh makes it)")
     code, output = vllm_env_run.result(timeout_s=2400)  # started when collection finished (tests/conftest.py)
     tail = "\n".join(output.splitlines()[-25:])
