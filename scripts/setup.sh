@@ -21,7 +21,8 @@ command -v "$PY" >/dev/null 2>&1 || PY=python3
 .venv/bin/python -m pip install --quiet --upgrade pip
 .venv/bin/python -m pip install --quiet "torch==2.13.0"
 # Libraries used in place of hand-written code (docs/decisions/042-libraries.md), at the versions tested.
-.venv/bin/python -m pip install --quiet -e ".[models]" "filelock==4.3.2" "scipy==1.17.1" "sentence-transformers==6.3.0"
+.venv/bin/python -m pip install --quiet -e ".[models]" "filelock==4.3.2" "scipy==1.17.1" "sentence-transformers==6.3.0" \
+    "xgrammar==0.2.8"
 if [ "$TEST" = 0 ]; then
   echo "setup: .venv ready for the main job ($(.venv/bin/python -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)')); bash scripts/setup.sh --test adds the test suite's environments"
   exit 0

@@ -24,6 +24,7 @@ from fusionrag.execution.segments import chunk_kv_plain
 from fusionrag.kvcache.kv import KV
 from fusionrag.kvcache.quant import dequantize_kv, quantize_kv
 from fusionrag.models.registry import LoadedModel
+from fusionrag.models.rope import KEY_REL_TOL, REDUCED_KEY_REL_TOL
 from fusionrag.online.prefill import (
     all_chunk_indices,
     assemble_context,
@@ -34,15 +35,11 @@ from fusionrag.prompt import PromptBuilder
 from fusionrag.sample import load_sample
 
 LOGIT_TOL = 1e-4
-# Keys are compared relative to their largest magnitude: the model itself forms angles
-# in fp32 (position * inv_freq), which differs from the float64 rotation by ~pos * 1e-7 rad.
-KEY_REL_TOL = 1e-4
 #: A reduced-precision dtype's tolerances: the first-token KL (nats) to float32's Full Attention that
 #: recomputing 100% adds to Full Attention's in the same dtype; keys relative to their largest magnitude
 #: (bf16 keeps 8 bits: 2^-8 is one step; the model rotates in bf16, the re-positioning in fp32, 2-3 steps
 #: apart at the largest key; a wrong angle is off by O(1)).
 KL_TOL = 1e-3
-REDUCED_KEY_REL_TOL = 2.0 ** -5
 TOLERANCES = {"float32": {"logits": LOGIT_TOL, "key_rel": KEY_REL_TOL},
               "reduced": {"added_first_token_kl_mean": KL_TOL, "key_rel": REDUCED_KEY_REL_TOL,
                           "greedy_tokens": "equal on the sample"}}

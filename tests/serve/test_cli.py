@@ -22,7 +22,8 @@ def test_doctor_in_float32_alone(capsys):
     assert main(["doctor", "--model", "tiny-llama", "--dtype", "float32", "--compact"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["compute_dtype"] == "float32 (asked for)"
-    assert set(report) == {"model", "device", "compute_dtype", "ok", "float32"}
+    assert set(report) == {"model", "device", "compute_dtype", "ok", "family", "float32"}
+    assert report["family"]["family"] == "llama" and report["family"]["exact_reuse_limit"] is None
 
 
 def test_unknown_model_is_one_line_error(capsys, fusionrag_home):
@@ -36,7 +37,8 @@ def test_doctor_runs_on_the_device_and_backend_asked_for(capsys):
     assert main(["doctor", "--model", "tiny-qwen2", "--device", "cpu", "--attention", "reference", "--compact"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["ok"] is True
-    assert all((r["device"], r["attention"]) == ("cpu", "reference") for k, r in report.items() if isinstance(r, dict))
+    assert all((r["device"], r["attention"]) == ("cpu", "reference") for k, r in report.items()
+               if isinstance(r, dict) and k != "family")
 
 
 def test_doctor_on_cuda_without_a_gpu_is_a_clear_error(capsys, monkeypatch):

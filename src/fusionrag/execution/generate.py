@@ -40,14 +40,15 @@ def greedy_tokens(
 class TextStreamer:
     """Turns a token stream into text deltas without splitting multi-byte characters."""
 
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer, skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
+        self.skip = skip_special_tokens
         self.ids: list[int] = []
         self.emitted = ""
 
     def push(self, token: int) -> str:
         self.ids.append(token)
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=self.skip)
         if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for more bytes
             return ""
         delta, self.emitted = text[len(self.emitted):], text
@@ -55,6 +56,6 @@ class TextStreamer:
 
     def flush(self) -> str:
         """Whatever is still held back at the end of generation (even an invalid byte sequence)."""
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=self.skip)
         delta, self.emitted = text[len(self.emitted):], text
         return delta

@@ -62,3 +62,11 @@ def rotate_keys(keys: torch.Tensor, delta: int | torch.Tensor, inv_freq: torch.T
     out = torch.empty_like(keys)
     rotate_into(out, keys, cos, sin)
     return out
+
+
+#: A key moved by :func:`rotate_keys` against the key computed at the target position, relative to its largest
+#: magnitude: float32 (the model forms angles as ``position * inv_freq`` in fp32, ~pos * 1e-7 rad from the float64
+#: rotation), and a reduced dtype (bf16 keeps 8 bits: 2^-8 is one step; the model rotates in bf16, the
+#: re-positioning in fp32, 2-3 steps apart at the largest key; a wrong angle is off by O(1)).
+KEY_REL_TOL = 1e-4
+REDUCED_KEY_REL_TOL = 2.0 ** -5

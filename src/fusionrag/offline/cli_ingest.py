@@ -15,10 +15,11 @@ from fusionrag.errors import FusionRAGError
 def check_input(args: argparse.Namespace) -> None:
     """Before anything heavy is imported or created: the --id rule, an existing store's model, and input that
     names no readable file at all (a mistyped path) -- one line at once, and no store folder left behind."""
-    from fusionrag.retrieval.readers import expand_paths
+    from fusionrag.retrieval.readers import expand_paths, max_file_bytes
     from fusionrag.retrieval.store_info import DB_NAME, check_model_matches
     from fusionrag.retrieval.stored_docs import identity_problem
 
+    max_file_bytes(".txt")  # FUSIONRAG_MAX_FILE_MB that is not a size: one line now, not per file later
     why = identity_problem("id", args.id) if args.id is not None else None
     if why:  # the same rule the API applies
         raise FusionRAGError(f"--id: {why}")

@@ -17,6 +17,7 @@ memory tier over it); decoding is the shared :class:`~fusionrag.execution.decode
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
@@ -217,6 +218,9 @@ class Engine:
         being a forward of at most ``piece_tokens`` tokens (``None``: the prefill in one pass), so a
         scheduler can decode other requests between them. Returns ``out``, prepared."""
         out.reuse = req = out.reuse.validated()
+        if out.sampler.constraint is None:  # the end of turn (min_tokens) and the grammar, before any prefill
+            out.sampler.bind(set(self.lm.stop_token_ids), None if out.sampling.grammar is None else
+                             self.grammars.constraint(out.sampling.grammar))
         ratio, kv_kind = req.ratio, str(req.kv)
         clock = self.clock()
         changed = self.follow_store()
@@ -300,10 +304,17 @@ class Engine:
         with this engine's :attr:`min_reuse_tokens`)."""
         return auto.choose(method, context_tokens, ready_tokens, self.min_reuse_tokens)
 
+    @functools.cached_property
+    def grammars(self) -> Any:
+        """Structured outputs' compiled grammars for this model's tokenizer (:mod:`fusionrag.online.constraints`)."""
+        from fusionrag.online.constraints import Grammars
+
+        return Grammars(self.lm.tokenizer, int(self.lm.model.config.vocab_size), list(self.lm.stop_token_ids))
+
     def finish(self, prep: Request, token_ids: list[int]) -> Request:
         """Complete a prepared request with its generated token ids (the same object, now ``finished``)."""
         prep.token_ids = list(token_ids)
-        prep.text = self.lm.tokenizer.decode(token_ids, skip_special_tokens=True).strip()
+        prep.text = self.lm.tokenizer.decode(token_ids, skip_special_tokens=prep.sampling.skip_special_tokens).strip()
         prep.status = Status.FINISHED
         return prep
 

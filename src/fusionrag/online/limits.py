@@ -62,3 +62,34 @@ def check_prompt_length(engine: Any, request: ReuseRequest, resolved: Resolved |
         raise PromptTooLongError(f"the prompt has {n} tokens; {why or f'this server accepts at most {limit}'} "
                                  "(fewer or shorter documents, or a lower retrieval depth)")
     return resolved
+
+
+def before_prefill(engine: Any, request: ReuseRequest, resolved_later: Any, max_prompt_tokens: int | None) -> Any:
+    """The length checks of a request about to be prefilled: its texts alone first (before waiting on any matching),
+    then the exact count; ``resolved_later()`` gives what the prefetch found (waited on only when needed)."""
+    limit, why = prompt_limit(engine, max_prompt_tokens)
+    if limit:
+        surely_too_long(engine, request, limit, why)
+    resolved = resolved_later()
+    return check_prompt_length(engine, request, resolved, limit, why) if limit else resolved
+
+
+def after_prefill(engine: Any, prompt_tokens: int, max_new_tokens: int, max_prompt_tokens: int | None) -> int:
+    """The answer's token budget once the prompt is known (a :class:`PromptTooLongError` when the prompt is over
+    its limit): decoding past a sliding window would read tokens the model no longer sees, so it stops there."""
+    limit, why = prompt_limit(engine, max_prompt_tokens)
+    if limit and prompt_tokens > limit:
+        raise PromptTooLongError(f"the prompt has {prompt_tokens} tokens; {why} (use a lower retrieval depth)")
+    model_limit = getattr(getattr(engine, "lm", None), "exact_context_limit", None)
+    return min(max_new_tokens, model_limit - prompt_tokens) if model_limit else max_new_tokens
+
+
+def within_limit(engine: Any, request: ReuseRequest, max_prompt_tokens: int | None) -> bool:
+    """Whether the request's texts alone fit its limit (the prefetch skips matching one that does not)."""
+    limit, why = prompt_limit(engine, max_prompt_tokens)
+    try:
+        if limit:
+            surely_too_long(engine, request, limit, why)
+    except PromptTooLongError:
+        return False
+    return True

@@ -64,11 +64,11 @@ def emit_token(engine: Any, req: Request, logits: torch.Tensor, stop_ids: set[in
     if clock is not None:
         req.first_token = picked.token
         req.picked_first(clock.total())
-    if picked.token in stop_ids:
+    if picked.token in stop_ids or picked.token in req.sampling.stop_token_ids:
         finish(engine, req, "stop", stats)
         return False
     if req.streamer is None:
-        req.streamer = TextStreamer(engine.lm.tokenizer)
+        req.streamer = TextStreamer(engine.lm.tokenizer, req.sampling.skip_special_tokens)
     req.token_ids.append(picked.token)
     req.token_times.append(time.perf_counter())
     stats.tokens_generated += 1
@@ -77,8 +77,8 @@ def emit_token(engine: Any, req: Request, logits: torch.Tensor, stop_ids: set[in
     text = req.stop_matcher.push(req.streamer.push(picked.token))
     req.emitted += text
     req.emit(Event("token", token=picked.token, text=text, logprob=picked.logprob, top_logprobs=picked.top))
-    if req.stop_matcher.stopped:
-        finish(engine, req, "stop", stats)
+    if req.stop_matcher.stopped or (req.sampler.constraint is not None and req.sampler.constraint.done):
+        finish(engine, req, "stop", stats)  # a stop string, or a structured answer that is complete
         return False
     if len(req.token_ids) >= req.max_new_tokens:
         finish(engine, req, "length", stats)

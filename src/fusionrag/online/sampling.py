@@ -8,9 +8,11 @@ seeded request is reproducible from its first token on. Temperature, min-p, top-
 transformers' logits warpers, one list per request: a warper holds one value for the whole
 batch it is given, so per-request values mean one list per row (docs/decisions/042).
 
-The names and their meaning are vLLM's, and so is the order: the repetition penalty first (so a
-greedy request picks the argmax of the penalised logits), then, when sampling, temperature, min-p,
-top-k and top-p.
+The names and their meaning are vLLM's, and so is the order: the repetition, presence and frequency
+penalties first (so a greedy request picks the argmax of the penalised logits), then ``logit_bias``, then
+``min_tokens`` (the end of turn and ``stop_token_ids`` held back until that many tokens), then a structured
+output's grammar (:mod:`fusionrag.online.constraints`: only tokens that continue a valid answer), then,
+when sampling, temperature, min-p, top-k and top-p.
 
 Stop strings are matched on the *text*, not on token ids: a stop string may end inside a
 token or span several tokens. :class:`StopMatcher` holds back the tail of the text that
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from transformers import (
@@ -45,6 +48,14 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     logprobs: bool = False
     top_logprobs: int = 0  # alternatives reported per token (needs logprobs)
+    presence_penalty: float = 0.0  # subtracted from the logit of every token the answer holds; 0: off
+    frequency_penalty: float = 0.0  # subtracted once per time a token appears in the answer; 0: off
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
+    min_tokens: int = 0  # the end of turn and stop_token_ids are not chosen before this many tokens
+    stop_token_ids: tuple[int, ...] = ()  # more tokens that end the answer (not part of it)
+    include_stop_str_in_output: bool = False  # the stop string that ended the answer stays in it
+    skip_special_tokens: bool = True  # special tokens left out of the answer's text
+    grammar: Any = None  # a GrammarSpec (fusionrag.online.constraints): the answer held to it
 
     @property
     def greedy(self) -> bool:
@@ -78,6 +89,16 @@ class TokenSampler:
         self.penalised = params.repetition_penalty != 1.0
         self._prompt: list[int] = []
         self._seen: torch.Tensor | None = None  # [vocab] bool: in the prompt or picked (only with a penalty)
+        self._counts: torch.Tensor | None = None  # [vocab] the answer's tokens (presence / frequency penalty)
+        self.picked = 0  # tokens chosen so far
+        self.stop_ids: tuple[int, ...] = tuple(params.stop_token_ids)  # held back before min_tokens
+        self.constraint: Any = None  # the structured output's walk through its grammar (bind)
+
+    def bind(self, stop_ids: set[int] | tuple[int, ...], constraint: Any = None) -> None:
+        """The model's end-of-turn tokens (with the request's stop_token_ids: what ``min_tokens`` holds back) and
+        the request's grammar walk (:class:`fusionrag.online.constraints.Constraint`), known once it is prepared."""
+        self.stop_ids = tuple(sorted({*stop_ids, *self.params.stop_token_ids}))
+        self.constraint = constraint
 
     def see_prompt(self, token_ids: list[int]) -> None:
         """The prompt's token ids, for the repetition penalty (kept only when the request has one)."""
@@ -88,9 +109,15 @@ class TokenSampler:
         p = self.params
         logits = logits.detach().float().reshape(-1).cpu()
         scores = self._penalise(logits) if self.penalised else logits
+        scores = self._adjust(scores)
         token = int(torch.argmax(scores)) if self.warpers is None else self._sample(scores)
         if self._seen is not None:
             self._seen[token] = True
+        if self._counts is not None:
+            self._counts[token] += 1
+        self.picked += 1
+        if self.constraint is not None and token not in self.stop_ids:
+            self.constraint.accept(token)
         if not p.logprobs:
             return Picked(token)
         logp = torch.log_softmax(logits, dim=-1)
@@ -99,6 +126,25 @@ class TokenSampler:
             values, ids = torch.topk(logp, min(p.top_logprobs, logp.numel()))
             top = [(int(i), float(v)) for i, v in zip(ids, values, strict=True)]
         return Picked(token, float(logp[token]), top)
+
+    def _adjust(self, scores: torch.Tensor) -> torch.Tensor:
+        """The presence and frequency penalties, ``logit_bias``, ``min_tokens`` and the grammar, in vLLM's order."""
+        p = self.params
+        if p.presence_penalty or p.frequency_penalty:
+            if self._counts is None:
+                self._counts = torch.zeros(scores.numel(), dtype=torch.float32)
+            scores = scores - p.frequency_penalty * self._counts - p.presence_penalty * (self._counts > 0).float()
+        if p.logit_bias:
+            scores = scores.clone()
+            for token, bias in p.logit_bias:
+                if 0 <= token < scores.numel():
+                    scores[token] += bias
+        if self.picked < p.min_tokens and self.stop_ids:
+            scores = scores.clone()
+            scores[[t for t in self.stop_ids if 0 <= t < scores.numel()]] = float("-inf")
+        if self.constraint is not None:
+            scores = self.constraint.mask(scores)
+        return scores
 
     def _penalise(self, logits: torch.Tensor) -> torch.Tensor:
         if self._seen is None:
@@ -145,8 +191,9 @@ class StopMatcher:
     generation ends for another reason.
     """
 
-    def __init__(self, stops: tuple[str, ...]) -> None:
+    def __init__(self, stops: tuple[str, ...], include: bool = False) -> None:
         self.stops = tuple(s for s in stops if s)
+        self.include = include  # the stop string itself stays in the text (vLLM's include_stop_str_in_output)
         self._held = ""
         self.stopped = False
 
@@ -156,11 +203,12 @@ class StopMatcher:
         if not self.stops:
             return delta
         text = self._held + delta
-        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        hits = [(i, i + len(s)) for i, s in ((text.find(s), s) for s in self.stops) if i >= 0]
         if hits:
             self.stopped = True
             self._held = ""
-            return text[: min(hits)]
+            start, end = min(hits)
+            return text[: end if self.include else start]
         keep = 0
         for s in self.stops:  # the longest tail of text that starts some stop string
             for n in range(min(len(s) - 1, len(text)), keep, -1):

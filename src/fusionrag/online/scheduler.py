@@ -33,7 +33,7 @@ import torch
 
 from fusionrag.errors import PromptTooLongError, QueueFullError, RequestCancelledError, SchedulerClosedError
 from fusionrag.execution.decoder import BatchDecoder
-from fusionrag.online.limits import check_prompt_length, prompt_limit, surely_too_long
+from fusionrag.online.limits import after_prefill, before_prefill, within_limit
 from fusionrag.online.outcomes import emit_token, fail, finish
 from fusionrag.online.request import ReuseRequest
 from fusionrag.online.sampling import SamplingParams
@@ -190,13 +190,7 @@ class BatchScheduler:
     def _prefetch(self, reuse: Any) -> Any:
         """The prefetch thread's work for a queued request: nothing for one whose texts alone are over the limit
         (its prefill says so at once), else the engine's prefetch."""
-        limit, why = prompt_limit(self.engine, self.max_prompt_tokens)
-        if limit:
-            try:
-                surely_too_long(self.engine, reuse, limit, why)
-            except PromptTooLongError:
-                return None
-        return self.engine.prefetch(reuse)
+        return self.engine.prefetch(reuse) if within_limit(self.engine, reuse, self.max_prompt_tokens) else None
 
     def run_task(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Future:
         """Run ``fn(*args, **kwargs)`` on the model thread between decode steps; returns a Future.
@@ -328,12 +322,7 @@ class BatchScheduler:
         t0 = time.perf_counter()
         try:
             req.reuse = reuse = req.reuse.validated()
-            limit, why = prompt_limit(self.engine, self.max_prompt_tokens)
-            if limit:
-                surely_too_long(self.engine, reuse, limit, why)  # before waiting on any matching
-            resolved = req.prefetched()
-            if limit:
-                resolved = check_prompt_length(self.engine, reuse, resolved, limit, why)
+            resolved = before_prefill(self.engine, reuse, req.prefetched, self.max_prompt_tokens)
             decoding = len(self._rows) + len(self._joining)
             piece = None if not decoding or self.step_tokens is None else \
                 max(MIN_PIECE_TOKENS, self.step_tokens - decoding)
@@ -373,14 +362,12 @@ class BatchScheduler:
             self.stats.prefill_seconds += time.perf_counter() - t0
         self._prefilling = None
         self.stats.prefills += 1
-        limit, why = prompt_limit(self.engine, self.max_prompt_tokens)
-        if limit and req.prompt_tokens > limit:
-            fail(req, PromptTooLongError(f"the prompt has {req.prompt_tokens} tokens; {why} (use a lower retrieval "
-                                         "depth)"), self.stats)
+        try:
+            req.max_new_tokens = after_prefill(self.engine, req.prompt_tokens, req.max_new_tokens,
+                                               self.max_prompt_tokens)
+        except PromptTooLongError as exc:
+            fail(req, exc, self.stats)
             return
-        model_limit = getattr(getattr(self.engine, "lm", None), "exact_context_limit", None)
-        if model_limit:  # decoding past a sliding window would read tokens the model no longer sees: stop there
-            req.max_new_tokens = min(req.max_new_tokens, model_limit - req.prompt_tokens)
         if req.max_new_tokens <= 0:
             finish(self.engine, req, "length", self.stats)
             return

@@ -94,7 +94,7 @@ class Request:
         self.token_times: list[float] = []  # perf_counter() of each generated token (inter-token latency)
         # the scheduler's working state (model thread only)
         self.sampler = TokenSampler(self.sampling)
-        self.stop_matcher = StopMatcher(self.sampling.stop)
+        self.stop_matcher = StopMatcher(self.sampling.stop, self.sampling.include_stop_str_in_output)
         self.streamer: TextStreamer | None = None
         self.last_token = -1
         self._listener = listener

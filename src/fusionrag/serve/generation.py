@@ -35,6 +35,7 @@ async def generate(server: ServerState, request: HTTPRequest, chat: bool,
     req, wire = parse(body, s)
     set_request_id(request.state, req.id)
     server.check_model(wire.model)
+    check_with_model(req, sched.engine)
     loop = asyncio.get_running_loop()
     events: asyncio.Queue[Event] = asyncio.Queue()
 
@@ -52,7 +53,8 @@ async def generate(server: ServerState, request: HTTPRequest, chat: bool,
         return as_api_error(first.error).response()
     if wire.stream:
         return StreamingResponse(
-            sse_stream(req, first, events, shape, wire.include_usage, logprobs, server.on_done, s.request_timeout_s),
+            sse_stream(req, first, events, shape, wire.include_usage, logprobs, server.on_done, s.request_timeout_s,
+                       wire.continuous_usage),
             media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     ev: Event | Response = first
     while isinstance(ev, Event) and ev.kind == "token":
@@ -65,6 +67,23 @@ async def generate(server: ServerState, request: HTTPRequest, chat: bool,
         return as_api_error(ev.error).response()
     server.on_done(req)
     return JSONResponse(completion_json(req, ev, shape, logprobs))
+
+
+def check_with_model(req: Request, engine: Any) -> None:
+    """What only the model can say about a request, before it is queued: its structured output compiles for this
+    tokenizer, its ``logit_bias`` and ``stop_token_ids`` name tokens of this vocabulary."""
+    p = req.sampling
+    vocab = int(engine.lm.model.config.vocab_size)
+    for name, ids in (("logit_bias", [t for t, _ in p.logit_bias]), ("stop_token_ids", list(p.stop_token_ids))):
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"'{name}': token {bad[0]} is not in the model's vocabulary (0..{vocab - 1})",
+                           code="invalid_value", param=name)
+    if p.grammar is not None:
+        try:
+            engine.grammars.compiled(p.grammar)
+        except ValueError as exc:
+            raise APIError(400, str(exc), code="invalid_value", param="response_format") from None
 
 
 async def _next_event(events: asyncio.Queue[Event], req: Request, timeout: float, late: str) -> Event | Response:

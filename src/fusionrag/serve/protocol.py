@@ -20,6 +20,7 @@ from typing import Any
 from fastapi import Request as HTTPRequest
 from pydantic import BaseModel, ValidationError
 
+from fusionrag.online.constraints import spec_of
 from fusionrag.online.request import DEFAULT_TOP_K, InvalidRequest, ReuseRequest
 from fusionrag.online.sampling import SamplingParams
 from fusionrag.online.state import Request
@@ -181,6 +182,7 @@ class Wire:
     stream: bool = False
     include_usage: bool = False
     model: str | None = None
+    continuous_usage: bool = False  # usage in every chunk (vLLM's stream_options.continuous_usage_stats)
 
 
 #: A parsed completion body: the engine's request, admitted here, and how its answer goes back.
@@ -201,12 +203,7 @@ def _validated(model: type[BaseModel], body: Any) -> Any:
 #: Fields accepted only at the value that asks for nothing: (field, is it neutral, why anything else is refused).
 NEUTRAL_ONLY: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("n", lambda v: v == 1, "only n=1 is supported (send n requests with different seeds instead)"),
-    ("presence_penalty", lambda v: v == 0, "presence_penalty is not supported (only 0)"),
-    ("frequency_penalty", lambda v: v == 0, "frequency_penalty is not supported (only 0)"),
-    ("logit_bias", lambda v: not v, "logit_bias is not supported (only {})"),
     ("store", lambda v: v is False, "storing completions is not supported (only store: false)"),
-    ("response_format", lambda v: v == {"type": "text"},
-     'structured output is not supported (only response_format: {"type": "text"})'),
     ("tools", lambda v: v == [], "tool calling is not supported (only tools: [])"),
     ("tool_choice", lambda v: v == "none", 'tool calling is not supported (only tool_choice: "none")'),
     ("parallel_tool_calls", lambda v: v is False, "tool calling is not supported (only parallel_tool_calls: false)"),
@@ -273,12 +270,26 @@ def _common(req: ChatCompletionRequest | CompletionRequest, s: ServerSettings, q
     if len(stops) > s.max_stop or any(not x or len(x) > 200 for x in stops):
         raise APIError(400, f"'stop' takes at most {s.max_stop} non-empty strings of up to 200 characters",
                        code="invalid_value", param="stop")
+    try:
+        grammar = spec_of(req.response_format, req.structured_outputs)
+    except ValueError as exc:
+        param = "structured_outputs" if req.structured_outputs else "response_format"
+        raise APIError(400, str(exc), code="invalid_value", param=param) from None
+    try:
+        bias = tuple((int(k), float(v)) for k, v in (req.logit_bias or {}).items())
+    except ValueError:
+        raise APIError(400, "'logit_bias' keys are token ids (strings of integers)", code="invalid_value",
+                       param="logit_bias") from None
     sampling = SamplingParams(
         temperature=s.default_temperature if req.temperature is None else float(req.temperature),
         top_p=1.0 if req.top_p is None else float(req.top_p), top_k=sampling_top_k(req),
         min_p=0.0 if req.min_p is None else float(req.min_p),
         repetition_penalty=1.0 if req.repetition_penalty is None else float(req.repetition_penalty),
-        seed=req.seed, stop=tuple(stops), logprobs=logprobs, top_logprobs=top_logprobs)
+        seed=req.seed, stop=tuple(stops), logprobs=logprobs, top_logprobs=top_logprobs,
+        presence_penalty=float(req.presence_penalty or 0.0), frequency_penalty=float(req.frequency_penalty or 0.0),
+        logit_bias=bias, min_tokens=int(req.min_tokens or 0), stop_token_ids=tuple(req.stop_token_ids or ()),
+        include_stop_str_in_output=bool(req.include_stop_str_in_output),
+        skip_special_tokens=req.skip_special_tokens is not False, grammar=grammar)
     try:  # the one validation of this request: the engine takes it as it is
         retrieval = req.retrieval if req.retrieval is not None else \
             bool(req.retrieval_top_k) or (s.default_retrieval and not raw)  # a raw prompt is the whole prompt
@@ -289,7 +300,9 @@ def _common(req: ChatCompletionRequest | CompletionRequest, s: ServerSettings, q
         param = "retrieval_top_k" if exc.param == "top_k" else exc.param
         raise APIError(400, str(exc).replace("'top_k'", "'retrieval_top_k'"), code=exc.code, param=param) from None
     request = Request(reuse, max_tokens or min(s.default_max_tokens, s.max_new_tokens), sampling)
-    return request, Wire(bool(req.stream), bool(req.stream_options and req.stream_options.include_usage), req.model)
+    options = req.stream_options
+    return request, Wire(bool(req.stream), bool(options and options.include_usage), req.model,
+                         bool(options and options.continuous_usage_stats))
 
 
 def message_text(content: str | list[TextPart] | None) -> str:

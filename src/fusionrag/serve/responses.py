@@ -156,11 +156,12 @@ def completion_json(req: Request, done: Event, shape: Shape, logprobs: Logprobs 
 
 async def sse_stream(req: Request, first: Event, events: asyncio.Queue, shape: Shape, include_usage: bool,
                      logprobs: Logprobs | None, on_done: Callable[[Request], None],
-                     timeout: float) -> AsyncIterator[str]:
+                     timeout: float, continuous_usage: bool = False) -> AsyncIterator[str]:
     """OpenAI chunk stream: text deltas (chat: the role first), a final chunk, optional usage, ``[DONE]``.
 
     A delta is sent for every token that carries text or a logprob; ``on_done(req)`` runs
-    once the answer is complete (the metrics count only finished answers).
+    once the answer is complete (the metrics count only finished answers). ``continuous_usage``
+    (vLLM's ``stream_options.continuous_usage_stats``): every delta carries the usage so far.
     """
     finished = False
     sent_first, pos = False, 0
@@ -173,7 +174,8 @@ async def sse_stream(req: Request, first: Event, events: asyncio.Queue, shape: S
                 lp = logprobs.chat(len(logprobs.items) - 1) if shape.chat else \
                     logprobs.legacy(len(logprobs.items) - 1, pos)
             if ev.text or lp is not None or not sent_first:
-                yield shape.chunk([shape.choice(ev.text, None, lp, first=not sent_first)])
+                extra = {"usage": usage_json(req)} if continuous_usage else {}
+                yield shape.chunk([shape.choice(ev.text, None, lp, first=not sent_first)], **extra)
                 sent_first = True
                 pos += len(ev.text)
             ev = await asyncio.wait_for(events.get(), timeout)

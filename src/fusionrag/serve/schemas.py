@@ -2,13 +2,15 @@
 
 Every model forbids unknown fields: a field fusionrag does not implement (``functions``,
 ``audio``...) is a 400 naming it, never silently ignored. Fields OpenAI clients send with their
-neutral value (``presence_penalty: 0``, ``frequency_penalty: 0``, ``n: 1``, ``store: false``,
-``logit_bias: {}``, ``response_format: {"type": "text"}``, ``tools: []``, ``tool_choice: "none"``,
+neutral value (``n: 1``, ``store: false``,
+``tools: []``, ``tool_choice: "none"``,
 ``parallel_tool_calls: false``; on an assistant turn ``tool_calls: []``, ``refusal``,
 ``function_call`` and ``audio`` null, ``annotations: []``: what the openai SDK's
 ``message.model_dump()`` gives) are accepted, as vLLM accepts them; any other value is a 400 naming
 the field (:func:`fusionrag.serve.protocol.check_neutral`). Sampling takes vLLM's names and
-meanings (``top_k``, ``min_p``, ``repetition_penalty``); the retrieval depth is
+meanings (``top_k``, ``min_p``, ``repetition_penalty``, ``presence_penalty``, ``frequency_penalty``,
+``logit_bias``, ``min_tokens``, ``stop_token_ids``, ``include_stop_str_in_output``, ``skip_special_tokens``),
+and structured outputs OpenAI's ``response_format`` or vLLM's ``structured_outputs``; the retrieval depth is
 ``retrieval_top_k``. The
 routes read the body themselves (bounded, see :func:`fusionrag.serve.protocol.read_json`)
 and validate it with these models; :func:`validation_error` turns pydantic's report into
@@ -30,7 +32,6 @@ UNSUPPORTED = {
     "tools": "tool calling is not supported",
     "tool_choice": "tool calling is not supported",
     "parallel_tool_calls": "tool calling is not supported",
-    "response_format": "structured output (response_format) is not supported",
     "functions": "function calling is not supported",
     "function_call": "function calling is not supported",
     "audio": "audio output is not supported",
@@ -101,6 +102,7 @@ class Message(_Body):
 
 class StreamOptions(_Body):
     include_usage: bool = False
+    continuous_usage_stats: bool = Field(False, description="as vLLM: usage in every chunk of the stream")
 
 
 class _Generation(_Body):
@@ -127,10 +129,26 @@ class _Generation(_Body):
     n: int | None = Field(None, ge=1)
     user: str | None = None
     metadata: dict[str, str] | None = None
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False,
+                                           description="subtracted from the logit of every token the answer holds")
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False,
+                                            description="subtracted once per time a token appears in the answer")
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0, allow_inf_nan=False)]] | None = Field(
+        None, description="token id (a string, as OpenAI) -> bias added to its logit, -100..100")
+    min_tokens: int | None = Field(None, ge=0, description="as vLLM: no end of turn (nor stop_token_ids) before "
+                                                          "this many tokens")
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(None, description="as vLLM: more tokens that "
+                                                                                      "end the answer")
+    include_stop_str_in_output: bool | None = Field(None, description="as vLLM: keep the stop string that ended "
+                                                                      "the answer")
+    skip_special_tokens: bool | None = Field(None, description="as vLLM: special tokens left out of the text "
+                                                               "(default true)")
+    response_format: dict[str, Any] | None = Field(None, description='{"type": "text" | "json_object" | '
+                                                                    '"json_schema", "json_schema": {"schema": ...}}')
+    structured_outputs: dict[str, Any] | None = Field(None, description="as vLLM: one of json (a schema), regex, "
+                                                                        "choice (a list), grammar (EBNF), "
+                                                                        "json_object")
     # accepted at their neutral value only (what OpenAI clients send by default)
-    presence_penalty: float | None = Field(None, description="0 only (not supported otherwise)")
-    frequency_penalty: float | None = Field(None, description="0 only (not supported otherwise)")
-    logit_bias: dict[str, float] | None = Field(None, description="{} only (not supported otherwise)")
     store: bool | None = Field(None, description="false only: fusionrag keeps no completions")
     # fusionrag
     method: str | None = None
@@ -149,8 +167,7 @@ class ChatCompletionRequest(_Generation):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    # accepted at their neutral value only: no tool calling, no structured output
-    response_format: dict[str, Any] | None = Field(None, description='{"type": "text"} only')
+    # accepted at their neutral value only: no tool calling
     tools: list[dict[str, Any]] | None = Field(None, description="[] only (tool calling is not supported)")
     tool_choice: str | dict[str, Any] | None = Field(None, description='"none" only')
     parallel_tool_calls: bool | None = Field(None, description="false only")

@@ -219,8 +219,8 @@ def check_model_rotation(vm: VLLMModel, vllm_config: Any) -> None:
     position without a word."""
     from vllm.forward_context import set_forward_context
 
-    from fusionrag.doctor import KEY_REL_TOL, REDUCED_KEY_REL_TOL
     from fusionrag.models.compat import exact_context_limit
+    from fusionrag.models.rope import KEY_REL_TOL, REDUCED_KEY_REL_TOL
 
     longest = min(x for x in (int(vllm_config.model_config.max_model_len),
                               exact_context_limit(vllm_config.model_config.hf_config), 8192) if x)
