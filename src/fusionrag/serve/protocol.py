@@ -166,7 +166,7 @@ def split_documents(text: str, where: str) -> tuple[str, list[dict]]:
 
 def parse_retrieve(body: Any, s: ServerSettings) -> RetrieveRequest:
     """A ``POST /v1/retrieve`` body ``{query, top_k?}``; top_k defaults to the engine's, bounded by the server's."""
-    req = _validated(RetrieveRequest, body)
+    req = validated(RetrieveRequest, body)
     if not req.query.strip():
         raise APIError(400, "'query' is empty", code="empty_question", param="query")
     top_k = DEFAULT_TOP_K if req.top_k is None else req.top_k
@@ -189,7 +189,7 @@ class Wire:
 Parsed = tuple[Request, Wire]
 
 
-def _validated(model: type[BaseModel], body: Any) -> Any:
+def validated(model: type[BaseModel], body: Any) -> Any:
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
     check_text(body)
@@ -319,7 +319,7 @@ def parse_chat(body: Any, s: ServerSettings) -> Parsed:
     stored chunk was computed after, stays fixed. Passages come from ``documents`` or from
     ``<document>`` blocks in the last user message, not both.
     """
-    req = _validated(ChatCompletionRequest, body)
+    req = validated(ChatCompletionRequest, body)
     *earlier, last = req.messages
     if last.role != "user":
         raise APIError(400, f"the last message must be the user's question, not '{last.role}' "
@@ -355,7 +355,7 @@ def parse_completion(body: Any, s: ServerSettings, decode: Callable[[list[int]],
     asks for retrieval (``retrieval: true``, ``retrieval_top_k`` >= 1) is a RAG request instead: the prompt
     is its question, in the store's prompt (``S``, the passages, the question segment).
     """
-    req = _validated(CompletionRequest, body)
+    req = validated(CompletionRequest, body)
     prompt: Any = req.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], list | str):
         if len(prompt) != 1:
@@ -389,11 +389,11 @@ def check_token_ids(ids: list[int], vocab_size: int | None, param: str) -> None:
 def parse_tokenize(body: Any) -> TokenizeCompletionRequest | TokenizeChatRequest:
     """A ``POST /tokenize`` body, vLLM's: ``{"prompt": ...}`` or ``{"messages": [...]}`` (with their options)."""
     chat = isinstance(body, dict) and "messages" in body
-    return _validated(TokenizeChatRequest if chat else TokenizeCompletionRequest, body)
+    return validated(TokenizeChatRequest if chat else TokenizeCompletionRequest, body)
 
 
 def parse_detokenize(body: Any, vocab_size: int) -> DetokenizeRequest:
     """A ``POST /detokenize`` body ``{"tokens": [...]}``: ids within the vocabulary."""
-    req = _validated(DetokenizeRequest, body)
+    req = validated(DetokenizeRequest, body)
     check_token_ids(req.tokens, vocab_size, "tokens")
     return req

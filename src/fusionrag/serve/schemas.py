@@ -206,6 +206,19 @@ class TokenizeRequest(RootModel[TokenizeCompletionRequest | TokenizeChatRequest]
     """``POST /tokenize``: ``{"prompt": ...}`` or ``{"messages": [...]}``, as vLLM takes them."""
 
 
+class EmbeddingsRequest(_Body):
+    """``POST /v1/embeddings`` (OpenAI's body): vectors of the store's embedding model, for a framework's own
+    vector store or for searching it with the server's own model."""
+
+    input: str | list[str] | list[int] | list[list[int]] = Field(description="text(s), or token ids of the "
+                                                                           "embedding model's tokenizer")
+    model: str | None = Field(None, description="the embedding model's name (GET /v1/models lists it) or a "
+                                                "served model's name")
+    encoding_format: Literal["float", "base64"] | None = "float"
+    dimensions: int | None = Field(None, ge=1, description="the model's own dimension only (no truncation)")
+    user: str | None = None
+
+
 class DetokenizeRequest(_Body):
     """``POST /detokenize`` (vLLM's body): token ids back to text."""
 

@@ -5,9 +5,9 @@ The keyed routers depend on :func:`~fusionrag.serve.state.require_api_key`; live
 the UI page, ``/version`` and (by default) the metrics are open, as in vLLM.
 """
 
-from fusionrag.serve.routes import completions, documents, pages, retrieval, service, tokens
+from fusionrag.serve.routes import completions, documents, embeddings, pages, retrieval, service, tokens
 
-ROUTERS = (completions.router, retrieval.router, documents.router, pages.router, tokens.router, service.keyed,
-           service.open_router)
+ROUTERS = (completions.router, embeddings.router, retrieval.router, documents.router, pages.router, tokens.router,
+           service.keyed, service.open_router)
 
 __all__ = ["ROUTERS"]
