@@ -80,3 +80,23 @@ def test_text_completions_report_cached_tokens_plain_and_streamed(live, client):
     assert streamed.prompt_tokens_details.cached_tokens == streamed.model_extra["fusionrag"]["reused_tokens"] > 0
     raw = client.completions.create(model="tiny-llama", prompt=Q, max_tokens=2)  # a raw prompt: no passages
     assert raw.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_reuse_from_an_earlier_request_counts_with_its_origin_and_an_ab_baseline_reads_none(live, client):
+    """Issue 47: a ``method: full`` answer served by an earlier request's whole-context KV reported
+    ``cached_tokens: 0`` (2.5 s vs 13.9 s in an A/B test). What a request did not compute counts, by origin; and
+    ``skip_reading_prefix_cache`` (vLLM's name) makes the baseline compute its whole prompt."""
+    app, _ = live
+    app.state.scheduler.engine.context_cache.max_bytes = 1 << 28  # the server's default (this test app has it off)
+    messages = [{"role": "user", "content": pasted(app, [0, 4])}]  # chunks long enough to be matched
+    ask = dict(model="tiny-llama", messages=messages, max_tokens=2)
+    client.chat.completions.create(**ask, extra_body={"method": "full"})
+    again = client.chat.completions.create(**ask, extra_body={"method": "full"})
+    fusion = again.usage.model_extra["fusionrag"]
+    assert fusion["context_cache_hit"] and again.usage.prompt_tokens_details.cached_tokens > 0
+    assert fusion["reused_tokens_by_origin"] == {"context_cache": again.usage.prompt_tokens_details.cached_tokens}
+    baseline = client.chat.completions.create(**ask, extra_body={"method": "full", "skip_reading_prefix_cache": True})
+    assert baseline.usage.prompt_tokens_details.cached_tokens == 0
+    assert not baseline.usage.model_extra["fusionrag"]["context_cache_hit"]
+    auto = client.chat.completions.create(**ask, extra_body={"method": "auto", "skip_reading_prefix_cache": True})
+    assert "context_cache" not in auto.usage.model_extra["fusionrag"]["reused_tokens_by_origin"]

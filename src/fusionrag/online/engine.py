@@ -243,7 +243,7 @@ class Engine:
         keys = [] if info.placement is not None else \
             context_keys(self.context_cache, self.prompt.system_token_ids, token_ids, method, ratio, kv_kind,
                          self.lm.dtype)  # a method's own layout (maybe read through a rule) is not cached
-        if keys:
+        if keys and not req.skip_cache:  # skip_cache: an A/B test's baseline computes what it does not reuse
             cached = self.context_cache.get(keys)
         if cached is not None:  # the same S + chunks computed before: only the question is prefilled
             clock.skip("load")
@@ -257,7 +257,8 @@ class Engine:
             clock.skip("select")
             pre = yield from prefill_full_pieces(self.lm, system_ids, token_ids, question_token_ids, piece_tokens)
         else:
-            entries, fallbacks = self.loader.load(chunk_ids, passages, token_ids, kv_kind, resolved.spans)
+            entries, fallbacks = self.loader.load(chunk_ids, passages, token_ids, kv_kind, resolved.spans,
+                                                  fresh=req.skip_cache)
             origins = [e.metadata.get(ORIGIN, "store") for e in entries]
             # One buffer for the prompt: the context, then room for the question, which the pass writes into.
             buffer, ctx_ids, spans = assemble_context(self.lm, self.system_kv, [e.kv for e in entries],

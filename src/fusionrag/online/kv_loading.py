@@ -54,9 +54,11 @@ class ChunkKVLoader:
         return (chunk_id, "plain") if self.engine.store.has_kv(chunk_id, "plain") else None
 
     def load(self, chunk_ids: Sequence[int | None], passages: Sequence[dict], token_ids: Sequence[list[int]],
-              kind: str, spans: Sequence[tuple[int, int] | None] | None = None) -> tuple[list[KVEntry], int]:
-        """One entry per chunk: stored ones from the KV source, the rest through the prefix cache.
-        ``spans``: where a piece is part of its stored chunk, its tokens of it (the entry is cut to them)."""
+              kind: str, spans: Sequence[tuple[int, int] | None] | None = None,
+              fresh: bool = False) -> tuple[list[KVEntry], int]:
+        """One entry per chunk: stored ones from the KV source, the rest through the prefix cache (``fresh``:
+        computed, the cache not read). ``spans``: where a piece is part of its stored chunk, its tokens of it
+        (the entry is cut to them)."""
         spans = list(spans) if spans is not None else [None] * len(chunk_ids)
         kinds = self.kinds_for(chunk_ids, kind)
         keys = [self.stored_key(cid, k) for cid, k in zip(chunk_ids, kinds, strict=True)]
@@ -65,7 +67,7 @@ class ChunkKVLoader:
         keys = [k if k is None or k in loaded else None for k in keys]  # damaged entries: computed like new passages
         missing = [(passage_hash(p.get("title", ""), p["text"]), ids)
                    for key, p, ids in zip(keys, passages, token_ids, strict=True) if key is None]
-        adhoc = iter(self.adhoc_kvs(missing))
+        adhoc = iter(self.adhoc_kvs(missing, fresh))
         entries, fallbacks = [], 0
         for key, k, span in zip(keys, kinds, spans, strict=True):
             if key is not None:
@@ -107,13 +109,15 @@ class ChunkKVLoader:
         return [part_of(fused[(c, "fused")], span).scores if (c, "fused") in fused else None
                 for c, span in zip(chunk_ids, spans, strict=True)]
 
-    def adhoc_kvs(self, items: list[tuple[str, list[int]]]) -> list[tuple[KV, str]]:
+    def adhoc_kvs(self, items: list[tuple[str, list[int]]], fresh: bool = False) -> list[tuple[KV, str]]:
         """Plain KVs of passages the store does not hold (by content hash, in order), through the
         alternative-path prefix cache, each with where it came from: ``prefix_cache`` (computed by an
-        earlier request) or ``computed`` (by this one)."""
+        earlier request) or ``computed`` (by this one; every one with ``fresh``)."""
         if not items:
             return []
         ids_of = dict(items)
+        if fresh:
+            return [(chunk_kv_plain(self.engine.lm, self.engine.system_kv, ids), "computed") for _, ids in items]
         result = self.engine.prefix_cache.lookup(
             self.engine.prompt.system_hash, [h for h, _ in items],
             lambda _system, _context, chunk: chunk_kv_plain(self.engine.lm, self.engine.system_kv, ids_of[chunk]))

@@ -50,6 +50,8 @@ class ReuseRequest:
     ``raw``: the question is a prompt to continue as it is (a text completion, as vLLM's): no ``S``,
     no template, no passages, never stripped; ``prompt_ids`` are its token ids when the client sent
     ids (else the tokenizer's, with its special tokens, as vLLM and transformers tokenize a prompt).
+    ``skip_cache`` (vLLM's ``skip_reading_prefix_cache``): no KV an earlier request computed is read (the
+    store's chunks still are: that is the method); what a request does reuse is counted by origin either way.
     """
 
     question: str
@@ -62,6 +64,7 @@ class ReuseRequest:
     retrieval: bool | None = None
     raw: bool = False
     prompt_ids: tuple[int, ...] | None = None
+    skip_cache: bool = False  # read no cache (a whole context, a passage an earlier request computed): A/B tests
     #: Set by :meth:`validated` on what it returns: validating that again returns it as it is.
     checked: bool = field(default=False, compare=False, repr=False)
 

@@ -172,14 +172,19 @@ class Request:
     def reused_tokens(self) -> int:
         """Context tokens served from KV this request did not compute: those of passages whose KV came from
         the store or a cache (:attr:`kv_origins`), less the ones it recomputed."""
-        if self.pre is None or self.method == "full":
-            return 0
+        return sum(self.reused_by_origin.values())
+
+    @property
+    def reused_by_origin(self) -> dict[str, int]:
+        """:attr:`reused_tokens` by where the KV came from (``store``, ``prefix_cache``, ``context_cache``)."""
+        if self.pre is None:
+            return {}
         chosen = self.pre.selected.cpu() if self.pre.selected is not None else torch.empty(0, dtype=torch.long)
-        reused = 0
+        out: dict[str, int] = {}
         for (a, b), origin in zip(self.pre.spans, self.kv_origins, strict=False):
             if origin != "computed":
-                reused += (b - a) - int(((chosen >= a) & (chosen < b)).sum())
-        return reused
+                out[origin] = out.get(origin, 0) + (b - a) - int(((chosen >= a) & (chosen < b)).sum())
+        return out
 
     @property
     def first_logits(self) -> torch.Tensor | None:

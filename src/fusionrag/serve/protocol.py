@@ -295,7 +295,8 @@ def _common(req: ChatCompletionRequest | CompletionRequest, s: ServerSettings, q
             bool(req.retrieval_top_k) or (s.default_retrieval and not raw)  # a raw prompt is the whole prompt
         reuse = ReuseRequest(question if raw else question.strip(), method, ratio, req.kv, req.retrieval_top_k,
                              documents, preamble, retrieval, raw=raw,
-                             prompt_ids=None if raw_ids is None else tuple(raw_ids)).validated(max_top_k=s.max_top_k)
+                             prompt_ids=None if raw_ids is None else tuple(raw_ids),
+                             skip_cache=bool(req.skip_reading_prefix_cache)).validated(max_top_k=s.max_top_k)
     except InvalidRequest as exc:
         param = "retrieval_top_k" if exc.param == "top_k" else exc.param
         raise APIError(400, str(exc).replace("'top_k'", "'retrieval_top_k'"), code=exc.code, param=param) from None

@@ -26,7 +26,9 @@ def reuse_json(ans: Request) -> dict[str, Any]:
     their plain KV computed by an earlier request (the alternative-path prefix cache) and ``computed_chunks``
     were computed now; ``context_cache_hit``: the whole context came from an earlier request.
     ``precomputed_tokens``: context tokens whose KV came precomputed (store or cache); ``reused_tokens``: those
-    of them served as they came, i.e. less the ones this request recomputed.
+    of them served as they came, i.e. less the ones this request recomputed, and ``reused_tokens_by_origin``
+    says where they came from (``store``, ``prefix_cache``, ``context_cache``). ``method: full`` reads no cache
+    (the baseline an A/B test compares with computes its whole prompt).
     ``method`` is the method that ran (``auto`` resolved; ``note`` says why when it differs from the
     request's); ``sources``: each chunk's ``chunk_id, title, source, score, stored``, for citing, and ``part``:
     ``[first, stop]``, the stored chunk's tokens a part of it used (a client's own split), else null.
@@ -41,6 +43,7 @@ def reuse_json(ans: Request) -> dict[str, Any]:
             "context_tokens": ans.context_tokens,
             "recomputed_tokens": ans.recomputed_tokens,
             "precomputed_tokens": ans.precomputed_tokens, "reused_tokens": ans.reused_tokens,
+            "reused_tokens_by_origin": ans.reused_by_origin,
             "sources": ans.sources, "note": ans.note}
 
 
@@ -51,7 +54,8 @@ def cached_tokens(req: Request) -> int:
     clients that know no ``fusionrag`` extension (litellm, DSPy, the SDKs' typed ``usage``) read it. That
     is :attr:`Request.reused_tokens`, not ``precomputed_tokens``: the latter still counts the tokens this
     request found precomputed but recomputed anyway (FusionRAG's selected tokens, computed here like any
-    prefill), so it would overstate what came from a cache. ``method: full`` computes everything: 0. The
+    prefill), so it would overstate what came from a cache; a whole context an earlier request computed
+    (the context cache) counts too. ``method: full`` reads no cache and computes everything: 0. The
     system prompt's KV (computed once at startup) is not counted: the number is the passages' reuse only
     (equal to ``usage.fusionrag.reused_tokens``), a lower bound of what the request did not prefill.
     """

@@ -148,6 +148,9 @@ class _Generation(_Body):
     structured_outputs: dict[str, Any] | None = Field(None, description="as vLLM: one of json (a schema), regex, "
                                                                         "choice (a list), grammar (EBNF), "
                                                                         "json_object")
+    skip_reading_prefix_cache: bool | None = Field(None, description="as vLLM: read no KV an earlier request "
+                                                                     "computed (context and prefix caches; the "
+                                                                     "store's chunks are the method): A/B tests")
     # accepted at their neutral value only (what OpenAI clients send by default)
     store: bool | None = Field(None, description="false only: fusionrag keeps no completions")
     # fusionrag
