@@ -279,3 +279,23 @@ def test_a_pasted_chunk_is_found_by_its_start_whatever_the_search_returns(engine
     monkeypatch.setattr(store, "search_each", lambda queries, k: [])
     found = find_in_prompt(store, f"[[ ## context ## ]]\n{body}\n\n[[ ## question ## ]]\n{QUESTION}")
     assert found is not None and [p.chunk_id for p in found[0] if p.chunk_id is not None] == stored
+
+
+def test_a_section_two_files_share_is_credited_to_the_file_pasted_and_computed_pieces_say_so(tmp_path, lm):
+    """Issue 47: a section two files share word for word was credited to one of them even when only the other was
+    pasted; pieces the server computed showed ``{"chunk_id": null, "source": ""}`` with nothing saying why."""
+    shared = "\n\n".join(PARAGRAPHS[:3])
+    a, b = tmp_path / "alpha.txt", tmp_path / "beta.txt"
+    a.write_text(shared + "\n\nAlpha alone: the western gate was walled up in 1701.\n", encoding="utf-8")
+    b.write_text(shared + "\n\nBeta alone: the eastern bridge was rebuilt in stone.\n", encoding="utf-8")
+    store = build.create_store(tmp_path / "kb", lm, chunk_tokens=64, kv_dtype="float32",
+                               embedder=HashingEmbedder(), model_source="tiny-llama")
+    build.ingest(store, lm, [a, b], progress=False)
+    for path in (a, b):
+        own = set(store.chunk_ids_of_docs([str(path.resolve())]))
+        pieces = match_passages(store, store.prompt, [{"title": "", "text": shared, "source": str(path)}])
+        assert pieces and all(p.chunk_id in own for p in pieces), path.name
+    prep = Engine(store, lm).prepare(QUESTION, method="fusionrag", chunks=[
+        {"title": "", "text": shared, "source": str(b)}, {"title": "note", "text": "Nothing stored says this."}])
+    assert prep.sources[-1]["chunk_id"] is None and prep.sources[-1]["origin"] == "computed"
+    assert all(s["origin"] == "store" for s in prep.sources[:-1])

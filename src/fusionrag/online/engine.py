@@ -289,8 +289,8 @@ class Engine:
         timings = {**clock.stages, "total": clock.total()}
         pre.timings_ms["recompute"] = timings["recompute"]
         sources = [{"chunk_id": p.chunk_id, "title": p.title, "source": p.source, "score": score,
-                    "stored": p.chunk_id is not None, "part": list(p.span) if p.span else None}
-                   for p, score in zip(pieces, hit_scores, strict=True)]
+                    "stored": p.chunk_id is not None, "part": list(p.span) if p.span else None, "origin": origin}
+                   for p, score, origin in zip(pieces, hit_scores, origins, strict=True)]
         out.pre, out.method, out.kv_kind, out.ratio = pre, method, kv_kind, float(ratio)
         out.prompt_token_ids = [*system_ids, *(t for c in token_ids for t in c), *question_token_ids]
         out.sampler.see_prompt(out.prompt_token_ids)

@@ -136,14 +136,20 @@ def _candidates(store, norm: str, source: str, searched: Sequence[str]) -> list[
     hits = [*starting_in(store, norm, MIN_MATCH_CHARS), *(store.search_each(searched, CANDIDATE_SEARCH) if searched
                                                           else [])]
     docs = set(store.documents.using(hits))
-    if source:
-        docs.add(source)
-        path = Path(source)
-        docs.add(path.name)
-        with contextlib.suppress(OSError, RuntimeError, ValueError):
-            docs.add(str(path.expanduser().resolve()))
-    ids = list(dict.fromkeys([*hits, *store.chunk_ids_of_docs(sorted(docs))]))
+    own = sorted(_own_chunks(store, source))  # the passage's own document's chunks are candidates first
+    ids = list(dict.fromkeys([*own, *hits, *store.chunk_ids_of_docs(sorted(docs))]))
     return ids[:MAX_CANDIDATES]
+
+
+def _own_chunks(store, source: str) -> frozenset[int]:
+    """The chunks of the document a passage says it comes from (its ``source``: a path, a file name, a URL)."""
+    if not source:
+        return frozenset()
+    path = Path(source)
+    names = {source, path.name}
+    with contextlib.suppress(OSError, RuntimeError, ValueError):
+        names.add(str(path.expanduser().resolve()))
+    return frozenset(store.chunk_ids_of_docs(sorted(names)))
 
 
 def _contained(store, title: str, text: str, source: str) -> list[Piece] | None:
@@ -155,10 +161,11 @@ def _contained(store, title: str, text: str, source: str) -> list[Piece] | None:
     (a part of a chunk that starts elsewhere). A prompt of whole pasted chunks embeds just its question."""
     norm = normalise(text)
     records: dict[int, Any] = {}
-    chosen = _regions(store, norm, _candidates(store, norm, source, []), records)
+    own = _own_chunks(store, source)
+    chosen = _regions(store, norm, _candidates(store, norm, source, []), records, own)
     left = [norm[a:b] for a, b in _unmatched(norm, [r for r, _ in chosen]) if b - a >= SEARCHED_CHARS]
     if left:
-        chosen = _regions(store, norm, _candidates(store, norm, source, windows(" ".join(left))), records)
+        chosen = _regions(store, norm, _candidates(store, norm, source, windows(" ".join(left))), records, own)
     if not chosen:
         return None
     titles = {normalise(records[r.chunk_id].title).lower() for r, _ in chosen}
@@ -181,15 +188,15 @@ def _contained(store, title: str, text: str, source: str) -> list[Piece] | None:
 
 
 def _regions(store, norm: str, candidates: Sequence[int], records: dict[int, Any],
-             ) -> list[tuple[Region, tuple[int, int] | None]]:
-    """Where ``candidates`` occur in ``norm``, each as served (:func:`_served`), in text order; their records
-    are kept in ``records``."""
+             own: frozenset[int] = frozenset()) -> list[tuple[Region, tuple[int, int] | None]]:
+    """Where ``candidates`` occur in ``norm``, each as served (:func:`_served`), in text order, the passage's
+    own document's chunks (``own``) before any other's; their records are kept in ``records``."""
     for cid in candidates:
         if cid not in records:
             records[cid] = store.chunk(cid)
     bodies = {cid: _positions(records[cid]) for cid in candidates}
     found = [_served(store.prompt.tokenizer, r, records[r.chunk_id], bodies[r.chunk_id])
-             for r in find_regions(norm, [(c, w.body) for c, w in bodies.items()], MIN_MATCH_CHARS)]
+             for r in find_regions(norm, [(c, w.body) for c, w in bodies.items()], MIN_MATCH_CHARS, prefer=own)]
     return [f for f in found if f is not None]
 
 

@@ -62,7 +62,8 @@ class Region:
 
 
 def find_regions(norm: Seq, bodies: Sequence[tuple[int, Seq]], min_whole: int, min_part: int = MIN_PART_CHARS,
-                 anchor: int = ANCHOR_CHARS, framing: Mapping[int, tuple[int, int]] | None = None) -> list[Region]:
+                 anchor: int = ANCHOR_CHARS, framing: Mapping[int, tuple[int, int]] | None = None,
+                 prefer: frozenset[int] = frozenset()) -> list[Region]:
     """Regions of ``norm`` that are chunks' ``bodies`` (``(chunk id, body)``), whole (``min_whole`` at least) or
     in part (``min_part``), without overlaps, in order. Longest first: a whole chunk wins over a part of another
     at the same place.
@@ -71,7 +72,9 @@ def find_regions(norm: Seq, bodies: Sequence[tuple[int, Seq]], min_whole: int, m
     start anywhere; the vLLM connector's prompts, :mod:`fusionrag.vllm.matching`); ``anchor``: an anchor's length.
     ``framing``: for a chunk id, how many of its first and last items are its framing rather than its text (a
     title in brackets, a closing blank line: a client's template frames a passage its own way); a part that
-    misses no more than those is the chunk's whole text and is taken at any length from ``anchor`` on."""
+    misses no more than those is the chunk's whole text and is taken at any length from ``anchor`` on.
+    ``prefer``: chunk ids whose regions are taken before any other's (the document a client said it pasted: a
+    text two files share is credited to it, even where the other file's chunk covers a little more)."""
     found: dict[tuple[int, int, int], Region] = {}
     for cid, body in bodies:  # a chunk shorter than an anchor is found whole (any chunk, in a text)
         if len(body) >= min_whole and (isinstance(norm, str) or len(body) < anchor):
@@ -83,7 +86,8 @@ def find_regions(norm: Seq, bodies: Sequence[tuple[int, Seq]], min_whole: int, m
             if r.whole and len(r) < min_whole:
                 continue
             found.setdefault((r.start, r.end, r.chunk_id), r)
-    return _without_overlaps(sorted(found.values(), key=lambda r: (-len(r), not r.whole, r.start)), min_part)
+    ranked = sorted(found.values(), key=lambda r: (r.chunk_id not in prefer, -len(r), not r.whole, r.start))
+    return _without_overlaps(ranked, min_part)
 
 
 def word_starts(text: str) -> Iterator[int]:
