@@ -221,9 +221,8 @@ def test_unsupported_fields_are_400_naming_the_field(http, field):
     assert err["param"] == name and name in err["message"]
 
 
-def test_n_above_one_is_400(http):
-    err = error_of(http.post("/v1/chat/completions", json={"messages": USER, "n": 2}), 400,
-                   "unsupported_parameter")
+def test_n_above_the_batch_is_400(http):
+    err = error_of(http.post("/v1/chat/completions", json={"messages": USER, "n": 1000}), 400, "invalid_value")
     assert err["param"] == "n"
 
 

@@ -125,3 +125,24 @@ def test_continuous_usage_stats_put_the_usage_in_every_chunk(client):
 def test_bad_feature_values_are_a_400_naming_the_field(client, fields, param):
     r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Q?"}], **fields})
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_n_answers_to_one_prompt_plain_and_streamed(client):
+    out = chat(client, max_tokens=4, n=3, temperature=1.0, seed=7)
+    assert [c["index"] for c in out["choices"]] == [0, 1, 2]
+    assert out["usage"]["completion_tokens"] == sum(1 for _ in out["choices"]) * 4
+    texts = [c["message"]["content"] for c in out["choices"]]
+    assert len(set(texts)) > 1  # each its own seed
+    assert texts == [c["message"]["content"] for c in chat(client, max_tokens=4, n=3, temperature=1.0,
+                                                          seed=7)["choices"]]  # and reproducible
+    body = {"messages": [{"role": "user", "content": "Who?"}], "documents": PASSAGES[:2], "max_tokens": 3, "n": 2,
+            "stream": True, "stream_options": {"include_usage": True}}
+    with client.stream("POST", "/v1/chat/completions", json=body) as r:
+        lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+    chunks = [json.loads(line[6:]) for line in lines if line != "data: [DONE]"]
+    assert lines[-1] == "data: [DONE]" and lines.count("data: [DONE]") == 1
+    assert {c["choices"][0]["index"] for c in chunks if c["choices"]} == {0, 1}
+    (usage,) = [c["usage"] for c in chunks if not c["choices"]]
+    assert usage["completion_tokens"] == 6
+    assert client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Q"}],
+                                                     "n": 100}).status_code == 400

@@ -19,6 +19,7 @@ from fusionrag.online.scheduled import Event
 from fusionrag.online.state import Request
 from fusionrag.serve.access_log import set_request_id
 from fusionrag.serve.api_errors import APIError, as_api_error
+from fusionrag.serve.choices import answer_many, copies, stream_many
 from fusionrag.serve.protocol import Parsed, read_json
 from fusionrag.serve.responses import Logprobs, Shape, completion_json, sse_stream
 from fusionrag.serve.settings import ServerSettings
@@ -37,15 +38,25 @@ async def generate(server: ServerState, request: HTTPRequest, chat: bool,
     server.check_model(wire.model)
     check_with_model(req, sched.engine)
     loop = asyncio.get_running_loop()
-    events: asyncio.Queue[Event] = asyncio.Queue()
-
-    def listener(ev: Event) -> None:
-        loop.call_soon_threadsafe(events.put_nowait, ev)
-
-    sched.submit(req, listener=listener)
+    reqs = copies(req, wire.n)
+    queues: list[asyncio.Queue[Event]] = [asyncio.Queue() for _ in reqs]
+    for i, (r, q) in enumerate(zip(reqs, queues, strict=True)):
+        try:
+            sched.submit(r, listener=lambda ev, q=q: loop.call_soon_threadsafe(q.put_nowait, ev))
+        except BaseException:  # a full queue for the i-th answer: the ones already queued go too
+            for queued in reqs[:i]:
+                queued.cancel()
+            raise
+    events = queues[0]
     shape = Shape(chat, f"{'chatcmpl' if chat else 'cmpl'}-{req.id}", int(time.time()), server.model_name())
     tokenizer = sched.engine.lm.tokenizer
-    logprobs = Logprobs(lambda t: tokenizer.decode([t])) if req.sampling.logprobs else None
+
+    def logprobs_of() -> Logprobs | None:
+        return Logprobs(lambda t: tokenizer.decode([t])) if req.sampling.logprobs else None
+
+    if len(reqs) > 1:
+        return await _many(server, reqs, queues, shape, wire, logprobs_of)
+    logprobs = logprobs_of()
     first = await _next_event(events, req, s.request_timeout_s, "no first token in time")
     if isinstance(first, Response):
         return first
@@ -84,6 +95,24 @@ def check_with_model(req: Request, engine: Any) -> None:
             engine.grammars.compiled(p.grammar)
         except ValueError as exc:
             raise APIError(400, str(exc), code="invalid_value", param="response_format") from None
+
+
+async def _many(server: ServerState, reqs: list[Request], queues: list[asyncio.Queue[Event]], shape: Shape,
+                wire: Any, logprobs_of: Callable[[], Logprobs | None]) -> Response:
+    """``n`` > 1 answers (:mod:`fusionrag.serve.choices`)."""
+    timeout = server.settings.request_timeout_s
+    if not wire.stream:
+        return await answer_many(reqs, queues, shape, logprobs_of, _next_event, timeout, server.on_done)
+    firsts = []
+    for r, q in zip(reqs, queues, strict=True):
+        first = await _next_event(q, r, timeout, "no first token in time")
+        if isinstance(first, Response) or first.kind == "error":
+            for other in reqs:
+                other.cancel()
+            return first if isinstance(first, Response) else as_api_error(first.error).response()
+        firsts.append(first)
+    return stream_many(reqs, firsts, queues, shape, wire.include_usage, logprobs_of, server.on_done, timeout,
+                       wire.continuous_usage)
 
 
 async def _next_event(events: asyncio.Queue[Event], req: Request, timeout: float, late: str) -> Event | Response:

@@ -183,6 +183,7 @@ class Wire:
     include_usage: bool = False
     model: str | None = None
     continuous_usage: bool = False  # usage in every chunk (vLLM's stream_options.continuous_usage_stats)
+    n: int = 1  # answers to the one prompt (each its own choice, sampled with its own seed)
 
 
 #: A parsed completion body: the engine's request, admitted here, and how its answer goes back.
@@ -202,7 +203,6 @@ def validated(model: type[BaseModel], body: Any) -> Any:
 
 #: Fields accepted only at the value that asks for nothing: (field, is it neutral, why anything else is refused).
 NEUTRAL_ONLY: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
-    ("n", lambda v: v == 1, "only n=1 is supported (send n requests with different seeds instead)"),
     ("store", lambda v: v is False, "storing completions is not supported (only store: false)"),
     ("tools", lambda v: v == [], "tool calling is not supported (only tools: [])"),
     ("tool_choice", lambda v: v == "none", 'tool calling is not supported (only tool_choice: "none")'),
@@ -302,8 +302,11 @@ def _common(req: ChatCompletionRequest | CompletionRequest, s: ServerSettings, q
         raise APIError(400, str(exc).replace("'top_k'", "'retrieval_top_k'"), code=exc.code, param=param) from None
     request = Request(reuse, max_tokens or min(s.default_max_tokens, s.max_new_tokens), sampling)
     options = req.stream_options
+    if (req.n or 1) > s.max_batch:
+        raise APIError(400, f"'n' must be at most {s.max_batch} (the server's max_batch)", code="invalid_value",
+                       param="n")
     return request, Wire(bool(req.stream), bool(options and options.include_usage), req.model,
-                         bool(options and options.continuous_usage_stats))
+                         bool(options and options.continuous_usage_stats), int(req.n or 1))
 
 
 def message_text(content: str | list[TextPart] | None) -> str:
