@@ -146,3 +146,28 @@ def test_n_answers_to_one_prompt_plain_and_streamed(client):
     assert usage["completion_tokens"] == 6
     assert client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Q"}],
                                                      "n": 100}).status_code == 400
+
+
+def test_prompt_logprobs_are_the_models_own_and_echo_puts_the_prompt_first(client):
+    """The prompt's log-probabilities equal a plain Full Attention forward's, whatever method prefilled it."""
+    import torch
+
+    engine = client.app.state.scheduler.engine
+    out = chat(client, max_tokens=2, method="fusionrag", prompt_logprobs=2)
+    found = out["prompt_logprobs"]
+    assert found[0] is None and len(found) == out["usage"]["prompt_tokens"]
+    assert all(2 <= len(entry) <= 3 and all(v["rank"] >= 1 and v["logprob"] <= 0 for v in entry.values())
+               for entry in found[1:])  # the token itself and the 2 most likely ones
+    raw = client.post("/v1/completions", json={"prompt": "The river Ostra", "max_tokens": 2, "echo": True,
+                                               "logprobs": 1}).json()
+    choice = raw["choices"][0]
+    assert choice["text"].startswith("The river Ostra")
+    assert choice["logprobs"]["token_logprobs"][0] is None and len(choice["logprobs"]["tokens"]) > 2
+    tok = engine.lm.tokenizer
+    prompt_ids = tok.encode("The river Ostra", add_special_tokens=True)
+    with torch.no_grad():
+        logp = torch.log_softmax(engine.lm.model(torch.tensor([prompt_ids])).logits[0].float(), -1)
+    expected = [float(logp[i, t]) for i, t in enumerate(prompt_ids[1:])]
+    got = choice["logprobs"]["token_logprobs"][1:len(prompt_ids)]
+    assert max(abs(a - b) for a, b in zip(got, expected, strict=True)) < 1e-4
+    assert client.post("/v1/completions", json={"prompt": "x", "echo": True, "stream": True}).status_code == 400

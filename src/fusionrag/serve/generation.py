@@ -15,6 +15,7 @@ from typing import Any
 from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from fusionrag.online.prompt_logprobs import prompt_logprobs
 from fusionrag.online.scheduled import Event
 from fusionrag.online.state import Request
 from fusionrag.serve.access_log import set_request_id
@@ -77,7 +78,10 @@ async def generate(server: ServerState, request: HTTPRequest, chat: bool,
     if ev.kind == "error":
         return as_api_error(ev.error).response()
     server.on_done(req)
-    return JSONResponse(completion_json(req, ev, shape, logprobs))
+    body = completion_json(req, ev, shape, logprobs)
+    if wire.prompt_logprobs is not None or wire.echo:
+        await _with_prompt(body, req, wire, sched, tokenizer, chat)
+    return JSONResponse(body)
 
 
 def check_with_model(req: Request, engine: Any) -> None:
@@ -95,6 +99,37 @@ def check_with_model(req: Request, engine: Any) -> None:
             engine.grammars.compiled(p.grammar)
         except ValueError as exc:
             raise APIError(400, str(exc), code="invalid_value", param="response_format") from None
+
+
+async def _with_prompt(body: dict, req: Request, wire: Any, sched: Any, tokenizer: Any, chat: bool) -> None:
+    """``prompt_logprobs`` and ``echo`` (:mod:`fusionrag.online.prompt_logprobs`), computed on the model thread once
+    the answer is out: the prompt's own log-probabilities need a Full Attention forward of it."""
+    legacy = wire.echo and body["choices"][0].get("logprobs") is not None
+    top = max(wire.prompt_logprobs or 0, req.sampling.top_logprobs if legacy else 0)
+    need = wire.prompt_logprobs is not None or legacy
+    ids = list(req.prompt_token_ids)
+
+    def decode(t: int) -> str:
+        return tokenizer.decode([t])
+
+    found = await asyncio.wrap_future(sched.run_task(prompt_logprobs, sched.engine.lm, ids, top, decode)) \
+        if need else None
+    if wire.prompt_logprobs is not None:
+        (body if chat else body["choices"][0])["prompt_logprobs"] = found
+    if wire.echo and not chat:
+        choice = body["choices"][0]
+        choice["text"] = tokenizer.decode(ids, skip_special_tokens=req.sampling.skip_special_tokens) + choice["text"]
+        if legacy and found is not None:
+            lp = choice["logprobs"]
+            texts = [decode(t) for t in ids]
+            first = [None] + [entry[str(t)]["logprob"] for entry, t in zip(found[1:], ids[1:], strict=True)]
+            tops = [None] + [{e["decoded_token"]: e["logprob"] for e in entry.values()} for entry in found[1:]]
+            offsets = [sum(len(x) for x in texts[:i]) for i in range(len(texts))]
+            shift = sum(len(x) for x in texts)
+            lp["tokens"] = texts + lp["tokens"]
+            lp["token_logprobs"] = first + lp["token_logprobs"]
+            lp["top_logprobs"] = tops + lp["top_logprobs"]
+            lp["text_offset"] = offsets + [o + shift for o in lp["text_offset"]]
 
 
 async def _many(server: ServerState, reqs: list[Request], queues: list[asyncio.Queue[Event]], shape: Shape,

@@ -184,6 +184,8 @@ class Wire:
     model: str | None = None
     continuous_usage: bool = False  # usage in every chunk (vLLM's stream_options.continuous_usage_stats)
     n: int = 1  # answers to the one prompt (each its own choice, sampled with its own seed)
+    prompt_logprobs: int | None = None  # vLLM's: each prompt token's log-probability, this many alternatives
+    echo: bool = False  # text completions: the prompt before the answer
 
 
 #: A parsed completion body: the engine's request, admitted here, and how its answer goes back.
@@ -305,8 +307,12 @@ def _common(req: ChatCompletionRequest | CompletionRequest, s: ServerSettings, q
     if (req.n or 1) > s.max_batch:
         raise APIError(400, f"'n' must be at most {s.max_batch} (the server's max_batch)", code="invalid_value",
                        param="n")
+    echo = bool(getattr(req, "echo", None))
+    if req.stream and (echo or req.prompt_logprobs is not None):
+        raise APIError(400, "'echo' and 'prompt_logprobs' are not supported with stream: true", code="invalid_value",
+                       param="echo" if echo else "prompt_logprobs")
     return request, Wire(bool(req.stream), bool(options and options.include_usage), req.model,
-                         bool(options and options.continuous_usage_stats), int(req.n or 1))
+                         bool(options and options.continuous_usage_stats), int(req.n or 1), req.prompt_logprobs, echo)
 
 
 def message_text(content: str | list[TextPart] | None) -> str:

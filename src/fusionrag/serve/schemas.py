@@ -39,7 +39,6 @@ UNSUPPORTED = {
     "prediction": "predicted outputs are not supported",
     "suffix": "suffix (insertion) is not supported",
     "best_of": "best_of is not supported",
-    "echo": "echo is not supported",
     "reasoning_effort": "reasoning_effort is not supported",
     "web_search_options": "web search is not supported",
 }
@@ -148,6 +147,9 @@ class _Generation(_Body):
     structured_outputs: dict[str, Any] | None = Field(None, description="as vLLM: one of json (a schema), regex, "
                                                                         "choice (a list), grammar (EBNF), "
                                                                         "json_object")
+    prompt_logprobs: int | None = Field(None, ge=0, le=20, description="as vLLM: each prompt token's log-probability "
+                                                                      "and this many alternatives (computed by a Full "
+                                                                      "Attention forward of the prompt)")
     skip_reading_prefix_cache: bool | None = Field(None, description="as vLLM: read no KV an earlier request "
                                                                      "computed (context and prefix caches; the "
                                                                      "store's chunks are the method): A/B tests")
@@ -183,6 +185,8 @@ class CompletionRequest(_Generation):
 
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=20, description="top alternatives per token (legacy API)")
+    echo: bool | None = Field(None, description="the prompt before the completion in the text (and, with logprobs, "
+                                                "in the log-probabilities)")
 
 
 class TokenizeCompletionRequest(_Body):
