@@ -62,10 +62,10 @@ def cached_tokens(req: Request) -> int:
     return req.reused_tokens
 
 
-def usage_json(req: Request) -> dict[str, Any]:
-    """OpenAI's ``usage`` object of a finished request, with ``prompt_tokens_details.cached_tokens``
-    (:func:`cached_tokens`), plus ``fusionrag`` (:func:`reuse_json`)."""
-    done = len(req.token_ids)
+def usage_json(req: Request, completion_tokens: int | None = None) -> dict[str, Any]:
+    """OpenAI's ``usage`` object of a finished request (or of one ``completion_tokens`` into its answer), with
+    ``prompt_tokens_details.cached_tokens`` (:func:`cached_tokens`), plus ``fusionrag`` (:func:`reuse_json`)."""
+    done = len(req.token_ids) if completion_tokens is None else completion_tokens
     return {"prompt_tokens": req.prompt_tokens, "completion_tokens": done, "total_tokens": req.prompt_tokens + done,
             "prompt_tokens_details": {"cached_tokens": cached_tokens(req)}, "fusionrag": reuse_json(req)}
 
@@ -168,17 +168,18 @@ async def sse_stream(req: Request, first: Event, events: asyncio.Queue, shape: S
     (vLLM's ``stream_options.continuous_usage_stats``): every delta carries the usage so far.
     """
     finished = False
-    sent_first, pos = False, 0
+    sent_first, pos, count = False, 0, 0
     try:
         ev = first
         while ev.kind == "token":
+            count += 1  # tokens this stream has read: the usage of its chunk (the model thread runs ahead)
             lp = None
             if logprobs is not None:
                 logprobs.add(ev)
                 lp = logprobs.chat(len(logprobs.items) - 1) if shape.chat else \
                     logprobs.legacy(len(logprobs.items) - 1, pos)
             if ev.text or lp is not None or not sent_first:
-                extra = {"usage": usage_json(req)} if continuous_usage else {}
+                extra = {"usage": usage_json(req, count)} if continuous_usage else {}
                 yield shape.chunk([shape.choice(ev.text, None, lp, first=not sent_first)], **extra)
                 sent_first = True
                 pos += len(ev.text)
