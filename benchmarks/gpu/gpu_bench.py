@@ -69,7 +69,7 @@ def qwen_config(name: str):
                            rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
                            use_sliding_window=False, sliding_window=None)
     return Qwen2Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32768,  # as the real ones
                        rope_theta=10000.0, tie_word_embeddings=False, use_sliding_window=False, sliding_window=None)
 
 
