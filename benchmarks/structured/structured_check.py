@@ -4,7 +4,7 @@ and Full Attention alike.
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/structured/structured_check.py \\
         --data ../shared/data/2wikimqa/2wikimqa_dev_bm25_hipporag.jsonl --limit 50 --out benchmarks/structured/results
 
-qwen2.5-0.5b in the hardware's best dtype (``auto``), the first ``--limit`` questions with their own passages, a
+qwen2.5-0.5b in float32 (the engine's default), the first ``--limit`` questions with their own passages, a
 schema that asks for a short answer and a confidence label, greedy decoding up to 128 tokens, through fusionrag's
 engine and scheduler as the server runs them (``response_format`` -> :mod:`fusionrag.online.constraints`). Per
 question and method: whether the answer parses, fits the schema (``jsonschema``), and ended by itself (not cut
@@ -40,14 +40,20 @@ def main(argv: list[str] | None = None) -> int:
     from fusionrag.retrieval.embedder import HashingEmbedder
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--data", required=True)
+    ap.add_argument("--data", required=False)
     ap.add_argument("--limit", type=int, default=50)
     ap.add_argument("--model", default="qwen2.5-0.5b")
     ap.add_argument("--out", required=True)
     ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--report", action="store_true", help="only rebuild README.md and the plot from structured.json")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.report:
+        doc = json.loads((out / "structured.json").read_text())
+        atomic_write(out / "README.md", markdown(doc))
+        plot(doc, out / "structured.png")
+        return 0
     lm = load_model(args.model)
     examples = load_questions(args.data, args.limit, seed=0)
     kb = Path("runs") / "structured" / f"kb-{args.model}-{args.limit}"  # ignored by git
@@ -99,7 +105,8 @@ def markdown(doc: dict) -> str:
     lines = ["# Structured outputs on the real model: valid JSON that fits the schema", "",
              f"Command: `{meta.get('command')}`  ",
              f"Model: {meta.get('model')} ({doc['meta'].get('dtype')}), greedy, up to 128 tokens; machine: "
-             f"{meta.get('machine', {}).get('cpu_model')}; data: {', '.join(meta.get('data_files', []))}.", "",
+             f"{meta.get('machine', {}).get('cpu_model')}; data: "
+             f"{', '.join(d['path'] if isinstance(d, dict) else str(d) for d in meta.get('data_files', []))}.", "",
              "Schema: `" + json.dumps(doc["schema"]) + "`", "",
              "| method | questions | valid JSON fitting the schema | ended by itself |", "|---|---|---|---|"]
     for m, s in summary.items():
