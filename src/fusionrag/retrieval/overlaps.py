@@ -69,7 +69,7 @@ def find_regions(norm: Seq, bodies: Sequence[tuple[int, Seq]], min_whole: int, m
     at the same place.
 
     ``norm`` and the bodies are normalised texts (anchors start at word starts) or token ids (a tuple: anchors
-    start anywhere; the vLLM connector's prompts, :mod:`fusionrag.vllm.matching`); ``anchor``: an anchor's length.
+    start anywhere; a prompt's ids, :mod:`fusionrag.retrieval.token_matching`); ``anchor``: an anchor's length.
     ``framing``: for a chunk id, how many of its first and last items are its framing rather than its text (a
     title in brackets, a closing blank line: a client's template frames a passage its own way); a part that
     misses no more than those is the chunk's whole text and is taken at any length from ``anchor`` on.

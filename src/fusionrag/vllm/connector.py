@@ -1,7 +1,7 @@
 """``FusionRAGConnector``: FusionRAG inside vLLM, as a v1 KV connector (``--kv-transfer-config``).
 
 Scheduler side (vLLM's engine-core process, :mod:`fusionrag.vllm.planning`): a request whose prompt ids hold
-stored chunks (:mod:`fusionrag.vllm.matching`) is planned on arrival, salted into its mode's prefix-cache
+stored chunks (:mod:`fusionrag.retrieval.token_matching`) is planned on arrival, salted into its mode's prefix-cache
 namespace (:mod:`fusionrag.vllm.isolation`), and reports its context tokens after vLLM's own prefix-cache
 hit (never the last prompt token) as available externally; anything else reports 0 and vLLM prefills as
 usual. Worker side (each model process, :mod:`fusionrag.vllm.loading`), in ``start_load_kv``, before vLLM

@@ -1,7 +1,7 @@
 """The connector's scheduler side: which context tokens of a request the connector serves, decided once.
 
 Runs in vLLM's engine-core process (no model, no vLLM imports). A request is planned when it arrives
-(``on_new_request``): ``S`` and the stored chunks are found in its ids (:mod:`fusionrag.vllm.matching`), and
+(``on_new_request``): ``S`` and the stored chunks are found in its ids (:mod:`fusionrag.retrieval.token_matching`), and
 a request the connector will load is salted into its mode's prefix-cache namespace
 (:mod:`fusionrag.vllm.isolation`) before vLLM looks its blocks up. At each scheduling step the plan says how
 many tokens after vLLM's own prefix hit the connector provides (never the last prompt token); once vLLM
@@ -19,8 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from fusionrag.retrieval.token_matching import ChunkMatcher, ContextMatch
 from fusionrag.vllm.isolation import mode_salt, salt_request
-from fusionrag.vllm.matching import ChunkMatcher, ContextMatch
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""Where a store's chunks are in a prompt's token ids: the scheduler side's whole job, without vLLM.
+"""Where a store's chunks are in a prompt's token ids: the one chunk locator of both engines (the vLLM
+connector's scheduler side, :mod:`fusionrag.vllm.planning`, and fusionrag's engine for a prompt a client built).
 
 A prompt fusionrag built (:class:`~fusionrag.prompt.PromptBuilder`) is ``S``, chunks tokenised as the
 store tokenised them, then the question; a prompt a client pasted its passages into has its own template

@@ -1,10 +1,10 @@
-"""The connector's scheduler side without vLLM: stored chunks found in a prompt's token ids."""
+"""The one chunk locator on token ids (retrieval/token_matching.py), used by the vLLM connector and the engine."""
 
 from __future__ import annotations
 
 import pytest
 
-from fusionrag.vllm.matching import KEY_TOKENS, ChunkMatcher
+from fusionrag.retrieval.token_matching import KEY_TOKENS, ChunkMatcher
 
 S = [1, 2, 3]
 A = list(range(100, 120))
