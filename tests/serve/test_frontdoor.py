@@ -228,7 +228,7 @@ def test_n_above_the_batch_is_400(http):
 
 def test_completions_refuse_batches_and_legacy_fields(http):
     error_of(http.post("/v1/completions", json={"prompt": ["a?", "b?"]}), 400, "invalid_value")
-    error_of(http.post("/v1/completions", json={"prompt": Q, "echo": True}), 400, "unsupported_parameter")
+    assert http.post("/v1/completions", json={"prompt": Q, "echo": True, "max_tokens": 2}).status_code == 200
     error_of(http.post("/v1/completions", json={"prompt": Q, "suffix": "x"}), 400, "unsupported_parameter")
 
 

@@ -38,6 +38,7 @@ from fusionrag.models.clock import StageClock
 from fusionrag.models.fingerprint import same_weights
 from fusionrag.models.registry import LoadedModel
 from fusionrag.online import auto
+from fusionrag.online.client_prompt import ChunkLocator, PromptPrefixes, locate, prefix_kv, with_forced
 from fusionrag.online.kv_loading import ORIGIN, ChunkKVLoader
 from fusionrag.online.methods import make_policy, method_info
 from fusionrag.online.policies import SelectionInput, select
@@ -93,6 +94,8 @@ class Engine:
         self.adhoc_cache_bytes = adhoc_cache_bytes  # the cap, reported by stats() and /metrics
         self.prefix_cache = AlternativePathCache(max_bytes=adhoc_cache_bytes)
         self.context_cache = ContextCache(context_cache_bytes)
+        self.locator = ChunkLocator(store) if store is not None else None  # stored chunks in a client's prompt ids
+        self.prefixes = PromptPrefixes()  # KV of clients' prompt prefixes (their own system message, template)
         self._lock = threading.RLock()  # the model runs one request at a time
         self._scheduler: BatchScheduler | None = None
         self.loader = ChunkKVLoader(self)  # the load stage: stored entries, or computed through the prefix cache
@@ -241,7 +244,7 @@ class Engine:
         fallbacks, cached, info = 0, None, method_info(method)
         origins = ["computed"] * len(chunk_ids)  # where each passage's KV came from (Request.kv_origins)
         keys = [] if info.placement is not None else \
-            context_keys(self.context_cache, self.prompt.system_token_ids, token_ids, method, ratio, kv_kind,
+            context_keys(self.context_cache, system_ids, token_ids, method, ratio, kv_kind,
                          self.lm.dtype)  # a method's own layout (maybe read through a rule) is not cached
         if keys and not req.skip_cache:  # skip_cache: an A/B test's baseline computes what it does not reuse
             cached = self.context_cache.get(keys)
@@ -258,11 +261,11 @@ class Engine:
             pre = yield from prefill_full_pieces(self.lm, system_ids, token_ids, question_token_ids, piece_tokens)
         else:
             entries, fallbacks = self.loader.load(chunk_ids, passages, token_ids, kv_kind, resolved.spans,
-                                                  fresh=req.skip_cache)
+                                                  fresh=req.skip_cache, zero=resolved.forced)
             origins = [e.metadata.get(ORIGIN, "store") for e in entries]
             # One buffer for the prompt: the context, then room for the question, which the pass writes into.
-            buffer, ctx_ids, spans = assemble_context(self.lm, self.system_kv, [e.kv for e in entries],
-                                                      self.prompt.system_token_ids, token_ids, info.placement,
+            buffer, ctx_ids, spans = assemble_context(self.lm, prefix_kv(self, system_ids), [e.kv for e in entries],
+                                                      system_ids, token_ids, info.placement,
                                                       room=len(question_token_ids) if info.placement is None else 0)
             ctx = buffer.head(len(ctx_ids))
             clock.lap("load")
@@ -277,13 +280,14 @@ class Engine:
                 inp = SelectionInput(self.lm, ctx, ctx_ids, spans, torch.tensor(question_token_ids),
                                      chunk_scores=scores)
                 idx = with_cut_starts(select(make_policy(method), inp, float(ratio)), spans, resolved.spans)
+            idx = with_forced(idx, spans, resolved.forced)  # a client's own tokens between stored chunks
             clock.lap("select")
             if cut and idx is not None:
                 yield  # the selection's pre-pass was a piece too
             pre = yield from prefill_reused_pieces(self.lm, ctx, ctx_ids, spans, question_token_ids, idx,
                                                    piece_tokens, buffer if len(buffer) > len(ctx) else None)
         if keys and cached is None:
-            self.context_cache.put(keys[0], CachedContext.of(pre.kv, self.prompt.system_token_ids, token_ids,
+            self.context_cache.put(keys[0], CachedContext.of(pre.kv, system_ids, token_ids,
                                                              pre.spans), chunk_ids)
         clock.lap("recompute")
         timings = {**clock.stages, "total": clock.total()}
@@ -338,8 +342,14 @@ class Engine:
         return resolved
 
     def resolve(self, request: ReuseRequest) -> Resolved:
-        """The request's passages: matched onto stored chunks, or retrieved, at the store's current state."""
+        """The request's passages: matched onto stored chunks, or retrieved, at the store's current state; a prompt
+        the client built (raw) keeps its own ids, its stored chunks found in them (:mod:`.client_prompt`)."""
         generation = self.store.seen_generation if self.store is not None else None
+        if request.raw and self.locator is not None and request.method != "full":
+            ids = request.prompt_ids if request.prompt_ids is not None else self.prompt.raw_token_ids(request.question)
+            located = locate(self.store, self.locator, ids, self.lm.tokenizer.decode)
+            if located is not None:
+                return located
         pieces, scores, note, question = self._passages(request)
         return Resolved(pieces, scores, note, generation, question=question)
 

@@ -55,23 +55,30 @@ class ChunkKVLoader:
 
     def load(self, chunk_ids: Sequence[int | None], passages: Sequence[dict], token_ids: Sequence[list[int]],
               kind: str, spans: Sequence[tuple[int, int] | None] | None = None,
-              fresh: bool = False) -> tuple[list[KVEntry], int]:
+              fresh: bool = False, zero: Sequence[int] = ()) -> tuple[list[KVEntry], int]:
         """One entry per chunk: stored ones from the KV source, the rest through the prefix cache (``fresh``:
         computed, the cache not read). ``spans``: where a piece is part of its stored chunk, its tokens of it
-        (the entry is cut to them)."""
+        (the entry is cut to them). ``zero``: pieces whose KV the prefill computes anyway (a client's own tokens
+        between stored chunks): zeros, not computed twice."""
         spans = list(spans) if spans is not None else [None] * len(chunk_ids)
         kinds = self.kinds_for(chunk_ids, kind)
         keys = [self.stored_key(cid, k) for cid, k in zip(chunk_ids, kinds, strict=True)]
         stored = [k for k in keys if k is not None]
         loaded = self.read_stored(stored)
         keys = [k if k is None or k in loaded else None for k in keys]  # damaged entries: computed like new passages
+        zeroed = set(zero)
         missing = [(passage_hash(p.get("title", ""), p["text"]), ids)
-                   for key, p, ids in zip(keys, passages, token_ids, strict=True) if key is None]
+                   for i, (key, p, ids) in enumerate(zip(keys, passages, token_ids, strict=True))
+                   if key is None and i not in zeroed]
         adhoc = iter(self.adhoc_kvs(missing, fresh))
         entries, fallbacks = [], 0
-        for key, k, span in zip(keys, kinds, spans, strict=True):
+        for i, (key, k, span) in enumerate(zip(keys, kinds, spans, strict=True)):
             if key is not None:
                 entries.append(loaded[key] if span is None else part_of(loaded[key], span))
+            elif i in zeroed:
+                shape = self.engine.lm.adapter.empty_kv_shape(self.engine.lm.num_layers)
+                blank = torch.zeros(*shape[:2], len(token_ids[i]), shape[3])
+                entries.append(KVEntry(KV(blank, blank.clone(), 0), None, {ORIGIN: "computed"}))
             else:
                 kv, origin = next(adhoc)
                 entries.append(KVEntry(kv, None, {ORIGIN: origin}))

@@ -30,6 +30,10 @@ class Resolved:
     #: The question segment's text when it is not the request's question: what follows the stored chunks
     #: found pasted in it (:func:`fusionrag.retrieval.matching.find_in_prompt`).
     question: str | None = None
+    #: A prompt the client built (:mod:`fusionrag.online.client_prompt`): its ids before the first stored chunk
+    #: and after the last one, served as they are (None: fusionrag's layout, ``S`` + passages + question).
+    client_prefix: list[int] | None = None
+    client_question: list[int] | None = None
     _token_ids: list[list[int]] | None = field(default=None, repr=False)
     _question_ids: dict[tuple[str, str], list[int]] = field(default_factory=dict, repr=False)
 
@@ -45,10 +49,16 @@ class Resolved:
         """Each passage's token ids: a stored chunk's as stored (a part: its tokens of them), a client's passage
         tokenized (once)."""
         if self._token_ids is None:
-            self._token_ids = [engine.prompt.chunk_token_ids(p.title, p.text) if p.chunk_id is None else
+            self._token_ids = [list(p.ids) if p.ids is not None else
+                               engine.prompt.chunk_token_ids(p.title, p.text) if p.chunk_id is None else
                                list(engine.store.chunk(p.chunk_id).token_ids)[slice(*(p.span or (None,)))]
                                for p in self.pieces]
         return self._token_ids
+
+    @property
+    def forced(self) -> list[int]:
+        """Pieces every method recomputes: a client's own tokens between stored chunks (gaps)."""
+        return [i for i, p in enumerate(self.pieces) if p.ids is not None]
 
     @property
     def spans(self) -> list[tuple[int, int] | None]:
@@ -57,6 +67,8 @@ class Resolved:
 
     def question_ids(self, engine: Any, request: ReuseRequest) -> list[int]:
         """The question segment's token ids (once per question and preamble); a raw prompt's own ids."""
+        if self.client_question is not None:
+            return self.client_question
         question = request.question if self.question is None else self.question
         key = (question, request.preamble, request.raw)
         if key not in self._question_ids:
@@ -69,9 +81,10 @@ class Resolved:
             self._question_ids[key] = ids
         return self._question_ids[key]
 
-    @staticmethod
-    def system_ids(engine: Any, request: ReuseRequest) -> list[int]:
-        """``S``'s token ids: none before a raw prompt."""
+    def system_ids(self, engine: Any, request: ReuseRequest) -> list[int]:
+        """``S``'s token ids: none before a raw prompt; a client's prompt's own prefix (:attr:`client_prefix`)."""
+        if self.client_prefix is not None:
+            return self.client_prefix
         return [] if request.raw else engine.prompt.system_token_ids
 
     def prompt_tokens(self, engine: Any, request: ReuseRequest) -> int:

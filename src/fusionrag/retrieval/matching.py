@@ -59,13 +59,15 @@ class Piece:
     """One chunk of a request's prompt: a stored chunk (``chunk_id``) or new text (``chunk_id`` None).
 
     ``span``: only tokens ``span[0]:span[1]`` of the stored chunk (a part of it the client's text holds;
-    ``text`` is then that part), None for all of them."""
+    ``text`` is then that part), None for all of them. ``ids``: new text's token ids as a client's prompt
+    holds them (a gap between stored chunks, :mod:`fusionrag.online.client_prompt`), not re-tokenized."""
 
     chunk_id: int | None
     title: str
     text: str
     source: str = ""
     span: tuple[int, int] | None = None
+    ids: tuple[int, ...] | None = None
 
     def as_passage(self) -> dict[str, str]:
         return {"title": self.title, "text": self.text}
