@@ -40,6 +40,16 @@ def chunk_text(title: str, text: str) -> str:
     return f"[{title}] {body}\n\n" if title else f"{body}\n\n"
 
 
+def chat_prompt_ids(tokenizer: Any, messages: list[dict], add_generation_prompt: bool = True,
+                    add_special_tokens: bool = False) -> list[int] | None:
+    """The token ids of ``messages`` (``{role, content}``) through the model's own chat template, as vLLM and
+    ``/tokenize`` render them; None when the tokenizer has no chat template."""
+    if not getattr(tokenizer, "chat_template", None):
+        return None
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+
 def is_valid_text(text: str) -> bool:
     """Whether ``text`` encodes as UTF-8: no lone surrogates (from JSON ``\\ud800`` escapes or from
     command-line bytes that were not UTF-8), which no tokenizer can read."""

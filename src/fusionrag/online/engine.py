@@ -345,7 +345,7 @@ class Engine:
         """The request's passages: matched onto stored chunks, or retrieved, at the store's current state; a prompt
         the client built (raw) keeps its own ids, its stored chunks found in them (:mod:`.client_prompt`)."""
         generation = self.store.seen_generation if self.store is not None else None
-        if request.raw and self.locator is not None and request.method != "full":
+        if request.raw and self.locator is not None:
             ids = request.prompt_ids if request.prompt_ids is not None else self.prompt.raw_token_ids(request.question)
             located = locate(self.store, self.locator, ids, self.lm.tokenizer.decode)
             if located is not None:

@@ -322,12 +322,16 @@ def message_text(content: str | list[TextPart] | None) -> str:
     return content if isinstance(content, str) else "".join(p.text for p in content)
 
 
-def parse_chat(body: Any, s: ServerSettings) -> Parsed:
+def parse_chat(body: Any, s: ServerSettings, render: Callable[[list[dict]], list[int] | None] | None = None
+               ) -> Parsed:
     """A chat-completions body: the last message is the question; system messages and earlier turns are used.
 
-    They go into the question segment (after the reused passages): ``S``, whose KV every
-    stored chunk was computed after, stays fixed. Passages come from ``documents`` or from
-    ``<document>`` blocks in the last user message, not both.
+    A request that brings no passages and asks for no retrieval is the client's own prompt: its messages
+    rendered through the model's chat template (``render``, as ``/tokenize`` renders them) are the prompt, token
+    for token, the stored chunks found wherever they are in it (any message) and reused
+    (:mod:`fusionrag.online.client_prompt`). With passages (``documents``, ``<document>`` blocks in the last user
+    message, not both) or retrieval, fusionrag lays the prompt out: ``S``, whose KV every stored chunk was
+    computed after, the passages, then the question segment with the system messages and earlier turns.
     """
     req = validated(ChatCompletionRequest, body)
     *earlier, last = req.messages
@@ -349,6 +353,12 @@ def parse_chat(body: Any, s: ServerSettings) -> Parsed:
     max_tokens = req.max_tokens if req.max_tokens is not None else req.max_completion_tokens
     if req.top_logprobs and not req.logprobs:
         raise APIError(400, "'top_logprobs' needs 'logprobs': true", code="invalid_value", param="top_logprobs")
+    retrieval = req.retrieval is True or bool(req.retrieval_top_k) or (req.retrieval is None and s.default_retrieval)
+    if not docs and req.documents is None and not retrieval and render is not None and question.strip():
+        ids = render([{"role": m.role, "content": message_text(m.content)} for m in req.messages])
+        if ids is not None:  # the client's prompt, as it built it (its length is checked as any prompt's)
+            return _common(req, s, question, None, max_tokens, bool(req.logprobs), req.top_logprobs or 0,
+                           raw_ids=ids, raw=True)
     out = _common(req, s, question, docs, max_tokens, bool(req.logprobs), req.top_logprobs or 0,
                   conversation_preamble(system, turns))
     return out

@@ -6,6 +6,7 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, Request, Response
 
+from fusionrag.prompt import chat_prompt_ids
 from fusionrag.serve.generation import generate
 from fusionrag.serve.protocol import Parsed, parse_chat, parse_completion
 from fusionrag.serve.schemas import ChatCompletionRequest, CompletionRequest, body_schema
@@ -17,7 +18,12 @@ router = APIRouter(dependencies=[Depends(require_api_key)])
 
 @router.post("/v1/chat/completions", openapi_extra=body_schema(ChatCompletionRequest))
 async def chat_completions(request: Request, server: State) -> Response:
-    return await generate(server, request, True, parse_chat)
+    tokenizer = server.engine.lm.tokenizer if server.engine is not None else None
+
+    def parse(body: Any, settings: ServerSettings) -> Parsed:
+        return parse_chat(body, settings, None if tokenizer is None else lambda m: chat_prompt_ids(tokenizer, m))
+
+    return await generate(server, request, True, parse)
 
 
 @router.post("/v1/completions", openapi_extra=body_schema(CompletionRequest))

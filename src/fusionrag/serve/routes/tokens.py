@@ -15,6 +15,7 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
+from fusionrag.prompt import chat_prompt_ids
 from fusionrag.serve.api_errors import APIError
 from fusionrag.serve.protocol import message_text, parse_detokenize, parse_tokenize, read_json
 from fusionrag.serve.schemas import DetokenizeRequest, TokenizeChatRequest, TokenizeRequest, body_schema
@@ -50,9 +51,9 @@ async def detokenize(request: Request, server: State) -> JSONResponse:
 def _token_ids(tokenizer: Any, req: Any) -> list[int]:
     if not isinstance(req, TokenizeChatRequest):
         return list(tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens))
-    if not getattr(tokenizer, "chat_template", None):
+    messages = [{"role": m.role, "content": message_text(m.content)} for m in req.messages]
+    ids = chat_prompt_ids(tokenizer, messages, req.add_generation_prompt, req.add_special_tokens)
+    if ids is None:
         raise APIError(400, "the served model has no chat template: tokenize a 'prompt' instead",
                        code="invalid_value", param="messages")
-    messages = [{"role": m.role, "content": message_text(m.content)} for m in req.messages]
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=req.add_generation_prompt)
-    return list(tokenizer.encode(text, add_special_tokens=req.add_special_tokens))
+    return ids
