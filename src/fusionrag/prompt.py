@@ -41,12 +41,14 @@ def chunk_text(title: str, text: str) -> str:
 
 
 def chat_prompt_ids(tokenizer: Any, messages: list[dict], add_generation_prompt: bool = True,
-                    add_special_tokens: bool = False) -> list[int] | None:
+                    add_special_tokens: bool = False, template_kwargs: dict | None = None) -> list[int] | None:
     """The token ids of ``messages`` (``{role, content}``) through the model's own chat template, as vLLM and
-    ``/tokenize`` render them; None when the tokenizer has no chat template."""
+    ``/tokenize`` render them (``template_kwargs``: vLLM's ``chat_template_kwargs``, e.g. Qwen3's
+    ``enable_thinking``); None when the tokenizer has no chat template."""
     if not getattr(tokenizer, "chat_template", None):
         return None
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                         **(template_kwargs or {}))
     return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
 

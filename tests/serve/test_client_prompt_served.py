@@ -72,3 +72,25 @@ def test_a_raw_completion_with_pasted_context_reuses_it(client):
     out = client.post("/v1/completions", json={"prompt": prompt, "method": "fusionrag", "max_tokens": 2}).json()
     assert out["usage"]["fusionrag"]["reused_chunks"] >= 2
     assert out["usage"]["prompt_tokens"] == len(client.post("/tokenize", json={"prompt": prompt}).json()["tokens"])
+
+
+
+def test_chat_template_kwargs_reach_the_template_in_both_doors(client):
+    """vLLM's ``chat_template_kwargs`` go to the template (the tiny one reads Qwen3's ``enable_thinking``): the
+    served prompt is ``/tokenize``'s with the same kwargs, and differs from the prompt without them."""
+    messages = [{"role": "user", "content": Q}]
+    plain = tokenized(client, messages)
+    no_thinking = client.post("/tokenize", json={"messages": messages,
+                                                 "chat_template_kwargs": {"enable_thinking": False}}).json()["tokens"]
+    assert len(no_thinking) > len(plain)
+    out = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1,
+                                                    "chat_template_kwargs": {"enable_thinking": False}})
+    assert out.status_code == 200, out.text
+    assert out.json()["usage"]["prompt_tokens"] == len(no_thinking)
+
+
+def test_chat_template_kwargs_with_passages_fusionrag_lays_out_is_a_400(client):
+    out = client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": Q}], "documents": [{"text": "Marie Curie found it."}],
+        "chat_template_kwargs": {"enable_thinking": False}})
+    assert out.status_code == 400 and out.json()["error"]["param"] == "chat_template_kwargs"

@@ -322,16 +322,14 @@ def message_text(content: str | list[TextPart] | None) -> str:
     return content if isinstance(content, str) else "".join(p.text for p in content)
 
 
-def parse_chat(body: Any, s: ServerSettings, render: Callable[[list[dict]], list[int] | None] | None = None
-               ) -> Parsed:
+def parse_chat(body: Any, s: ServerSettings, render: Callable[..., list[int] | None] | None = None) -> Parsed:
     """A chat-completions body: the last message is the question; system messages and earlier turns are used.
 
-    A request that brings no passages and asks for no retrieval is the client's own prompt: its messages
-    rendered through the model's chat template (``render``, as ``/tokenize`` renders them) are the prompt, token
-    for token, the stored chunks found wherever they are in it (any message) and reused
-    (:mod:`fusionrag.online.client_prompt`). With passages (``documents``, ``<document>`` blocks in the last user
-    message, not both) or retrieval, fusionrag lays the prompt out: ``S``, whose KV every stored chunk was
-    computed after, the passages, then the question segment with the system messages and earlier turns.
+    A request that brings no passages and asks for no retrieval is the client's own prompt: its messages through
+    the model's chat template (``render``, as ``/tokenize``) are the prompt, token for token, the stored chunks
+    found in any message and reused (:mod:`fusionrag.online.client_prompt`). With passages (``documents`` or
+    ``<document>`` blocks in the last user message, not both) or retrieval, fusionrag lays the prompt out:
+    ``S``, whose KV every stored chunk was computed after, the passages, then the question segment.
     """
     req = validated(ChatCompletionRequest, body)
     *earlier, last = req.messages
@@ -355,13 +353,16 @@ def parse_chat(body: Any, s: ServerSettings, render: Callable[[list[dict]], list
         raise APIError(400, "'top_logprobs' needs 'logprobs': true", code="invalid_value", param="top_logprobs")
     retrieval = req.retrieval is True or bool(req.retrieval_top_k) or (req.retrieval is None and s.default_retrieval)
     if not docs and req.documents is None and not retrieval and render is not None and question.strip():
-        ids = render([{"role": m.role, "content": message_text(m.content)} for m in req.messages])
+        ids = render([{"role": m.role, "content": message_text(m.content)} for m in req.messages],
+                     req.chat_template_kwargs)
         if ids is not None:  # the client's prompt, as it built it (its length is checked as any prompt's)
             return _common(req, s, question, None, max_tokens, bool(req.logprobs), req.top_logprobs or 0,
                            raw_ids=ids, raw=True)
-    out = _common(req, s, question, docs, max_tokens, bool(req.logprobs), req.top_logprobs or 0,
-                  conversation_preamble(system, turns))
-    return out
+    if req.chat_template_kwargs:
+        raise APIError(400, "'chat_template_kwargs' needs a prompt the client builds (no documents, no retrieval)",
+                       code="invalid_value", param="chat_template_kwargs")
+    return _common(req, s, question, docs, max_tokens, bool(req.logprobs), req.top_logprobs or 0,
+                   conversation_preamble(system, turns))
 
 
 def parse_completion(body: Any, s: ServerSettings, decode: Callable[[list[int]], str],

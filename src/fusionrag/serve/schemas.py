@@ -169,6 +169,8 @@ class _Generation(_Body):
 
 class ChatCompletionRequest(_Generation):
     messages: list[Message] = Field(min_length=1)
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description="as vLLM: passed to the chat template "
+                                                                          "(a prompt the client builds: no documents)")
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
@@ -207,6 +209,7 @@ class TokenizeChatRequest(_Body):
     add_generation_prompt: bool = Field(True, description="end with the assistant's turn opening")
     add_special_tokens: bool = Field(False, description="special tokens on top of the template's")
     return_token_strs: bool | None = Field(False, description="also each token's text")
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description="as vLLM: passed to the chat template")
 
 
 class TokenizeRequest(RootModel[TokenizeCompletionRequest | TokenizeChatRequest]):

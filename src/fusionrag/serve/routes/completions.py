@@ -21,7 +21,8 @@ async def chat_completions(request: Request, server: State) -> Response:
     tokenizer = server.engine.lm.tokenizer if server.engine is not None else None
 
     def parse(body: Any, settings: ServerSettings) -> Parsed:
-        return parse_chat(body, settings, None if tokenizer is None else lambda m: chat_prompt_ids(tokenizer, m))
+        return parse_chat(body, settings, None if tokenizer is None else
+                          lambda m, kw=None: chat_prompt_ids(tokenizer, m, template_kwargs=kw))
 
     return await generate(server, request, True, parse)
 

@@ -52,7 +52,8 @@ def _token_ids(tokenizer: Any, req: Any) -> list[int]:
     if not isinstance(req, TokenizeChatRequest):
         return list(tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens))
     messages = [{"role": m.role, "content": message_text(m.content)} for m in req.messages]
-    ids = chat_prompt_ids(tokenizer, messages, req.add_generation_prompt, req.add_special_tokens)
+    ids = chat_prompt_ids(tokenizer, messages, req.add_generation_prompt, req.add_special_tokens,
+                          req.chat_template_kwargs)
     if ids is None:
         raise APIError(400, "the served model has no chat template: tokenize a 'prompt' instead",
                        code="invalid_value", param="messages")
