@@ -25,6 +25,7 @@ import time
 
 import dspy
 from dspy.utils.exceptions import AdapterParseError
+from paste_common import tokenize_count
 
 
 def usage_of(response) -> tuple[dict, str]:
@@ -59,7 +60,9 @@ def main() -> int:
                 usage, engine = usage_of(lm.history[-1]["response"])
                 print(json.dumps({"round": rnd, "question": i, "cell": name, "seconds": seconds, "usage": usage,
                                   "pasted": len(passages), "lm_calls": len(lm.history) - calls, "engine": engine,
-                                  "parsed": parsed, "dspy_usage": lm.history[-1]["usage"]}), flush=True)
+                                  "parsed": parsed, "dspy_usage": lm.history[-1]["usage"],
+                                  "tokenize_count": tokenize_count(job["url"], messages=lm.history[-1]["messages"])}),
+                      flush=True)
     return 0
 
 

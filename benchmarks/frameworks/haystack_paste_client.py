@@ -22,6 +22,7 @@ from haystack.components.retrievers.in_memory import InMemoryBM25Retriever
 from haystack.dataclasses import ChatMessage
 from haystack.document_stores.in_memory import InMemoryDocumentStore
 from haystack.utils import Secret
+from paste_common import tokenize_count
 
 TEMPLATE = """Answer the question using only the documents below.
 
@@ -71,12 +72,14 @@ def main() -> int:
             for name in order:
                 t0 = time.perf_counter()
                 out = cells[name].run({"retriever": {"query": question}, "prompt": {"question": question}},
-                                      include_outputs_from={"retriever"})
+                                      include_outputs_from={"retriever", "prompt"})
                 seconds = time.perf_counter() - t0
                 reply = out["llm"]["replies"][0]
                 pasted = [d.meta.get("title", "") for d in out["retriever"]["documents"]]
+                sent = [{"role": m.role.value, "content": m.text} for m in out["prompt"]["prompt"]]
                 print(json.dumps({"round": rnd, "question": i, "cell": name, "seconds": seconds,
-                                  "usage": reply.meta.get("usage"), "pasted_titles": pasted}), flush=True)
+                                  "usage": reply.meta.get("usage"), "pasted_titles": pasted,
+                                  "tokenize_count": tokenize_count(job["url"], messages=sent)}), flush=True)
     return 0
 
 

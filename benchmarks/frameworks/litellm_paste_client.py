@@ -18,6 +18,7 @@ import sys
 import time
 
 import litellm
+from paste_common import CELLS, interleaved, tokenize_count
 
 
 def prompt(passages: list[str], question: str) -> str:
@@ -36,19 +37,15 @@ def ask(job: dict, passages: list[str], question: str, method: str | None):
 
 def main() -> int:
     job = json.loads(sys.stdin.read())
-    cells = {"fusionrag": None, "full": "full"}
-    for rnd in range(job["rounds"] + 1):  # round 0: warm-up, not measured
-        for i, (question, passages) in enumerate(zip(job["questions"], job["passages"], strict=True)):
-            order = list(cells) if (rnd + i) % 2 == 0 else list(reversed(cells))
-            for name in order:
-                t0 = time.perf_counter()
-                resp = ask(job, passages, question, cells[name])
-                seconds = time.perf_counter() - t0
-                usage = resp.usage.model_dump()
-                print(json.dumps({"round": rnd, "question": i, "cell": name, "seconds": seconds, "usage": usage,
-                                  "pasted": len(passages)}), flush=True)
+    for rnd, i, question, passages, name in interleaved(job):  # round 0: warm-up, not measured
+        t0 = time.perf_counter()
+        resp = ask(job, passages, question, CELLS[name])
+        seconds = time.perf_counter() - t0
+        usage = resp.usage.model_dump()
+        count = tokenize_count(job["url"], messages=[{"role": "user", "content": prompt(passages, question)}])
+        print(json.dumps({"round": rnd, "question": i, "cell": name, "seconds": seconds, "usage": usage,
+                          "pasted": len(passages), "tokenize_count": count}), flush=True)
     return 0
-
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -1,7 +1,8 @@
 """A pipeline that pastes its context, unchanged, against a fusionrag server: chunks added, reuse, TTFT.
 
     .venv/bin/python benchmarks/frameworks/pasted_ttft.py --out benchmarks/frameworks/results/pasted \\
-        [--client haystack|litellm|dspy] [--model qwen2.5-0.5b] [--limit 6] [--top-k 10] [--rounds 3]
+        [--client haystack|litellm|dspy|langchain-system|llamaindex|openai|litellm-text] \\
+        [--model qwen2.5-0.5b] [--limit 6] [--top-k 10] [--rounds 3]
 
 The user's files are the first ``--limit`` questions' passages of a 2WikiMQA data file, one file per
 title (as ``framework_ttft.py`` makes them), ingested and preprocessed with the CLI (``--top-n 2``).
@@ -15,7 +16,13 @@ files into its prompt, once as its user writes it (``fusionrag``) and once with
 * ``litellm`` (``litellm_paste_client.py``): the same passages in the same template's text, one user
   message, ``litellm.completion(model="openai/<served name>", api_base=...)``;
 * ``dspy`` (``dspy_paste_client.py``): ``dspy.Predict("context, question -> answer")`` with the same
-  passages as its ``context`` list, in DSPy's own ``ChatAdapter`` template, ``dspy.LM("openai/...")``.
+  passages as its ``context`` list, in DSPy's own ``ChatAdapter`` template, ``dspy.LM("openai/...")``;
+* ``langchain-system``, ``llamaindex``, ``openai``, ``litellm-text`` (``template_paste_client.py``): the
+  context in LangChain's system message, LlamaIndex's QA template, an OpenAI SDK user message after a
+  system message, a raw ``litellm.text_completion`` prompt.
+
+Every client also sends ``/tokenize`` what it sent: the server serves the client's prompt token for token
+(issue 47), so ``usage.prompt_tokens`` must equal that count (reported).
 
 The litellm and DSPy clients get the passages the Haystack pipeline's BM25 retrieves
 (``haystack_paste_client.py --retrieve``, before the server starts): every client pastes the same ones,
@@ -55,8 +62,23 @@ CLIENTS = {
     "dspy": ("dspy_paste_client.py", ["dspy", "litellm"],
              "BM25 top {k} (Haystack's) as the `context` list of `dspy.Predict(\"context, question -> answer\")`, "
              "DSPy's `ChatAdapter` template, `dspy.LM(\"openai/...\")`"),
+    "langchain-system": ("template_paste_client.py", ["langchain-core", "langchain-openai"],
+                         "BM25 top {k} (Haystack's) in the *system* message of LangChain's RAG tutorial prompt "
+                         "(`ChatPromptTemplate.from_messages([(\"system\", ...{{context}}), (\"human\", ...)])` "
+                         "| `ChatOpenAI`)"),
+    "llamaindex": ("template_paste_client.py", ["llama-index-core", "llama-index-llms-openai-like"],
+                   "BM25 top {k} (Haystack's) in LlamaIndex's `CHAT_TEXT_QA_PROMPT` (its system message, the "
+                   "context between rules in the user message), `OpenAILike(is_chat_model=True).chat`"),
+    "openai": ("template_paste_client.py", ["openai"],
+               "BM25 top {k} (Haystack's) after a system message, in the user message, the OpenAI SDK"),
+    "litellm-text": ("template_paste_client.py", ["litellm"],
+                     "BM25 top {k} (Haystack's) in a raw prompt (the Haystack template's text), "
+                     "`litellm.text_completion` (`/v1/completions`, no chat template)"),
 }
-TITLES = {"haystack": "Haystack pipeline", "litellm": "litellm call", "dspy": "DSPy program"}
+TITLES = {"haystack": "Haystack pipeline", "litellm": "litellm call", "dspy": "DSPy program",
+          "langchain-system": "LangChain chain (context in the system message)",
+          "llamaindex": "LlamaIndex chat (its QA template)", "openai": "OpenAI SDK call",
+          "litellm-text": "litellm text completion (raw prompt)"}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -105,6 +127,13 @@ def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
     extra["question_tokens_median"] = statistics.median(
         r["usage"]["prompt_tokens"] - r["usage"]["fusionrag"]["context_tokens"] for r in measured
         if r["cell"] == "fusionrag")
+    counted = [r for r in rows if "tokenize_count" in r]
+    if counted:  # the client's prompt, token for token: usage.prompt_tokens against /tokenize of what it sent
+        extra["prompt_tokens_equal_tokenize"] = sum(r["usage"]["prompt_tokens"] == r["tokenize_count"]
+                                                    for r in counted)
+        extra["prompt_tokens_checked"] = len(counted)
+        extra["prompt_tokens_minus_tokenize_max"] = max(abs(r["usage"]["prompt_tokens"] - r["tokenize_count"])
+                                                        for r in counted)
     if any("engine" in r for r in measured):  # DSPy: which client sent each cell, and one call per run
         extra["engines"] = {c: sorted({r["engine"] for r in measured if r["cell"] == c}) for c in ("fusionrag", "full")}
         extra["lm_calls_max"] = max(r["lm_calls"] for r in measured)
@@ -145,6 +174,10 @@ def markdown(doc: dict) -> str:
         f"{s['question_tokens_median']:.0f} |",
         f"| method the server ran | {', '.join(s['methods_run'])} |",
     ]
+    if "prompt_tokens_checked" in s:
+        lines.append(f"| `usage.prompt_tokens` = `/tokenize` of what the client sent (requests; max difference) | "
+                     f"{s['prompt_tokens_equal_tokenize']} / {s['prompt_tokens_checked']}; "
+                     f"{s['prompt_tokens_minus_tokenize_max']} |")
     if "cached_tokens_median" in s:
         lines.append(f"| `usage.prompt_tokens_details.cached_tokens` (median; `method=full`: max) | "
                      f"{s['cached_tokens_median']:.0f}; {s['full_cached_tokens_max']} |")
@@ -175,8 +208,8 @@ def plot(doc: dict, path: Path) -> None:
                   color=["#999999", "#1f77b4"])
     ax.bar_label(bars, fmt="%.2f s")
     ax.set_ylabel("TTFT (s), median of questions")
-    name = {"haystack": "Haystack", "litellm": "litellm", "dspy": "DSPy"}[client]
-    ax.set_title(f"{name} pasting its context, {doc['meta']['model']}, n={s['n_questions']} questions")
+    name = TITLES[client]
+    ax.set_title(f"{name}\n{doc['meta']['model']}, n={s['n_questions']} questions", fontsize=10)
     save_png(fig, path)
 
 
@@ -231,6 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     if not client.is_file():
         raise SystemExit("no .venv-client: run bash scripts/setup_client.sh")
     script, packages, _ = CLIENTS[args.client]
+    flags = ["--template", args.client] if script == "template_paste_client.py" else []
     work = Path(args.work)
     questions = read_questions(Path(args.data), args.limit)[: args.limit]
     files = make_files(questions, work / "files")
@@ -241,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.client != "haystack":  # the Haystack pipeline's BM25 passages: every client pastes the same ones
         job["passages"] = json.loads(run_client(client, "haystack_paste_client.py", job, "--retrieve"))
     with served(work / "store", args.threads, work / "serve.log", 600) as server:
-        out = run_client(client, script, {**job, "url": server["url"], "model": server["model"]})
+        out = run_client(client, script, {**job, "url": server["url"], "model": server["model"]}, *flags)
     rows = [json.loads(line) for line in out.splitlines() if line.strip()]
     found = versions(client, packages if args.client == "haystack" else [*packages, "haystack-ai"])
     meta = {"command": "benchmarks/frameworks/pasted_ttft.py " + shlex.join(sys.argv[1:]), "client": args.client,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sqlite3
 
 import pytest
@@ -129,17 +130,22 @@ def test_sync_removes_only_the_gone_files_under_the_given_folders(store, lm, tmp
         str(tmp_path / "never")]
 
 
+def _as_before_document_ids(kb, name: str) -> None:
+    """The store as one built before documents were recorded: no documents table, chunks named by ``name``."""
+    db = sqlite3.connect(kb / "store.sqlite")
+    with db:
+        db.execute("DROP TABLE documents")
+        db.execute("UPDATE chunk_refs SET doc = ?", (name,))
+    db.close()
+
+
 def test_an_old_store_with_bare_file_names_opens_lists_and_is_replaced_by_a_re_ingest(tmp_path, lm):
     doc = _md(tmp_path / "docs" / "earth.md")
     store = build.create_store(tmp_path / "kb", lm, kv_dtype="float32", embedder=HashingEmbedder(64))
     build.ingest(store, lm, [doc], progress=False)
     old = _id(store, "Ash", SECTIONS["Ash"])
     store.close()
-    db = sqlite3.connect(tmp_path / "kb" / "store.sqlite")  # as a store from before documents were recorded
-    with db:
-        db.execute("DROP TABLE documents")
-        db.execute("UPDATE chunk_refs SET doc = 'earth.md'")
-    db.close()
+    _as_before_document_ids(tmp_path / "kb", "earth.md")
     assert [(d.id, d.origin, d.chunks) for d in list_documents(tmp_path / "kb")] == [("earth.md", "legacy", 5)]
     store = KnowledgeStore.open(tmp_path / "kb", lm, embedder=HashingEmbedder(64))  # writable: migrated
     assert [(d.id, d.origin) for d in store.documents.all()] == [("earth.md", "legacy")]
@@ -148,6 +154,22 @@ def test_an_old_store_with_bare_file_names_opens_lists_and_is_replaced_by_a_re_i
     assert report.documents["removed"] == ["earth.md"] and report.removed_ids == [old]
     assert [(d.id, d.chunks) for d in store.documents.all()] == [(str(doc.resolve()), 5)]
     store.close()
+
+
+def test_delete_by_file_path_finds_the_file_in_a_store_built_before_document_ids(tmp_path, lm, capsys):
+    """Before: `fusionrag delete docs/earth.md` on such a store said "no document" (its chunks are named by the
+    bare file name there)."""
+    from fusionrag.cli import main
+
+    doc = _md(tmp_path / "docs" / "earth.md")
+    store = build.create_store(tmp_path / "kb", lm, kv_dtype="float32", embedder=HashingEmbedder(64),
+                               model_source="tiny-llama")
+    build.ingest(store, lm, [doc], progress=False)
+    store.close()
+    _as_before_document_ids(tmp_path / "kb", "earth.md")
+    assert main(["delete", str(doc), "--store", str(tmp_path / "kb"), "--quiet"]) == 0
+    assert json.loads(capsys.readouterr().out)["removed"] == ["earth.md"]
+    assert list_documents(tmp_path / "kb") == []
 
 
 def test_a_passage_source_splits_like_the_reader_and_set_document_replaces(store, lm):

@@ -167,11 +167,12 @@ def test_verify_reports_each_broken_kv_file_and_repair_mends_it(tmp_path, lm, da
 
 
 @pytest.mark.parametrize("what", ["fifo", "symlink", "huge", "padded"])
-def test_a_kv_path_that_is_not_an_entry_is_never_read(tmp_path, lm, what):
+def test_a_kv_path_that_is_not_an_entry_is_never_read(tmp_path, lm, what, caplog):
     """Before: a KV path that was not a regular file, or was absurdly large, was read whole before its header
     was checked: `store verify` could block on a FIFO or grow without bound on a huge file, and the server
-    read such a file on every request. Now: checked (type, then size against the header) before reading;
-    verify reports it, answering treats it as missing and computes the chunk's KV."""
+    read such a file on every request; then a symlinked one fell back without a word. Now: checked (type, then
+    size against the header) before reading; verify reports it, answering computes the chunk's KV and names
+    the entry on stderr (once)."""
     import os
     import resource
 
@@ -199,8 +200,29 @@ def test_a_kv_path_that_is_not_an_entry_is_never_read(tmp_path, lm, what):
     res = engine.answer("topic 1 item 5", method="fusionrag", ratio=0.15, kv="fused",
                         chunks=[{"title": "T5", "text": PASSAGES[5]["text"]}], max_new_tokens=2)
     assert res.fused_fallbacks == 1  # answered from freshly computed plain KV, the path never trusted
+    named = [r.getMessage() for r in caplog.records if "chunk 5" in r.getMessage()]
+    assert len(named) == 1 and "verify --repair" in named[0]
+    assert what not in ("fifo", "symlink") or str(path) in named[0]
     grown_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before
     assert grown_kib < 512 * 1024  # nothing near the file's claimed size was read into memory
+    store.close()
+
+
+def test_a_symlinked_instruction_kv_is_found_by_verify_and_answered_around(tmp_path, lm, caplog):
+    """Before: kv/system.safetensors replaced by a symlink to a good copy passed `store verify` (and answering
+    silently took it for "not computed")."""
+    from fusionrag.online.engine import Engine
+
+    store = _store(tmp_path / "kb", lm, fuse=True)
+    system = store.kv_path(None, "system")
+    (tmp_path / "copy.safetensors").write_bytes(system.read_bytes())
+    system.unlink()
+    system.symlink_to(tmp_path / "copy.safetensors")
+    report = verify_store(store)
+    assert not report.ok and "not a regular file" in report.problems[0].why
+    assert Engine(store, lm).answer("topic 3?", method="fusionrag", top_k=3, max_new_tokens=2).context_tokens > 0
+    assert "system prompt KV" in caplog.text and "not a regular file" in caplog.text
+    assert verify_store(store, lm, repair=True).ok and not system.is_symlink() and verify_store(store).ok
     store.close()
 
 

@@ -124,3 +124,22 @@ def test_a_job_waits_while_another_process_writes_and_chats_are_served_meanwhile
         time.sleep(0.05)
         job = client.get(f"/v1/documents/{job_id}").json()
     assert job["status"] == "ready" and job["waiting"] is None and job["chunk_ids"], job
+
+
+def test_a_delete_while_a_job_is_in_progress_is_a_409_at_once_and_deletes_nothing(served):
+    """Before: an API DELETE held its HTTP call 276 s behind a document job (its re-fuse did the job's own
+    preprocessing). Now it is refused at once, naming the job; once the job is ready the same call deletes."""
+    from fusionrag.retrieval.store_files import writer_lock
+
+    app, client = served
+    store = app.state.scheduler.engine.store
+    _finished(client, [{"id": "giraffes", "title": "Giraffes", "text": "Giraffes have long necks."}])
+    with writer_lock(store.path, timeout_s=5):  # another process writes: the job waits, still running
+        job = client.post("/v1/documents", json=[{"title": "Hippos", "text": "Hippos spend days in water."}]).json()
+        r = client.delete("/v1/documents/giraffes")  # held behind the job, this call would never return here
+        assert r.status_code == 409 and job["id"] in r.json()["error"]["message"]
+        assert "giraffes" in _listed(client)
+    deadline = time.monotonic() + 60
+    while client.get(f"/v1/documents/{job['id']}").json()["status"] != "ready" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert client.delete("/v1/documents/giraffes").status_code == 200 and "giraffes" not in _listed(client)

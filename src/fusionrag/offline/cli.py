@@ -226,7 +226,7 @@ def cmd_delete(args: argparse.Namespace) -> int:
     store, lm = _open(store_dir, args.model, devices=device_options(args))
     try:
         _finish_interrupted(store, lm, args.quiet)
-        docs = list(dict.fromkeys(_document_id(store, store_dir, t) for t in args.targets))
+        docs = list(dict.fromkeys(d for t in args.targets for d in _document_ids(store, store_dir, t)))
         report = build.delete_documents(store, lm, docs, progress=not args.quiet)
     finally:
         store.close()
@@ -234,16 +234,22 @@ def cmd_delete(args: argparse.Namespace) -> int:
     return 0
 
 
-def _document_id(store, store_dir: Path, target: str) -> str:
-    """A document named by its id, or by its file's path (resolved: relative paths work)."""
+def _document_ids(store, store_dir: Path, target: str) -> list[str]:
+    """The documents a target names: its id, or its file's path (resolved: relative paths work). In a store
+    built before documents were recorded, a file's chunks are a ``legacy`` document named by the file's name
+    (a JSONL file's questions: ``NAME#id``), so a path finds those too."""
     if store.documents.get(target) is not None:
-        return target
-    path = str(Path(target).expanduser().resolve())
-    found = store.documents.by_source(path) or store.documents.get(path)
-    if found is None:
+        return [target]
+    path = Path(target).expanduser().resolve()
+    found = store.documents.by_source(str(path)) or store.documents.get(str(path))
+    if found is not None:
+        return [found.id]
+    legacy = [d.id for d in store.documents.all() if d.origin == "legacy"
+              and (d.id == path.name or d.id.startswith(path.name + "#"))]
+    if not legacy:
         raise FusionRAGError(f"no document '{target}' in the store at {store_dir} (list them with: fusionrag "
                              f"documents --store {store_dir})")
-    return found.id
+    return legacy
 
 
 def cmd_store_info(args: argparse.Namespace) -> int:

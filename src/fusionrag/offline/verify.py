@@ -87,8 +87,8 @@ def verify_store(store: KnowledgeStore, lm: LoadedModel | None = None, repair: b
 def _check_system(store: KnowledgeStore, report: VerifyReport, repair: bool) -> None:
     """``S``'s KV: every prompt starts with it, so a damaged copy makes the store unable to answer."""
     path = store.kv_path(None, "system")
-    if not path.exists():
-        return  # computed when needed (and stored by the next build step)
+    if not store.kv.present(None, "system"):
+        return  # computed when needed (and stored by the next build step); a link there is checked below
     report.entries_checked += 1
     try:
         store.load_system_kv()

@@ -51,6 +51,11 @@ class ChunkKVLoader:
             return None
         if self.engine.store.has_kv(chunk_id, kind):
             return (chunk_id, kind)
+        if (chunk_id, kind) not in self.damaged and self.engine.store.kv.present(chunk_id, kind):
+            self.damaged.add((chunk_id, kind))  # a link, FIFO or device where an entry belongs: named, not read
+            log.error("stored %s KV of chunk %s (%s) is not a regular file (a link, FIFO or device); not read, "
+                      "computing it for this request. Run 'fusionrag store verify --repair'.", kind, chunk_id,
+                      self.engine.store.kv_path(chunk_id, kind))
         return (chunk_id, "plain") if self.engine.store.has_kv(chunk_id, "plain") else None
 
     def load(self, chunk_ids: Sequence[int | None], passages: Sequence[dict], token_ids: Sequence[list[int]],

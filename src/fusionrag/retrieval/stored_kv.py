@@ -10,6 +10,7 @@ another dtype, build KV sources) without the store's database or index.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -44,8 +45,9 @@ class StoredKV:
         given) was computed in a dtype less precise than float32 and other than ``dtype``: ``S``
         prefixes every prompt, so an engine computing in float32 recomputes a bf16-built ``S`` (ratio 1
         stays Full Attention within 1e-4), while a bf16 engine keeps a float32-built one (closer to
-        the float32 reference than its own: decision 052)."""
-        if not self._kv.exists(None, "system"):
+        the float32 reference than its own: decision 052). Something other than a regular file at its path (a
+        link, FIFO or device) is never read and never taken for "not computed": :class:`CacheIntegrityError`."""
+        if not self.present(None, "system"):
             return None
         if dtype is not None:
             header = self._kv.header(None, "system") or {}
@@ -56,6 +58,11 @@ class StoredKV:
     def has(self, chunk_id: int, kind: str) -> bool:
         """Whether an entry exists (not verified; every read through :meth:`source` verifies)."""
         return self._kv.exists(chunk_id, kind)
+
+    def present(self, chunk_id: int | None, kind: str) -> bool:
+        """Whether anything is at an entry's path, a regular file or not (a symlink, even a dangling one, too):
+        a path that is taken but :meth:`has` says no entry is a fault to name, not an entry to compute."""
+        return os.path.lexists(self._kv.path(chunk_id, kind))
 
     def header(self, chunk_id: int | None, kind: str) -> dict[str, Any] | None:
         """An entry's header metadata (checksum, dtype, tokens hash, extra), or None; not verified."""

@@ -261,6 +261,11 @@ class DocumentJobs:
         with self._lock:
             return dict(Counter(j.status for j in self._jobs.values()))
 
+    def in_progress(self) -> list[DocumentJob]:
+        """The jobs still pending or running, oldest first."""
+        with self._lock:
+            return [j for j in self._jobs.values() if j.status in ("pending", "running")]
+
     # -- running (the scheduler's model thread) ----------------------------------------------
 
     def start(self, scheduler: Any, job: DocumentJob) -> None:

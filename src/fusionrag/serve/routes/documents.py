@@ -30,7 +30,7 @@ async def add_documents(request: Request, server: State) -> JSONResponse:
     docs = parse_documents(items, s, "documents")
     server.ensure_ready()
     server.writable()
-    if jobs.counts().get("pending", 0) + jobs.counts().get("running", 0) >= s.max_document_jobs:
+    if len(jobs.in_progress()) >= s.max_document_jobs:
         raise APIError(429, f"too many document jobs in progress (limit {s.max_document_jobs})",
                        "rate_limit_error", "queue_full")
     await asyncio.to_thread(check_job_size, server.engine, docs, s)
@@ -59,20 +59,31 @@ async def delete_documents(job_id: str, server: State) -> JSONResponse:
     """A job id deletes that job's documents; any other id deletes the stored document of that id."""
     jobs, sched = server.jobs, server.scheduler
     job = jobs.get(job_id)
-    if job is None:
-        await _stored_document(server, job_id)
-        server.writable()
-        return JSONResponse(await asyncio.wrap_future(jobs.delete_document(sched, job_id)))
-    if job.status in ("pending", "running"):
+    if job is not None and job.status in ("pending", "running"):
         raise APIError(409, f"document job '{job_id}' is still {job.status}; delete it once it is ready",
                        code="conflict")
-    if job.status == "deleted":
+    if job is not None and job.status == "deleted":
         return JSONResponse(job.to_json())
+    if job is None:
+        await _stored_document(server, job_id)
+    _no_job_in_progress(server)
     server.writable()
+    if job is None:
+        return JSONResponse(await asyncio.wrap_future(jobs.delete_document(sched, job_id)))
     if job.status in ("ready", "failed"):  # a failed job may have added some passages: remove them too
         await asyncio.wrap_future(jobs.delete(sched, job))
     job.status = "deleted"
     return JSONResponse(job.to_json())
+
+
+def _no_job_in_progress(server: ServerState) -> None:
+    """A delete re-fuses what the removal made stale, which while a job runs includes the job's own new chunks:
+    the call would hold its connection for the job's whole preprocessing. It is refused at once instead (409),
+    naming the job to wait for, and nothing is removed."""
+    busy = server.jobs.in_progress()
+    if busy:
+        raise APIError(409, f"document job '{busy[0].id}' is {busy[0].status}; delete once it is ready (GET "
+                            f"/v1/documents/{busy[0].id}); nothing was deleted", code="conflict")
 
 
 async def _stored_document(server: ServerState, doc_id: str) -> Any:
