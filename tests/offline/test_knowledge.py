@@ -85,6 +85,7 @@ def test_store_lifecycle(tmp_path, lm):
     info = store_info(ks.path)
     assert info["chunks"] == 6 and info["plain_kv"] == 6 and info["fused_kv"] == 0 and info["model"] == "tiny-llama"
     assert info["bytes_on_disk"] > info["plain_kv_bytes"] > 0 and info["settings"]["kv_dtype"] == "float32"
+    assert info["system_prompt"] == ks.prompt.system_prompt and info["system_prompt"]  # the text, not only a hash
     ks.close()
 
     # reopen: with the recorded model, and with the index file lost (rebuilt from SQLite)

@@ -124,6 +124,7 @@ def store_info(path) -> dict[str, Any]:
         "path": str(path),
         "model": settings.get("model"),
         "fingerprint": settings.get("fingerprint"),
+        "system_prompt": settings.get("system_prompt"),  # the instruction in S (rag_messages takes it)
         "system_hash": settings.get("system_hash"),
         "chunks": n_chunks,
         "documents": n_docs,
