@@ -143,9 +143,19 @@ def test_documents_are_added_in_the_background(app, client):
     fr = r.json()["fusionrag"]
     assert fr["chunk_ids"] == job["chunk_ids"] and fr["fused_fallbacks"] == 0
     # A bare list is accepted too.
-    assert client.post("/v1/documents", json=[{"text": "Another passage."}]).status_code == 202
-    # Removing documents: gone from the store, and from retrieval.
+    other = client.post("/v1/documents", json=[{"text": "Another passage."}])
+    assert other.status_code == 202
+    # Removing documents: refused at once (409, naming the job) while a job runs, nothing removed; then
+    # gone from the store, and from retrieval.
     store = app.state.scheduler.engine.store
+    r = client.delete(f"/v1/documents/{job['id']}")
+    if r.status_code == 409:
+        assert other.json()["id"] in r.json()["error"]["message"]
+        assert set(job["chunk_ids"]) <= set(store.chunk_ids())
+    deadline = time.monotonic() + 60
+    while client.get(f"/v1/documents/{other.json()['id']}").json()["status"] in ("pending", "running"):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
     r = client.delete(f"/v1/documents/{job['id']}")
     assert r.status_code == 200 and r.json()["status"] == "deleted"
     assert not set(job["chunk_ids"]) & set(store.chunk_ids())
