@@ -80,7 +80,7 @@ def test_a_prompt_far_over_the_limit_is_refused_before_any_matching(counted, mon
     import fusionrag.online.engine as engine_module
 
     app, _, calls = counted
-    monkeypatch.setattr(engine_module, "find_in_prompt", lambda *a, **k: calls.update(["find"]) or [])
+    monkeypatch.setattr(engine_module, "locate", lambda *a, **k: calls.update(["find"]) or None)
     app.state.scheduler.max_prompt_tokens = 400
     pasted = "Context:\n" + " ".join(p["text"] for p in PASSAGES) * 40 + "\n\nQuestion: who found polonium?"
     with TestClient(app) as client:

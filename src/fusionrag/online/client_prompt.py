@@ -1,12 +1,13 @@
-"""A prompt the client built, served as it is: its stored chunks found in its token ids, the rest computed.
+"""A prompt that places no passages, served as it is: its stored chunks found in its token ids, the rest computed.
 
 A pipeline that renders its own prompt (a raw completion, or chat messages through the model's template) must
 get an answer to exactly that prompt: ``prompt_tokens`` equals ``/tokenize`` of it, its own system message
 stays where it put it, its context may sit in any message. The engine therefore does not rewrite such a
-prompt into the store's layout. It finds the stored chunks in the prompt's token ids with the one chunk
-locator both engines use (:class:`~fusionrag.retrieval.token_matching.ChunkMatcher`, the vLLM connector's
-too), whole or in part, anywhere after the first token, and serves them from the store; everything else is
-the client's own tokens:
+prompt into the store's layout; nor a question with passages pasted into it (``S`` and its question
+segment, as fusionrag builds a prompt without passages). It finds the stored chunks in the prompt's token
+ids with the store's chunk locator (:class:`~fusionrag.retrieval.chunk_locator.ChunkLocator`, the vLLM
+connector's too), whole or in part, anywhere after the first token, and serves them from the store;
+everything else is the prompt's own tokens:
 
 - the ids before the first stored chunk are the prompt's *prefix* (its own system message, template, earlier
   turns), computed exactly, like ``S`` (:meth:`PromptPrefixes.kv`, kept for the next request with the same
@@ -32,31 +33,14 @@ import torch
 from fusionrag.kvcache.kv import KV
 from fusionrag.online.resolved import Resolved
 from fusionrag.retrieval.matching import Piece
-from fusionrag.retrieval.token_matching import ChunkMatcher
 
 
-class ChunkLocator:
-    """The engine's :class:`ChunkMatcher` over its store, made when first asked and again after a store change."""
-
-    def __init__(self, store: Any) -> None:
-        self.store = store
-        self._matcher: ChunkMatcher | None = None
-        self._generation: int | None = None
-        self._lock = threading.Lock()
-
-    def matcher(self) -> ChunkMatcher:
-        with self._lock:
-            if self._matcher is None or self._generation != self.store.seen_generation:
-                self._matcher = ChunkMatcher.from_store(self.store, kind="plain")
-                self._generation = self.store.seen_generation
-            return self._matcher
-
-
-def locate(store: Any, locator: ChunkLocator, ids: Sequence[int], decode: Any) -> Resolved | None:
-    """The client's prompt ``ids`` as prefix, pieces (stored chunks and gaps) and question, or None when it holds
-    no stored chunk (then it is computed whole, as it is)."""
+def locate(store: Any, ids: Sequence[int], kind: str, decode: Any) -> Resolved | None:
+    """The prompt ``ids`` as prefix, pieces (stored chunks and gaps) and question, or None when it holds no
+    stored chunk a ``kind`` request reads (then it is computed whole, as it is). Full Attention (``kind``
+    ``none``) finds them as a plain reader would: what it reports as stored, it computes."""
     ids = [int(t) for t in ids]
-    match = locator.matcher().match(ids)
+    match = store.locator.match(ids, "plain" if kind == "none" else kind)
     if not match.chunks:
         return None
     first = match.chunks[0].start

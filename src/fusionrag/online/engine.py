@@ -38,7 +38,7 @@ from fusionrag.models.clock import StageClock
 from fusionrag.models.fingerprint import same_weights
 from fusionrag.models.registry import LoadedModel
 from fusionrag.online import auto
-from fusionrag.online.client_prompt import ChunkLocator, PromptPrefixes, locate, prefix_kv, with_forced
+from fusionrag.online.client_prompt import PromptPrefixes, locate, prefix_kv, with_forced
 from fusionrag.online.kv_loading import ORIGIN, ChunkKVLoader
 from fusionrag.online.methods import make_policy, method_info
 from fusionrag.online.policies import SelectionInput, select
@@ -50,7 +50,7 @@ from fusionrag.online.scheduler import BatchScheduler
 from fusionrag.online.state import Request, Status
 from fusionrag.prompt import PromptBuilder
 from fusionrag.retrieval.knowledge import KnowledgeStore
-from fusionrag.retrieval.matching import Piece, find_in_prompt, match_passages
+from fusionrag.retrieval.matching import Piece, match_passages
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +94,6 @@ class Engine:
         self.adhoc_cache_bytes = adhoc_cache_bytes  # the cap, reported by stats() and /metrics
         self.prefix_cache = AlternativePathCache(max_bytes=adhoc_cache_bytes)
         self.context_cache = ContextCache(context_cache_bytes)
-        self.locator = ChunkLocator(store) if store is not None else None  # stored chunks in a client's prompt ids
         self.prefixes = PromptPrefixes()  # KV of clients' prompt prefixes (their own system message, template)
         self._lock = threading.RLock()  # the model runs one request at a time
         self._scheduler: BatchScheduler | None = None
@@ -342,16 +341,25 @@ class Engine:
         return resolved
 
     def resolve(self, request: ReuseRequest) -> Resolved:
-        """The request's passages: matched onto stored chunks, or retrieved, at the store's current state; a prompt
-        the client built (raw) keeps its own ids, its stored chunks found in them (:mod:`.client_prompt`)."""
+        """The request's passages: matched onto stored chunks, or retrieved, at the store's current state. A
+        request that places no passages keeps its prompt's ids (a client's own, or ``S`` and the question segment)
+        and its stored chunks are found in them wherever they were pasted (:mod:`.client_prompt`), as the vLLM
+        connector finds them: served from the store, the ids between them recomputed."""
         generation = self.store.seen_generation if self.store is not None else None
-        if request.raw and self.locator is not None:
-            ids = request.prompt_ids if request.prompt_ids is not None else self.prompt.raw_token_ids(request.question)
-            located = locate(self.store, self.locator, ids, self.lm.tokenizer.decode)
+        if request.chunks is None and not request.retrieves and self.store is not None:
+            located = locate(self.store, self._unplaced_ids(request), resolved_kv(request.method, request.kv),
+                             self.lm.tokenizer.decode)
             if located is not None:
                 return located
-        pieces, scores, note, question = self._passages(request)
-        return Resolved(pieces, scores, note, generation, question=question)
+        pieces, scores, note = self._passages(request)
+        return Resolved(pieces, scores, note, generation)
+
+    def _unplaced_ids(self, request: ReuseRequest) -> list[int]:
+        """The ids a request without passages prefills: a raw prompt's own, else ``S`` and its question segment."""
+        if request.raw:
+            return list(request.prompt_ids) if request.prompt_ids is not None else \
+                self.prompt.raw_token_ids(request.question)
+        return [*self.prompt.system_token_ids, *self.prompt.question_token_ids(request.question, request.preamble)]
 
     def _current(self, resolved: Resolved) -> bool:
         return self.store is None or resolved.generation == self.store.seen_generation
@@ -390,30 +398,24 @@ class Engine:
 
     # -- internals --------------------------------------------------------------------
 
-    def _passages(self, req: ReuseRequest) -> tuple[list[Piece], list[float | None], str, str | None]:
-        """The request's chunks, their retrieval scores, a note when it gets none it might expect, and the
-        question when it is not the request's whole text.
+    def _passages(self, req: ReuseRequest) -> tuple[list[Piece], list[float | None], str]:
+        """The request's chunks, their retrieval scores, and a note when it gets none it might expect.
 
         Passages the request brings are mapped onto stored chunks (:mod:`fusionrag.retrieval.matching`);
-        without retrieval, stored chunks pasted into the question's text are found where they occur (the
-        text after the last one is the question); otherwise the store is searched, unless there is none.
-        Only stored chunks have a ``chunk_id``, so an engine without a store never reaches the store below."""
+        a request that retrieves searches the store, unless there is none. Only stored chunks have a
+        ``chunk_id``, so an engine without a store never reaches the store below."""
         if req.chunks is not None:
             pieces = match_passages(self.store, self.prompt, req.chunks)
-            return pieces, [None] * len(pieces), "", None
+            return pieces, [None] * len(pieces), ""
         if not req.retrieves:
-            pasted = None if req.raw else find_in_prompt(self.store, req.question)
-            if pasted is None:
-                return [], [], "", None
-            pieces, question = pasted
-            return pieces, [None] * len(pieces), "", question
+            return [], [], ""
         if self.store is None:
-            return [], [], "no store: answered without passages", None
+            return [], [], "no store: answered without passages"
         hits = self.store.retrieve(req.question, req.top_k or DEFAULT_TOP_K)
         if not hits:
-            return [], [], "the store is empty: answered without passages", None
+            return [], [], "the store is empty: answered without passages"
         pieces = [Piece(h["chunk_id"], h["title"], h["text"], h["source"]) for h in hits]
-        return pieces, [h["score"] for h in hits], "", None
+        return pieces, [h["score"] for h in hits], ""
 
     def kinds_for(self, chunk_ids: Sequence[int | None], kind: str) -> list[str]:
         """The stored KV each chunk reads (:meth:`ChunkKVLoader.kinds_for`)."""

@@ -20,11 +20,17 @@ from fusionrag.kvcache.kv import KV
 from fusionrag.kvcache.sources import Key
 from fusionrag.kvcache.store import KVEntry
 from fusionrag.prompt import passage_hash
+from fusionrag.retrieval.kv_kinds import requested_kinds, served_kind
 
 log = logging.getLogger(__name__)
 
 #: The metadata key of a passage's entry that says where its KV came from (``prefix_cache`` or ``computed``).
 ORIGIN = "origin"
+
+
+def _none(chunk_id: int, kind: str) -> bool:
+    """No store: no stored entry."""
+    return False
 
 
 class ChunkKVLoader:
@@ -37,26 +43,23 @@ class ChunkKVLoader:
         self.damaged: set[Key] = set()  # stored entries that failed verification (answered around, not repaired)
 
     def kinds_for(self, chunk_ids: Sequence[int | None], kind: str) -> list[str]:
-        """The stored KV each chunk reads. ``plain-first``: the first chunk plain, the rest fused; a
-        store that dropped its plain KV (``preprocess --drop-plain``) serves the first chunk fused too,
-        rather than computing it."""
-        if kind != "plain-first":
-            return [kind] * len(chunk_ids)
-        first = chunk_ids[0] if chunk_ids else None
-        plain = first is None or self.engine.store.has_kv(first, "plain")
-        return [("plain" if plain else "fused") if i == 0 else "fused" for i in range(len(chunk_ids))]
+        """The stored entry each chunk asks for (:func:`~fusionrag.retrieval.kv_kinds.requested_kinds`, the one
+        rule of both engines)."""
+        return requested_kinds(self.engine.store.has_kv if self.engine.store is not None else _none,
+                               chunk_ids, kind)
 
     def stored_key(self, chunk_id: int | None, kind: str) -> Key | None:
+        """The entry a chunk asking for ``kind`` reads (a fused one falls back to plain), or None: computed. An
+        entry that is there but not a regular file is named once and not read."""
         if chunk_id is None:
             return None
-        if self.engine.store.has_kv(chunk_id, kind):
-            return (chunk_id, kind)
-        if (chunk_id, kind) not in self.damaged and self.engine.store.kv.present(chunk_id, kind):
+        served = served_kind(self.engine.store.has_kv, chunk_id, kind, first=False)
+        if served != kind and (chunk_id, kind) not in self.damaged and self.engine.store.kv.present(chunk_id, kind):
             self.damaged.add((chunk_id, kind))  # a link, FIFO or device where an entry belongs: named, not read
             log.error("stored %s KV of chunk %s (%s) is not a regular file (a link, FIFO or device); not read, "
                       "computing it for this request. Run 'fusionrag store verify --repair'.", kind, chunk_id,
                       self.engine.store.kv_path(chunk_id, kind))
-        return (chunk_id, "plain") if self.engine.store.has_kv(chunk_id, "plain") else None
+        return (chunk_id, served) if served is not None else None
 
     def load(self, chunk_ids: Sequence[int | None], passages: Sequence[dict], token_ids: Sequence[list[int]],
               kind: str, spans: Sequence[tuple[int, int] | None] | None = None,

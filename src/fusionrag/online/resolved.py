@@ -27,9 +27,6 @@ class Resolved:
     scores: list[float | None]
     note: str = ""
     generation: int | None = None
-    #: The question segment's text when it is not the request's question: what follows the stored chunks
-    #: found pasted in it (:func:`fusionrag.retrieval.matching.find_in_prompt`).
-    question: str | None = None
     #: A prompt the client built (:mod:`fusionrag.online.client_prompt`): its ids before the first stored chunk
     #: and after the last one, served as they are (None: fusionrag's layout, ``S`` + passages + question).
     client_prefix: list[int] | None = None
@@ -69,11 +66,10 @@ class Resolved:
         """The question segment's token ids (once per question and preamble); a raw prompt's own ids."""
         if self.client_question is not None:
             return self.client_question
-        question = request.question if self.question is None else self.question
-        key = (question, request.preamble, request.raw)
+        key = (request.question, request.preamble, request.raw)
         if key not in self._question_ids:
             if not request.raw:
-                ids = engine.prompt.question_token_ids(question, request.preamble)
+                ids = engine.prompt.question_token_ids(request.question, request.preamble)
             elif request.prompt_ids is not None:
                 ids = list(request.prompt_ids)
             else:

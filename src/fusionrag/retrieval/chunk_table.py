@@ -60,6 +60,11 @@ class ChunkTable:
     def ids(self) -> list[int]:
         return [r[0] for r in self._query("SELECT id FROM chunks ORDER BY id")]
 
+    def hashes(self) -> dict[int, str]:
+        """Every chunk's content hash by id: what tells a changed chunk from the one it replaced (an id can be
+        given again once the highest one was deleted)."""
+        return {int(i): str(h) for i, h in self._query("SELECT id, content_hash FROM chunks")}
+
     def count(self) -> int:
         return int(self._query("SELECT COUNT(*) FROM chunks")[0][0])
 
@@ -125,9 +130,15 @@ class ChunkTable:
                                      [(json.dumps([int(n) for n in v]), int(k)) for k, v in neighbours.items()])
 
     def next_ids(self, n: int) -> list[int]:
-        """The ids ``n`` new chunks get (inside the caller's transaction: ids are never reused)."""
+        """The ids ``n`` new chunks get (inside the caller's transaction). Ids are never reused, not even the
+        highest one after its chunk was deleted: a reader that cached a chunk by id (a serving tier, the chunk
+        locator) must never see another text under it. The highest id ever given is kept in ``settings``."""
         row = self._db.execute("SELECT MAX(id) FROM chunks").fetchone()
-        first = 0 if row[0] is None else int(row[0]) + 1
+        mark = self._db.execute("SELECT value FROM settings WHERE key = 'last_chunk_id'").fetchone()
+        first = max(-1 if row[0] is None else int(row[0]), -1 if mark is None else int(json.loads(mark[0]))) + 1
+        if n:
+            self._db.execute("INSERT OR REPLACE INTO settings(key, value) VALUES ('last_chunk_id', ?)",
+                             (json.dumps(first + n - 1),))
         return list(range(first, first + n))
 
     def insert(self, ids: Sequence[int], chunks: Sequence[Chunk], vectors: np.ndarray) -> None:

@@ -47,6 +47,7 @@ from fusionrag.kvcache.sources import ColdDiskSource, DiskSource
 from fusionrag.kvcache.store import DEFAULT_KV_DTYPE, KVEntry, canonical_dtype
 from fusionrag.models.registry import LoadedModel
 from fusionrag.prompt import DEFAULT_SYSTEM_PROMPT, PromptBuilder, chunk_text
+from fusionrag.retrieval.chunk_locator import ChunkLocator
 from fusionrag.retrieval.chunk_table import ChunkRecord, ChunkTable
 from fusionrag.retrieval.chunking import DEFAULT_CHUNK_TOKENS, Chunk
 from fusionrag.retrieval.embedder import Embedder, embed_all, get_embedder
@@ -105,6 +106,8 @@ class KnowledgeStore:
                            store_id=f"{self.path.name}|{settings.get('created')}")
         self.index = StoreIndex(db, self._lock, self.chunks, self.path / INDEX_NAME, settings["embedding_dim"],
                                 record=self.update_settings, read_only=read_only, recorded=settings)
+        #: Where the chunks are in a prompt's ids or a passage's text (both engines'; follows the generation).
+        self.locator = ChunkLocator(self)
 
     # ------------------------------------------------------------ create / open
 

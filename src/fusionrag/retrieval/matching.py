@@ -34,7 +34,6 @@ from pathlib import Path
 from typing import Any
 
 from fusionrag.prompt import PromptBuilder, chunk_text, passage_hash
-from fusionrag.retrieval.chunk_starts import starting_in
 from fusionrag.retrieval.chunking import DEFAULT_CHUNK_TOKENS, Passage, make_chunks
 from fusionrag.retrieval.overlaps import Region, find_regions, normalise, positions, token_span
 
@@ -122,10 +121,9 @@ def _split(store, prompt: PromptBuilder, chunk_tokens: int, title: str, text: st
             for c in make_chunks(prompt, [Passage(title, text)], chunk_tokens)]
 
 
-def windows(text: str, size: int = WINDOW_CHARS, most: int = MAX_WINDOWS) -> list[str]:
-    """``text`` in consecutive windows of about ``size`` characters (at most ``most``, evenly spread over it):
-    an embedding reads a few hundred tokens, so a long text is searched window by window."""
-    norm = normalise(text)
+def windows(norm: str, size: int = WINDOW_CHARS, most: int = MAX_WINDOWS) -> list[str]:
+    """``norm`` (a normalised text) in consecutive windows of about ``size`` characters (at most ``most``, evenly
+    spread over it): an embedding reads a few hundred tokens, so a long text is searched window by window."""
     starts = list(range(0, max(1, len(norm)), size))
     if len(starts) > most:
         starts = [starts[round(i * (len(starts) - 1) / (most - 1))] for i in range(most)] if most > 1 else starts[:1]
@@ -135,8 +133,8 @@ def windows(text: str, size: int = WINDOW_CHARS, most: int = MAX_WINDOWS) -> lis
 def _candidates(store, norm: str, source: str, searched: Sequence[str]) -> list[int]:
     """Chunks a passage (``norm``, normalised) may contain: those whose text starts in it (an exact lookup), what
     the ``searched`` windows retrieve, the documents of both, and its ``source``'s."""
-    hits = [*starting_in(store, norm, MIN_MATCH_CHARS), *(store.search_each(searched, CANDIDATE_SEARCH) if searched
-                                                          else [])]
+    hits = [*store.locator.starting_in(norm, MIN_MATCH_CHARS),
+            *(store.search_each(searched, CANDIDATE_SEARCH) if searched else [])]
     docs = set(store.documents.using(hits))
     own = sorted(_own_chunks(store, source))  # the passage's own document's chunks are candidates first
     ids = list(dict.fromkeys([*own, *hits, *store.chunk_ids_of_docs(sorted(docs))]))

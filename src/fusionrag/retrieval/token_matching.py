@@ -12,9 +12,8 @@ served from :data:`MIN_PART_IDS` ids, or at any length when it is a short chunk'
 client's template instead of the store's (its ``[title]`` and closing blank line rendered otherwise).
 The ids between them (a template's text, separators, a cut word) are the *gaps*: the worker
 recomputes them with the selected tokens. The context ends after the last stored chunk; the rest is the
-question, prefilled by vLLM. Only chunks whose KV the store holds are taken (the kind the method reads:
-``plain-first`` reads the first chunk's plain KV and the others' fused KV, falling back to plain as the
-engine does).
+question, prefilled by vLLM. Only chunks whose KV the store holds are taken, each with the entry the method
+reads (:mod:`fusionrag.retrieval.kv_kinds`: one rule for both engines).
 """
 
 from __future__ import annotations
@@ -22,8 +21,8 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
+from fusionrag.retrieval.kv_kinds import HasKV, served_kind
 from fusionrag.retrieval.overlaps import find_regions
 
 #: Ids an anchor compares (long enough to be nearly unique, short enough for short chunks).
@@ -82,13 +81,15 @@ class ContextMatch:
 
 
 class ChunkMatcher:
-    """Finds ``S`` and the stored chunks in a prompt (see the module doc).
+    """Finds ``S`` and the stored chunks in a prompt (see the module doc): the token-id half of the store's
+    :class:`~fusionrag.retrieval.chunk_locator.ChunkLocator`, which keeps it current (:meth:`add`, :meth:`remove`).
 
-    ``chunks``: ``(chunk_id, token_ids)`` of every stored chunk; ``has_kv(chunk_id, kind)``: whether the
-    store holds that entry (checked when a chunk is matched, so entries written later are seen)."""
+    ``chunks``: ``(chunk_id, token_ids)`` to start with; ``has_kv(chunk_id, kind)``: whether the store holds that
+    entry (checked when a chunk is matched, so entries written later are seen); ``kind``: what :meth:`match`
+    reads unless told; ``title_ids(chunk_id)``: how many ids a chunk's ``[title]`` takes."""
 
     def __init__(self, system_ids: Sequence[int], chunks: Iterable[tuple[int, Sequence[int]]],
-                 has_kv: Callable[[int, str], bool], kind: str = "plain-first",
+                 has_kv: HasKV, kind: str = "plain-first",
                  title_ids: Callable[[int], int] | None = None) -> None:
         self.system_ids = tuple(int(t) for t in system_ids)
         self.has_kv = has_kv
@@ -101,17 +102,8 @@ class ChunkMatcher:
         for chunk_id, ids in chunks:
             self.add(chunk_id, ids)
 
-    @classmethod
-    def from_store(cls, store: Any, kind: str = "plain-first") -> ChunkMatcher:
-        """Every chunk of a :class:`~fusionrag.retrieval.knowledge.KnowledgeStore` and its ``S``."""
-        def title_ids(chunk_id: int) -> int:
-            title = (store.chunk(chunk_id).title or "").strip()
-            return len(store.prompt.encode(f"[{title}]")) if title else 0
-
-        return cls(store.prompt.system_token_ids, ((c, store.chunk(c).token_ids) for c in store.chunk_ids()),
-                   store.has_kv, kind, title_ids)
-
-    def add(self, chunk_id: int, token_ids: Sequence[int]) -> None:
+    def add(self, chunk_id: int, token_ids: Sequence[int], title_ids: int | None = None) -> None:
+        """Index a chunk (``title_ids``: its title's id count, when the caller knows it)."""
         ids, chunk_id = tuple(int(t) for t in token_ids), int(chunk_id)
         if not ids:
             return
@@ -119,39 +111,57 @@ class ChunkMatcher:
         if len(ids) < KEY_TOKENS:
             self._tiny[ids].append(chunk_id)
             return
-        short = len(ids) < 2 * MIN_PART_IDS  # its text, framed otherwise, may be found in part: keys at every anchor
-        if short:
-            self._framing[chunk_id] = (self.title_ids(chunk_id) + FRAMING_SLACK[0], FRAMING_SLACK[1])
-        for at in range(0, max(1, len(ids) - KEY_TOKENS + 1), KEY_TOKENS // 2 if short else INDEX_STRIDE):
-            self._index[ids[at:at + KEY_TOKENS]].append(chunk_id)
+        if _short(ids):  # its text, framed otherwise, may be found in part
+            titled = self.title_ids(chunk_id) if title_ids is None else title_ids
+            self._framing[chunk_id] = (titled + FRAMING_SLACK[0], FRAMING_SLACK[1])
+        for key in _keys(ids):
+            self._index[key].append(chunk_id)
+
+    def remove(self, chunk_id: int) -> None:
+        """Forget a chunk (deleted from the store, or its id given to new text)."""
+        ids = self._ids.pop(int(chunk_id), None)
+        if ids is None:
+            return
+        self._framing.pop(int(chunk_id), None)
+        table, keys = (self._tiny, [ids]) if len(ids) < KEY_TOKENS else (self._index, _keys(ids))
+        for key in keys:
+            held = table.get(key)
+            if held is not None and int(chunk_id) in held:
+                held.remove(int(chunk_id))
+                if not held:
+                    del table[key]
 
     def __len__(self) -> int:
         return len(self._ids)
 
-    def match(self, ids: Sequence[int]) -> ContextMatch:
-        """``S`` (when ``ids`` start with it) and the stored chunks, whole or in part, found in the ids after it."""
+    def match(self, ids: Sequence[int], kind: str | None = None) -> ContextMatch:
+        """``S`` (when ``ids`` start with it) and the stored chunks, whole or in part, found in the ids after it,
+        each with the entry a ``kind`` request reads (:func:`~fusionrag.retrieval.kv_kinds.served_kind`;
+        chunks the store holds no readable entry of are not taken)."""
+        kind = self.kind if kind is None else kind
         s = len(self.system_ids) if tuple(ids[:len(self.system_ids)]) == self.system_ids else 0
         rest = tuple(int(t) for t in ids[s:])
         candidates = dict.fromkeys(c for i in range(len(rest)) for c in self._index.get(rest[i:i + KEY_TOKENS], ()))
         for n in {len(k) for k in self._tiny}:  # whole chunks too short for a key: looked up at every position
             candidates.update(dict.fromkeys(c for i in range(len(rest)) for c in self._tiny.get(rest[i:i + n], ())))
-        with_kv = {c: self._ids[c] for c in candidates if self._kind_of(c, first=False) or self._kind_of(c, True)}
-        regions = find_regions(rest, list(with_kv.items()), min_whole=1, min_part=MIN_PART_IDS, anchor=KEY_TOKENS,
+        readable = {c: self._ids[c] for c in candidates
+                    if served_kind(self.has_kv, c, kind, True) or served_kind(self.has_kv, c, kind, False)}
+        regions = find_regions(rest, list(readable.items()), min_whole=1, min_part=MIN_PART_IDS, anchor=KEY_TOKENS,
                                framing=self._framing)
         spans: list[ChunkSpan] = []
         for r in regions:
-            kind = self._kind_of(r.chunk_id, first=not spans)
-            if kind is not None:
-                spans.append(ChunkSpan(r.chunk_id, kind, s + r.start, s + r.end, r.at))
+            served = served_kind(self.has_kv, r.chunk_id, kind, first=not spans)
+            if served is not None:
+                spans.append(ChunkSpan(r.chunk_id, served, s + r.start, s + r.end, r.at))
         return ContextMatch(s, tuple(spans))
 
-    def _kind_of(self, chunk_id: int, first: bool) -> str | None:
-        """The entry this chunk reads (the engine's rule: ``plain-first`` falls back to plain, fused to
-        plain), or None when the store holds neither."""
-        wanted = ("plain" if first else "fused") if self.kind == "plain-first" else self.kind
-        for kind in dict.fromkeys((wanted, "fused" if wanted == "plain" else "plain")):
-            if kind == "fused" and wanted == "plain" and self.kind != "plain-first":
-                continue  # a plain method never reads fused KV
-            if self.has_kv(chunk_id, kind):
-                return kind
-        return None
+
+def _short(ids: tuple[int, ...]) -> bool:
+    """A chunk short enough that its text may be found framed by a client's template: keys at every anchor."""
+    return len(ids) < 2 * MIN_PART_IDS
+
+
+def _keys(ids: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """The anchors a chunk is indexed by (every :data:`INDEX_STRIDE`-th position; every half key when short)."""
+    step = KEY_TOKENS // 2 if _short(ids) else INDEX_STRIDE
+    return [ids[at:at + KEY_TOKENS] for at in range(0, max(1, len(ids) - KEY_TOKENS + 1), step)]

@@ -12,9 +12,8 @@ pass, and all load or none do (:mod:`fusionrag.vllm.parallel`).
 
 from __future__ import annotations
 
-import gc
 import json
-import warnings
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -109,26 +108,40 @@ def select(vm: VLLMModel, load: ReqLoad, question: list[int], work: KV, candidat
     return vm.tp.same(top_k_of(scores[candidates.to(scores.device)], candidates, k))
 
 
-def find_model(vllm_config: Any) -> Any:
-    """vLLM's loaded model in this (worker) process: the module holding the attention layers vLLM registered.
+def find_model(vllm_config: Any, caller_depth: int = 8) -> Any:
+    """vLLM's loaded model in this (worker) process, asked of the model runner that registers the KV caches.
 
-    vLLM hands a connector its KV tensors, not its model; the attention modules of the forward context are
-    the model's own, so the one module that contains them (and computes logits) is the model."""
+    vLLM hands a connector its KV tensors (``register_kv_caches``), not its model; that call comes from the
+    worker's model runner, whose ``get_model()`` is vLLM's own accessor (a runner without one, its ``model``).
+    The runner is the ``self`` of one of the calling frames (up to ``caller_depth`` of them: a MultiConnector or
+    a runner's KV-connector helper may sit between), and the model it gives must hold every attention layer
+    vLLM registered in its forward context (``static_forward_context``): the model whose KV we write."""
     layers = getattr(vllm_config.compilation_config, "static_forward_context", {}) or {}
     wanted = {id(m) for m in layers.values()}
     if not wanted:
         raise RuntimeError("vLLM registered no attention layers")
-    found = []
-    with warnings.catch_warnings():  # hasattr on every live object wakes deprecation warnings of unrelated modules
-        warnings.simplefilter("ignore")
-        candidates = [o for o in gc.get_objects() if isinstance(o, torch.nn.Module)]
-    for obj in candidates:
-        if hasattr(obj, "compute_logits") and hasattr(obj, "model"):
-            try:
-                if wanted <= {id(m) for m in obj.modules()}:
-                    found.append(obj)
-            except Exception:
-                continue
-    if len(found) != 1:
-        raise RuntimeError(f"found {len(found)} models holding vLLM's attention layers, expected 1")
-    return found[0]
+    frame = sys._getframe(1)
+    try:
+        for _ in range(caller_depth):
+            frame = frame.f_back
+            if frame is None:
+                break
+            model = _runner_model(frame.f_locals.get("self"))
+            if model is not None and wanted <= {id(m) for m in model.modules()}:
+                return model
+    finally:
+        del frame  # frames hold their locals: not kept past this call
+    raise RuntimeError("the connector was not registered by a vLLM model runner that gives its model "
+                       "(get_model()); this vLLM version is not supported")
+
+
+def _runner_model(obj: Any) -> torch.nn.Module | None:
+    """A model runner's model (``get_model()``, else ``model``), or None for any other caller."""
+    if obj is None or isinstance(obj, torch.nn.Module):
+        return None
+    getter = getattr(type(obj), "get_model", None)
+    try:
+        model = obj.get_model() if callable(getter) else getattr(obj, "model", None)
+    except Exception:
+        return None
+    return model if isinstance(model, torch.nn.Module) else None

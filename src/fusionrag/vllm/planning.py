@@ -1,7 +1,8 @@
 """The connector's scheduler side: which context tokens of a request the connector serves, decided once.
 
 Runs in vLLM's engine-core process (no model, no vLLM imports). A request is planned when it arrives
-(``on_new_request``): ``S`` and the stored chunks are found in its ids (:mod:`fusionrag.retrieval.token_matching`), and
+(``on_new_request``): ``S`` and the stored chunks are found in its ids by the store's chunk locator
+(:class:`~fusionrag.retrieval.chunk_locator.ChunkLocator`, the engine's too, updated as the store changes), and
 a request the connector will load is salted into its mode's prefix-cache namespace
 (:mod:`fusionrag.vllm.isolation`) before vLLM looks its blocks up. At each scheduling step the plan says how
 many tokens after vLLM's own prefix hit the connector provides (never the last prompt token); once vLLM
@@ -19,7 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from fusionrag.retrieval.token_matching import ChunkMatcher, ContextMatch
+from fusionrag.online.methods import default_kv
+from fusionrag.retrieval.token_matching import ContextMatch
 from fusionrag.vllm.isolation import mode_salt, salt_request
 
 
@@ -54,8 +56,10 @@ class Plan:
 
 
 def kind_of(method: str) -> str:
-    """The stored KV a method reads (the engine's defaults: FusionRAG the first chunk plain, the rest fused)."""
-    return "plain-first" if method == "fusionrag" else "plain"
+    """The stored KV a method reads: its default in the engine's registry (FusionRAG: the first chunk plain,
+    the rest fused); Full Attention's chunks are found as a plain reader finds them."""
+    kind = default_kv(method)
+    return "plain" if kind == "none" else kind
 
 
 class Planner:
@@ -72,7 +76,6 @@ class Planner:
         self.block_size = block_size
         self.salting = salting
         self.fallback = fallback
-        self.matcher = ChunkMatcher.from_store(store, kind=kind_of(options["method"]))
         self._plans: dict[str, Plan | None] = {}
         self._reasons: dict[str, str] = {}
         self._client_salts: dict[str, str | None] = {}
@@ -87,8 +90,7 @@ class Planner:
     def matched(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         """vLLM's ``get_num_new_matched_tokens``: the tokens after its own hit the connector provides."""
         try:
-            if self.store.refresh():  # another process (ingest, delete) changed the store: match its chunks now
-                self.matcher = ChunkMatcher.from_store(self.store, kind=kind_of(self.options["method"]))
+            self.store.refresh()  # another process (ingest, delete) changed the store: the locator follows it
             rid = request.request_id
             stale = self._plans.get(rid) is not None and self._plans[rid].generation != self.store.seen_generation
             if rid not in self._plans or stale:
@@ -170,7 +172,7 @@ class Planner:
         if self.exact_limit and len(ids) > self.exact_limit:  # vLLM's own (windowed) prefill is the exact one
             self._reasons[rid] = f"the prompt is longer than the model's exact-reuse limit ({self.exact_limit})"
             return None
-        match = self.matcher.match(ids)
+        match = self.store.locator.match(ids, kind_of(str(self.options["method"])))
         if match is None or not match.chunks:
             self.fallback("no stored chunks in the prompt")
             self._reasons[rid] = "no stored chunks in the prompt"
