@@ -69,6 +69,7 @@ def long_passages(lm: Any, path: str, tokens: int) -> list[dict]:
 def one_run(engine: Any, budget: int, method: str, passages: list[dict], stream_tokens: int) -> dict[str, Any]:
     """Four streams, then the long request: each stream's longest wait between tokens during its prefill."""
     from fusionrag.online.scheduler import BatchScheduler
+    from fusionrag.online.state import Request
 
     sched = BatchScheduler(engine, max_batch=8, stop_ids=[], step_tokens=budget or None)
     try:
@@ -82,14 +83,14 @@ def one_run(engine: Any, budget: int, method: str, passages: list[dict], stream_
                         started.release()
             return on
 
-        streams = [sched.submit(q, max_new_tokens=stream_tokens, method="full", chunks=[], listener=listener([]))
-                   for q in STREAMS]
+        streams = [sched.submit(Request.of(q, max_new_tokens=stream_tokens, method="full", chunks=[]),
+                                listener=listener([])) for q in STREAMS]
         for _ in STREAMS:
             if not started.acquire(timeout=600):
                 raise RuntimeError("a stream did not start")
         pieces = sched.stats.prefill_pieces
         arrived = time.perf_counter()
-        long = sched.submit(LONG_QUESTION, max_new_tokens=1, method=method, chunks=passages, ratio=0.15)
+        long = sched.submit(Request.of(LONG_QUESTION, max_new_tokens=1, method=method, chunks=passages, ratio=0.15))
         long.result(timeout=3600)
         first = long.first_token_at
         for s in streams:

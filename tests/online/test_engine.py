@@ -281,16 +281,20 @@ def test_stage_timings_on_cuda_sum_to_the_total_and_to_the_wall_clock(store_dir)
         assert t["total"] <= wall and wall - t["total"] <= 0.02 * wall + 1.0, (wall, t)
 
 
-def test_one_request_object_goes_from_prepared_to_finished(engine):
-    """prepare -> take_kv -> finish works on one Request (no copying into another result type)."""
+def test_prepare_is_a_scheduled_request_of_one_token(engine):
+    """Issue 48: ``prepare`` runs the request through the scheduler (the path users run) for one token: the first
+    token is the greedy pick of the prefill's logits, the request ends finished and keeps its prompt KV."""
     from fusionrag.execution.generate import greedy_tokens
     from fusionrag.online.request import ReuseRequest
-    from fusionrag.online.state import Request
+    from fusionrag.online.state import Request, Status
 
     req = engine.prepare(ReuseRequest(QUESTION, "fusionrag", 0.15, top_k=2))
-    assert isinstance(req, Request) and req.status == "prepared" and req.kv == "plain-first"
-    ids = list(greedy_tokens(engine.lm, req.take_kv(), req.pre.last_logits, 3))
-    done = engine.finish(req, ids)
-    assert done is req and req.status == "finished" and req.token_ids == ids and req.text == engine.lm.tokenizer.decode(
-        ids, skip_special_tokens=True).strip()
-    assert len(req.pre.kv) == 0  # the decoder took the KV: the finished request no longer holds it
+    assert isinstance(req, Request) and req.kv == "plain-first"
+    assert req.status in (Status.FINISHED_LENGTH, Status.FINISHED_STOPPED)
+    assert req.first_token == int(req.pre.last_logits.argmax()) and req.token_ids in ([req.first_token], [])
+    ids = list(greedy_tokens(engine.lm, req.pre.kv, req.pre.last_logits, 3))
+    answer = engine.answer(ReuseRequest(QUESTION, "fusionrag", 0.15, top_k=2), max_new_tokens=3)
+    assert answer.token_ids == ids[:len(answer.token_ids)] and answer.text == engine.lm.tokenizer.decode(
+        answer.token_ids, skip_special_tokens=True).strip()
+    assert len(answer.pre.kv) == 0  # the decoder took the KV: the finished request no longer holds it
+

@@ -15,6 +15,7 @@ import pytest
 from fusionrag.models import load_model
 from fusionrag.online.engine import Engine
 from fusionrag.online.scheduler import MIN_PIECE_TOKENS, BatchScheduler
+from fusionrag.online.state import Request
 
 STREAMS = ["Who discovered polonium?", "Where was Marie Curie born?", "What flows through Paris?", "Name a moon."]
 LONG = [{"title": f"Passage {i}", "text": f"Passage {i} says the river number {i} runs past the old mill "
@@ -45,15 +46,15 @@ def run(step_tokens: int | None) -> tuple[list[str], dict[str, list[int]], int]:
         return on
 
     try:
-        reqs = [sched.submit(q, max_new_tokens=48, listener=listener(f"s{i}"), chunks=[], method="full")
+        reqs = [sched.submit(Request.of(q, max_new_tokens=48, chunks=[], method="full"), listener=listener(f"s{i}"))
                 for i, q in enumerate(STREAMS)]
         for _ in STREAMS:
             assert started.acquire(timeout=60)
         with lock:
             order.append("arrived")
         pieces = sched.stats.prefill_pieces
-        reqs.append(sched.submit("Which river runs past the mill?", max_new_tokens=4, listener=listener("long"),
-                                 chunks=LONG, method="full"))
+        reqs.append(sched.submit(Request.of("Which river runs past the mill?", max_new_tokens=4, chunks=LONG,
+                                            method="full"), listener=listener("long")))
         for r in reqs:
             r.result(120)  # finished (a TimeoutError if not)
         return order, tokens, sched.stats.prefill_pieces - pieces
@@ -64,7 +65,7 @@ def run(step_tokens: int | None) -> tuple[list[str], dict[str, list[int]], int]:
 def alone(question: str, chunks: list[dict], n: int) -> list[int]:
     """The request run alone: a batch of one, as ``Engine.answer`` runs it (no stop token, as above)."""
     inline = BatchScheduler(make_engine(), stop_ids=[], autostart=False)
-    events = inline.run_inline(question, n, method="full", chunks=chunks)
+    events = inline.run_inline(Request.of(question, n, method="full", chunks=chunks))
     return [e.token for e in events if e.kind == "token"]
 
 

@@ -17,6 +17,7 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from fusionrag.errors import FusionRAGError
+from fusionrag.online.state import Request
 from fusionrag.serve.app import create_app
 from fusionrag.serve.settings import ServerSettings
 from serve_helpers import (
@@ -230,7 +231,7 @@ def test_full_queue_is_429(app, client, monkeypatch):
     sched.run_task(lambda: (started.set(), gate.wait(30)))
     assert started.wait(30)
     try:
-        waiting = sched.submit("Who discovered polonium?", max_new_tokens=2)
+        waiting = sched.submit(Request.of("Who discovered polonium?", max_new_tokens=2))
         error_of(client.post("/v1/chat/completions", json={"messages": USER}), 429, "queue_full")
     finally:
         gate.set()
@@ -260,14 +261,14 @@ def test_engine_errors_never_crash_the_server(app, client, monkeypatch):
     def user_error(*a, **k):
         raise FusionRAGError("the knowledge store is empty")
 
-    monkeypatch.setattr(engine, "prepare_pieces", user_error)
+    monkeypatch.setattr(engine, "plan", user_error)
     err = error_of(client.post("/v1/chat/completions", json={"messages": USER}), 400, "invalid_request")
     assert "empty" in err["message"]
 
     def bug(*a, **k):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(engine, "prepare_pieces", bug)
+    monkeypatch.setattr(engine, "plan", bug)
     error_of(client.post("/v1/chat/completions", json={"messages": USER}), 500, "internal_error")
     r = client.post("/v1/chat/completions", json={"messages": USER, "stream": True})
     error_of(r, 500, "internal_error")  # a stream that fails before its first token is a plain JSON error

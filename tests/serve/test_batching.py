@@ -18,6 +18,7 @@ from fusionrag.errors import FusionRAGError, QueueFullError, RequestCancelledErr
 from fusionrag.models import load_model
 from fusionrag.online.engine import Engine
 from fusionrag.online.scheduler import BatchScheduler
+from fusionrag.online.state import Request
 
 PASSAGES = [
     {"title": "Polonium", "text": "Polonium was discovered by Marie Curie and Pierre Curie in 1898."},
@@ -96,7 +97,7 @@ REQUESTS = [
 def test_batched_equals_serial_with_mixed_lengths_methods_and_stops(sched):
     before = sched.stats.decode_steps
     gate = hold(sched)
-    reqs = [sched.submit(q, max_new_tokens=n, **kw) for q, n, kw in REQUESTS]
+    reqs = [sched.submit(Request.of(q, max_new_tokens=n, **kw)) for q, n, kw in REQUESTS]
     gate.set()
     got = [r.result(60).token_ids for r in reqs]
     want = [serial(sched, q, n, **kw) for q, n, kw in REQUESTS]
@@ -122,7 +123,7 @@ def test_shared_chunks_in_any_order_are_never_modified(sched):
     adhoc = {k: (v.keys.clone(), v.values.clone()) for k, v in cached_passage_kvs(sched.engine, [a, b]).items()}
     assert len(adhoc) == 2
     gate = hold(sched)
-    reqs = [sched.submit(q, max_new_tokens=10, chunks=docs, method=m, ratio=0.2) for docs, q, m in cases]
+    reqs = [sched.submit(Request.of(q, max_new_tokens=10, chunks=docs, method=m, ratio=0.2)) for docs, q, m in cases]
     gate.set()
     got = [r.result(60) for r in reqs]
     assert [g.token_ids for g in got] == want
@@ -151,11 +152,11 @@ def test_requests_join_and_leave_mid_decode(sched):
 
     def on_event(ev) -> None:  # runs on the model thread: submit the second wave mid-decode
         if ev.kind == "token" and not wave2 and len(first.token_ids) == 3:
-            wave2.extend(sched.submit(q, max_new_tokens=n, **kw) for q, n, kw in wave2_specs)
+            wave2.extend(sched.submit(Request.of(q, max_new_tokens=n, **kw)) for q, n, kw in wave2_specs)
 
     first_spec = ("Who discovered polonium?", 20, {"method": "fusionrag", "top_k": 3})
-    first = sched.submit(first_spec[0], max_new_tokens=first_spec[1], listener=on_event, **first_spec[2])
-    other = sched.submit("Capital of Poland?", max_new_tokens=6, method="full", top_k=2)
+    first = sched.submit(Request.of(first_spec[0], max_new_tokens=first_spec[1], **first_spec[2]), listener=on_event)
+    other = sched.submit(Request.of("Capital of Poland?", max_new_tokens=6, method="full", top_k=2))
     first_done = first.result(60)
     got = [first_done.token_ids, other.result(60).token_ids, *(r.result(60).token_ids for r in wave2)]
     want = [serial(sched, first_spec[0], first_spec[1], **first_spec[2]),
@@ -166,7 +167,7 @@ def test_requests_join_and_leave_mid_decode(sched):
 
 
 def test_streamed_deltas_join_to_the_answer(sched):
-    req = sched.submit("Who discovered polonium?", max_new_tokens=12, top_k=2)
+    req = sched.submit(Request.of("Who discovered polonium?", max_new_tokens=12, top_k=2))
     events = list(req.events(timeout=60))
     assert events[-1].kind == "done"
     tokens = [e.token for e in events if e.kind == "token"]
@@ -177,10 +178,10 @@ def test_streamed_deltas_join_to_the_answer(sched):
 
 def test_errors_and_cancellation_are_per_request(sched):
     gate = hold(sched)
-    bad = sched.submit("   ", max_new_tokens=4)  # empty question: the engine refuses it
-    unknown = sched.submit("q?", max_new_tokens=4, method="nope")
-    good = sched.submit("Who discovered polonium?", max_new_tokens=8, top_k=2)
-    cancelled = sched.submit("Capital of France?", max_new_tokens=8, top_k=2)
+    bad = sched.submit(Request.of("   ", max_new_tokens=4))  # empty question: the engine refuses it
+    unknown = sched.submit(Request.of("q?", max_new_tokens=4, method="nope"))
+    good = sched.submit(Request.of("Who discovered polonium?", max_new_tokens=8, top_k=2))
+    cancelled = sched.submit(Request.of("Capital of France?", max_new_tokens=8, top_k=2))
     cancelled.cancel()
     gate.set()
     with pytest.raises(FusionRAGError, match="empty"):
@@ -201,8 +202,8 @@ def test_cancel_while_decoding_frees_the_row(sched):
             victim.cancel()
 
     gate = hold(sched)
-    victim = sched.submit("Who discovered polonium?", max_new_tokens=30, listener=on_event, top_k=2)
-    keeper = sched.submit("Capital of France?", max_new_tokens=10, top_k=2, method="full")
+    victim = sched.submit(Request.of("Who discovered polonium?", max_new_tokens=30, top_k=2), listener=on_event)
+    keeper = sched.submit(Request.of("Capital of France?", max_new_tokens=10, top_k=2, method="full"))
     gate.set()
     assert keeper.result(60).token_ids == serial(sched, "Capital of France?", 10, top_k=2, method="full")
     with pytest.raises(RequestCancelledError):
@@ -214,9 +215,9 @@ def test_full_queue_raises(sched, monkeypatch):
     monkeypatch.setattr(sched, "max_queue", 1)
     gate = hold(sched)
     try:
-        first = sched.submit("Who discovered polonium?", max_new_tokens=2, top_k=1)
+        first = sched.submit(Request.of("Who discovered polonium?", max_new_tokens=2, top_k=1))
         with pytest.raises(QueueFullError):
-            sched.submit("Capital of France?", max_new_tokens=2, top_k=1)
+            sched.submit(Request.of("Capital of France?", max_new_tokens=2, top_k=1))
     finally:
         gate.set()
     assert first.result(60).token_ids
@@ -230,7 +231,7 @@ def test_a_failing_factory_is_reported():
     with pytest.raises(FusionRAGError, match="no knowledge store"):
         s.wait_ready(30)
     with pytest.raises(FusionRAGError, match="failed to load"):
-        s.submit("q?")
+        s.submit(Request.of("q?"))
     s.close()
 
 
@@ -242,7 +243,7 @@ def test_padding_is_compacted_when_a_long_row_dominates(sched):
               [("Polonium?", 12), ("Paris?", 12), ("Warsaw?", 12), ("Nobel?", 2)]]
     before = sched.stats.compactions
     gate = hold(sched)
-    reqs = [sched.submit(q, max_new_tokens=n, **kw) for q, n, kw in specs]
+    reqs = [sched.submit(Request.of(q, max_new_tokens=n, **kw)) for q, n, kw in specs]
     gate.set()
     got = [r.result(60).token_ids for r in reqs]
     assert got == [serial(sched, q, n, **kw) for q, n, kw in specs]
@@ -264,7 +265,7 @@ def test_queued_requests_are_prefetched_by_the_asynchronous_loader(tmp_path):
         s.wait_ready(120)
         question = "Which moons does Mars have?"
         gate = hold(s)
-        req = s.submit(question, max_new_tokens=4, method="fusionrag", top_k=2)
+        req = s.submit(Request.of(question, max_new_tokens=4, method="fusionrag", top_k=2))
         deadline = time.monotonic() + 30
         while s.engine.stats()["tiers"]["host"].prefetches == 0 and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -280,8 +281,8 @@ def test_queued_requests_are_prefetched_by_the_asynchronous_loader(tmp_path):
 def test_a_sampling_failure_fails_only_its_own_request(sched):
     gate = hold(sched)
     try:
-        bad = sched.submit("Who discovered polonium?", max_new_tokens=6, top_k=2)
-        good = sched.submit("Capital of France?", max_new_tokens=6, top_k=2)
+        bad = sched.submit(Request.of("Who discovered polonium?", max_new_tokens=6, top_k=2))
+        good = sched.submit(Request.of("Capital of France?", max_new_tokens=6, top_k=2))
 
         def broken(_logits):
             raise RuntimeError("sampler exploded")

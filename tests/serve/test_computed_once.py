@@ -34,7 +34,7 @@ def counted(tmp_path, monkeypatch):
     prompt_type = type(engine.prompt)  # a frozen dataclass: its method is counted on the class
     monkeypatch.setattr(prompt_type, "question_token_ids", counting("tokenize", prompt_type.question_token_ids))
     monkeypatch.setattr(ReuseRequest, "fields_validated", counting("validate", ReuseRequest.fields_validated))
-    import fusionrag.online.engine as engine_module
+    import fusionrag.online.prefill_engine as engine_module
 
     monkeypatch.setattr(engine_module, "match_passages", counting("match", engine_module.match_passages))
     yield app, engine, calls
@@ -53,6 +53,37 @@ def test_a_chat_request_is_validated_retrieved_and_tokenized_once(counted):
                                                       "documents": PASSAGES[:2]})
         assert r.status_code == 200, r.text
         assert calls == {"validate": 1, "match": 1, "tokenize": 1}
+
+
+def test_a_request_s_texts_are_checked_once(counted, monkeypatch):
+    """Issue 48: the Unicode check ran three times per chat request (the body, each document again, the
+    question again when validated); the empty-question check twice. Now once each: the body's texts at the door
+    (``read_json``), the question's emptiness where the request is validated."""
+    import fusionrag.online.request as request_module
+    import fusionrag.serve.protocol as protocol_module
+
+    app, _, calls = counted
+    checked: collections.Counter[str] = collections.Counter()
+    real = protocol_module.is_valid_text
+
+    def counting(text: str) -> bool:
+        checked[text] += 1
+        return real(text)
+
+    monkeypatch.setattr(protocol_module, "is_valid_text", counting)
+    monkeypatch.setattr(request_module, "is_valid_text", counting)
+    with TestClient(app) as client:
+        r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Capital?"}],
+                                                      "documents": PASSAGES[:2]})
+        assert r.status_code == 200, r.text
+        assert checked["Capital?"] == 1 and checked[PASSAGES[0]["text"]] == 1 and calls["validate"] == 1
+        r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "  "}]})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "empty_question", r.text
+        r = client.post("/v1/completions", json={"prompt": ""})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+        r = client.post("/v1/chat/completions", content=b'{"messages": [{"role": "user", "content": "\\ud800?"}]}',
+                        headers={"content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_unicode", r.text
 
 
 def test_ask_is_validated_retrieved_and_tokenized_once(counted):
@@ -77,7 +108,7 @@ def test_passages_found_before_another_process_changed_the_store_are_found_again
 def test_a_prompt_far_over_the_limit_is_refused_before_any_matching(counted, monkeypatch):
     """Issue 47: a 0.5 MB prompt was matched against the store for 30 s on the model thread before its 400. Its
     texts are tokenised once and it is refused, with nothing matched or retrieved."""
-    import fusionrag.online.engine as engine_module
+    import fusionrag.online.prefill_engine as engine_module
 
     app, _, calls = counted
     monkeypatch.setattr(engine_module, "locate", lambda *a, **k: calls.update(["find"]) or None)

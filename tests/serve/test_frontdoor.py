@@ -276,7 +276,7 @@ def test_retrieval_prompt_limit_is_checked_before_prefill(live, http, monkeypatc
         raise AssertionError("prepare ran for a prompt over the limit")
 
     monkeypatch.setattr(app.state.scheduler, "max_prompt_tokens", 60)
-    monkeypatch.setattr(engine, "prepare_pieces", no_prefill)
+    monkeypatch.setattr(engine, "plan", no_prefill)
     error_of(http.post("/v1/chat/completions", json={"messages": USER, "retrieval_top_k": 4}), 400,
              "context_length_exceeded")
 

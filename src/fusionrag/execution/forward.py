@@ -52,8 +52,13 @@ def cache_tail(cache: DynamicCache, n: int) -> tuple[torch.Tensor, torch.Tensor]
 
 def backend_of(lm: LoadedModel) -> AttentionBackend:
     """The sparse-pass backend of ``lm``: its ``attention`` setting, ``auto`` resolved by device; one that
-    cannot run on ``lm``'s device or dtype is a ValueError naming why."""
-    return select_backend(lm.device, lm.dtype, lm.attention)
+    cannot run on ``lm``'s device or dtype is a ValueError naming why. Resolved once and held by the loaded
+    model (again only if its device, dtype or setting changes), not selected on every pass."""
+    key = (lm.device, lm.dtype, lm.attention)
+    held = lm.__dict__.get("_attention_backend")
+    if held is None or held[0] != key:
+        held = lm.__dict__["_attention_backend"] = (key, select_backend(*key))
+    return held[1]
 
 
 def backend_name(lm: LoadedModel) -> str:

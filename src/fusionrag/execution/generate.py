@@ -38,24 +38,36 @@ def greedy_tokens(
 
 
 class TextStreamer:
-    """Turns a token stream into text deltas without splitting multi-byte characters."""
+    """Turns a token stream into text deltas without splitting multi-byte characters, each token decoded once.
+
+    Incremental, as vLLM's detokenizer: a token is decoded with the few tokens of the previous delta before it
+    (a tokenizer's spacing depends on them: SentencePiece's leading space, byte pieces of one character), never
+    with the whole answer again, so an answer of n tokens costs O(n) decoding, not O(n^2). ``text`` is the answer
+    so far: the joined deltas, what the answer's ``text`` is (nothing decodes the answer a second time)."""
 
     def __init__(self, tokenizer, skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
         self.skip = skip_special_tokens
         self.ids: list[int] = []
-        self.emitted = ""
+        self.text = ""
+        self._prefix = 0  # where the window of the previous delta's tokens starts
+        self._read = 0  # where the tokens not turned into text yet start
 
     def push(self, token: int) -> str:
+        """The text ``token`` completes (empty inside a multi-byte character or after a skipped special token)."""
         self.ids.append(token)
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=self.skip)
-        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for more bytes
-            return ""
-        delta, self.emitted = text[len(self.emitted):], text
-        return delta
+        return self._delta(final=False)
 
     def flush(self) -> str:
         """Whatever is still held back at the end of generation (even an invalid byte sequence)."""
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=self.skip)
-        delta, self.emitted = text[len(self.emitted):], text
+        return self._delta(final=True)
+
+    def _delta(self, final: bool) -> str:
+        before = self.tokenizer.decode(self.ids[self._prefix:self._read], skip_special_tokens=self.skip)
+        window = self.tokenizer.decode(self.ids[self._prefix:], skip_special_tokens=self.skip)
+        if len(window) <= len(before) or (window.endswith("\ufffd") and not final):
+            return ""  # nothing new yet (an incomplete UTF-8 sequence waits for its next bytes)
+        delta = window[len(before):]
+        self._prefix, self._read = self._read, len(self.ids)
+        self.text += delta
         return delta

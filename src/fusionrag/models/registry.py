@@ -58,7 +58,9 @@ class LoadedModel:
     model: Any
     tokenizer: Any
     fingerprint: str
-    attention: str = "auto"  # sparse-pass backend: auto | reference | blocked | triton (execution/attention_backends)
+    #: The sparse passes' backend: auto | reference | blocked | triton | triton-packed (execution/attention_backends),
+    #: resolved once for the model's device and dtype and held on this object (execution.forward.backend_of).
+    attention: str = "auto"
 
     @property
     def config(self) -> Any:

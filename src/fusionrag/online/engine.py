@@ -1,157 +1,44 @@
-"""The answer path: retrieve -> load reused KV -> select -> sparse recompute -> decode.
+"""The Python API: ``Engine`` answers questions over a knowledge store, through the server's own scheduler.
 
-``Engine`` is the Python API behind ``fusionrag ask``, the server and the benchmarks::
+::
 
     engine = Engine.open("kb/", model="qwen2.5-0.5b")
     result = engine.answer("Who discovered polonium?", method="fusionrag", ratio=0.15)
     print(result.text, result.ttft_ms)
 
-Its surface is what the server's scheduler and the benchmarks use, nothing else:
-:meth:`prepare` (everything up to the first token: a :class:`~fusionrag.online.state.Request`),
-:meth:`finish` (the same request, completed with its generated tokens), :meth:`prefetch` (the
-asynchronous loader), :meth:`invalidate` (entries a store change made stale), :meth:`stats`,
-:meth:`prompt_tokens` and :attr:`lock`.
-Stored KV is read through one :class:`~fusionrag.kvcache.sources.KVSource` (the disk, or a
-memory tier over it); decoding is the shared :class:`~fusionrag.execution.decoder.BatchDecoder`.
+An :class:`Engine` is a :class:`~fusionrag.online.prefill_engine.PrefillEngine` (the store, its caches, the
+prefill) with an inline :class:`~fusionrag.online.scheduler.BatchScheduler` of its own: :meth:`answer`,
+:meth:`stream` and :meth:`prepare` submit a :class:`~fusionrag.online.state.Request` to it and run it on the
+caller's thread as a batch of one, the same prefill plan, token choice, output step and decode steps as a
+server's request (bench and demo time the path users run). The server builds its scheduler around an
+engine the same way; neither the prefill engine nor the scheduler knows the other's class.
 """
 
 from __future__ import annotations
 
+import collections
 import functools
-import logging
-import threading
-from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
-from pathlib import Path
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
 
-import torch
-
-from fusionrag.errors import CacheIntegrityError, FusionRAGError
-from fusionrag.execution.forward import run_pieces
-from fusionrag.execution.segments import system_kv as compute_system_kv
-from fusionrag.kvcache.context_cache import CachedContext, ContextCache, context_keys
-from fusionrag.kvcache.device_tier import kv_tiers
-from fusionrag.kvcache.kv import KV
-from fusionrag.kvcache.prefix_cache import AlternativePathCache
-from fusionrag.kvcache.sources import Key, KVSource, NoStoredKV
-from fusionrag.models.clock import StageClock
-from fusionrag.models.fingerprint import same_weights
-from fusionrag.models.registry import LoadedModel
-from fusionrag.online import auto
-from fusionrag.online.client_prompt import PromptPrefixes, locate, prefix_kv, with_forced
-from fusionrag.online.kv_loading import ORIGIN, ChunkKVLoader
-from fusionrag.online.methods import make_policy, method_info
-from fusionrag.online.policies import SelectionInput, select
-from fusionrag.online.prefill import assemble_context, prefill_full_pieces, prefill_reused_pieces, with_cut_starts
-from fusionrag.online.request import DEFAULT_MAX_NEW_TOKENS, DEFAULT_TOP_K, ReuseRequest, resolved_kv
+from fusionrag.online.prefill_engine import DEFAULT_CONTEXT_CACHE_BYTES, PrefillEngine
+from fusionrag.online.request import DEFAULT_MAX_NEW_TOKENS, ReuseRequest
 from fusionrag.online.resolved import Resolved
 from fusionrag.online.sampling import SamplingParams
+from fusionrag.online.scheduled import Event
 from fusionrag.online.scheduler import BatchScheduler
-from fusionrag.online.state import Request, Status
-from fusionrag.prompt import PromptBuilder
-from fusionrag.retrieval.knowledge import KnowledgeStore
-from fusionrag.retrieval.matching import Piece, match_passages
+from fusionrag.online.state import Request
 
-log = logging.getLogger(__name__)
-
-#: The whole-context cache's default size: ~20 contexts of 4K tokens of qwen2.5-0.5b in bf16 (50 MB each).
-DEFAULT_CONTEXT_CACHE_BYTES = 1 << 30
+__all__ = ["DEFAULT_CONTEXT_CACHE_BYTES", "Engine"]
 
 
+class Engine(PrefillEngine):
+    """Answers questions over a knowledge store with a chosen KV-reuse method (module doc)."""
 
-class Engine:
-    """Answers questions over a knowledge store with a chosen KV-reuse method."""
-
-    def __init__(self, store: KnowledgeStore | None, lm: LoadedModel, *, kv_source: KVSource | None = None,
-                 memory_budget_bytes: int | None = None, loader_threads: int = 2,
-                 adhoc_cache_bytes: int | None = 2 << 30, min_reuse_tokens: int | None = None,
-                 device_budget_bytes: int | None = None,
-                 context_cache_bytes: int = 0) -> None:
-        """``kv_source`` replaces the store's own disk reads (benchmarks' hot/cold tiers; a shared tier);
-        ``memory_budget_bytes`` puts a heat-managed memory tier with an asynchronous loader of
-        ``loader_threads`` threads over it (page-locked on CUDA); ``device_budget_bytes`` a tier on the
-        model's device above that (:mod:`fusionrag.kvcache.device_tier`: copies on a side stream, so
-        prefetches overlap the model's work). ``store`` None: no retrieval, no stored KV; passages a
-        request brings are computed once and kept in the prefix cache. ``min_reuse_tokens``: the
-        context length from which ``method="auto"`` reuses KV (default:
-        :func:`fusionrag.online.auto.break_even_tokens`).
-        ``context_cache_bytes``: the whole-context cache (:mod:`fusionrag.kvcache.context_cache`): a
-        request whose ``S`` + chunks were computed before prefills only its question. Off (0) here, so
-        that studies and benchmarks comparing methods on one engine measure each method; on in
-        :meth:`open` and the server (:data:`DEFAULT_CONTEXT_CACHE_BYTES`), the product's defaults."""
-        if store is not None and not same_weights(lm.fingerprint, store.fingerprint):
-            raise FusionRAGError(f"model {lm.name} is not the model the store at {store.path} was built with")
-        self.store = store
-        self.lm = lm
-        self.prompt = store.prompt if store is not None else PromptBuilder(lm.tokenizer)
-        self.min_reuse_tokens = auto.break_even_tokens(lm) if min_reuse_tokens is None else int(min_reuse_tokens)
-        source = kv_source if kv_source is not None else store.kv_source() if store is not None else NoStoredKV()
-        self.kv_source: KVSource = kv_tiers(source, lm.device, memory_budget_bytes, device_budget_bytes,
-                                            loader_threads=loader_threads)
-        self._system_kv: KV | None = None
-        # KV of request-supplied passages (not in the store): a prefix cache with the alternative
-        # path, so each distinct passage has one ``S + chunk`` replica whatever its position.
-        self.adhoc_cache_bytes = adhoc_cache_bytes  # the cap, reported by stats() and /metrics
-        self.prefix_cache = AlternativePathCache(max_bytes=adhoc_cache_bytes)
-        self.context_cache = ContextCache(context_cache_bytes)
-        self.prefixes = PromptPrefixes()  # KV of clients' prompt prefixes (their own system message, template)
-        self._lock = threading.RLock()  # the model runs one request at a time
-        self._scheduler: BatchScheduler | None = None
-        self.loader = ChunkKVLoader(self)  # the load stage: stored entries, or computed through the prefix cache
-        #: Makes the clock of each request's stage timings (synchronised with the model's device);
-        #: replaceable, e.g. by a fake clock in tests.
-        self.clock: Callable[[], StageClock] = lambda: StageClock(lm.device)
-
-    @classmethod
-    def open(cls, store_dir: str | Path | None, model: str | None = None, device: str | None = None,
-             dtype: str | None = None, attention: str | None = None, **engine_options: Any) -> Engine:
-        """The store at ``store_dir`` with its model (``model`` overrides where the weights come from), and
-        the whole-context cache on (``context_cache_bytes``, default :data:`DEFAULT_CONTEXT_CACHE_BYTES`);
-        ``store_dir`` None: ``model`` without a store (plain generation, or over passages a request brings).
-
-        ``device`` / ``dtype`` / ``attention``: where and how the model computes (defaults: CUDA
-        when available; ``auto``: bf16 on a CPU with bf16 arithmetic, else float32; the device's
-        sparse-attention backend); stored KV is read as stored.
-        A model that cannot be the store's is refused before it is loaded (or converted).
-        """
-        from fusionrag.models import DEFAULT_MODEL, load_model
-        from fusionrag.retrieval.store_info import check_model_matches, missing_store, stored_model
-
-        engine_options.setdefault("context_cache_bytes", DEFAULT_CONTEXT_CACHE_BYTES)
-        if store_dir is None:
-            lm = load_model(model or DEFAULT_MODEL, dtype=dtype, device=device, attention=attention)
-            return cls(None, lm, **engine_options)
-        path = Path(store_dir)
-        if not path.exists():
-            raise missing_store(path)
-        if model is not None:
-            check_model_matches(path, model)
-        lm = load_model(model or stored_model(path), dtype=dtype, device=device, attention=attention)
-        return cls(KnowledgeStore.open(path, lm=lm), lm, **engine_options)
-
-    @property
-    def system_kv(self) -> KV:
-        """``S``'s KV in fp32: from the store when it was computed in this engine's compute dtype, else
-        computed here (not stored: building is offline's job), so that recomputing 100% is Full Attention."""
-        if self._system_kv is None:
-            dtype = str(self.lm.dtype).removeprefix("torch.")
-            try:
-                kv = self.store.load_system_kv(dtype) if self.store is not None else None
-            except CacheIntegrityError as exc:  # answered around, like a damaged chunk entry
-                log.error("the stored system prompt KV failed verification (%s); computing it. Run "
-                          "'fusionrag store verify --repair'.", exc)
-                kv = None
-            if kv is None:
-                kv = compute_system_kv(self.lm, self.prompt.system_token_ids)
-            self._system_kv = kv.to(torch.float32)
-        return self._system_kv
-
-    @property
-    def lock(self) -> threading.RLock:
-        """Held while the model runs; a scheduler takes it around each forward it runs itself."""
-        return self._lock
-
-    # -- answering --------------------------------------------------------------------
+    @functools.cached_property
+    def scheduler(self) -> BatchScheduler:
+        """The scheduler this engine's own calls run through, inline (no model thread)."""
+        return BatchScheduler(self, autostart=False)
 
     def answer(self, question: str | ReuseRequest, method: str = "fusionrag", ratio: float = 0.15,
                top_k: int | None = None, chunks: Sequence[dict] | None = None,
@@ -161,262 +48,57 @@ class Engine:
         the answer); ``chunks`` (``{title, text}`` dicts, in order; ``[]`` for none) replaces retrieval, as does
         ``retrieval=False``. ``question`` may be a whole :class:`ReuseRequest` (its fields, not the keywords,
         then apply). A batch of one through the same scheduler as the server's requests."""
-        req = question if isinstance(question, ReuseRequest) else \
-            ReuseRequest(question, method, ratio, kv, top_k, chunks, preamble, retrieval)
-        done = None
-        with self._lock:
-            for event in self.scheduler.run_inline(req, max_new_tokens, sampling):
-                done = event
-        assert done is not None and done.kind in ("done", "error")
-        if done.kind == "error":
-            raise done.error  # type: ignore[misc]
-        return done.answer
+        req = Request.of(_reuse(question, method, ratio, top_k, chunks, kv, preamble, retrieval), max_new_tokens,
+                         sampling)
+        return _finished(self._run(req))
 
     def stream(self, question: str | ReuseRequest, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
                sampling: SamplingParams | None = None, on_done: Callable[[Request], None] | None = None,
-               **kwargs: Any) -> Iterator[str]:
-        """Yield the answer as text deltas (the first one as soon as the first token exists); ``kwargs`` are
+               **fields: object) -> Iterator[str]:
+        """Yield the answer as text deltas (the first one as soon as the first token exists); ``fields`` are
         :meth:`answer`'s request fields. ``on_done`` is given the finished :class:`Request` (method, TTFT,
         sources: what :meth:`answer` returns) after the last delta."""
-        with self._lock:
-            for event in self.scheduler.run_inline(question, max_new_tokens, sampling, **kwargs):
-                if event.kind == "error":
-                    raise event.error  # type: ignore[misc]
-                if event.text:
-                    yield event.text
-                if event.kind == "done" and on_done is not None:
-                    on_done(event.answer)
-
-    @property
-    def scheduler(self) -> BatchScheduler:
-        """The scheduler this engine's own calls (:meth:`answer`, :meth:`stream`) run through, inline."""
-        if self._scheduler is None:
-            self._scheduler = BatchScheduler(self, autostart=False)
-        return self._scheduler
+        for event in self._run(Request.of(question, max_new_tokens, sampling, **fields)):
+            if event.kind == "error":
+                raise event.error  # type: ignore[misc]
+            if event.text:
+                yield event.text
+            if event.kind == "done" and on_done is not None:
+                on_done(event.answer)
 
     def prepare(self, question: str | ReuseRequest | Request, method: str = "fusionrag", ratio: float = 0.15,
                 top_k: int | None = None, chunks: Sequence[dict] | None = None, kv: str | None = None,
                 preamble: str = "", retrieval: bool | None = None, resolved: Resolved | None = None) -> Request:
-        """Everything up to the first answer token (greedy), with the TTFT breakdown.
+        """Everything up to the first answer token (greedy), with the TTFT breakdown: the request run by the
+        scheduler for one token, so what is timed is what users run. Takes the :class:`Request` admitted at its
+        door, or a :class:`ReuseRequest` or its fields. ``preamble`` (a system message, earlier turns:
+        :func:`fusionrag.prompt.conversation_preamble`) goes into the question segment, after the reused
+        passages; retrieval uses ``question`` alone. ``resolved``: the request's passages found before
+        (:meth:`prefetch`), used unless the store changed since. The request keeps its prompt KV (``pre``)."""
+        req = question if isinstance(question, Request) else \
+            Request.of(_reuse(question, method, ratio, top_k, chunks, kv, preamble, retrieval), 1)
+        req.max_new_tokens = 1
+        if resolved is not None:
+            req.resolved = Future()
+            req.resolved.set_result(resolved)
+        return _finished(self._run(req))  # one token: it never joins a decode batch, so it keeps its KV
 
-        Takes the :class:`Request` admitted at its door (filled in and returned), or a
-        :class:`~fusionrag.online.request.ReuseRequest` or its fields (a request is made here). ``preamble`` (a system
-        message, earlier turns: :func:`fusionrag.prompt.conversation_preamble`) goes into the question
-        segment, after the reused passages; retrieval uses ``question`` alone. ``resolved``: the request's
-        passages found before (:meth:`prefetch`), used unless the store changed since. The scheduler runs
-        :meth:`prepare_pieces` instead and picks the first token with the request's own sampling."""
-        out = question if isinstance(question, Request) else Request(
-            question if isinstance(question, ReuseRequest) else
-            ReuseRequest(question, method, ratio, kv, top_k, chunks, preamble, retrieval))
-        run_pieces(self.prepare_pieces(out, resolved))
-        clock = self.clock()
-        out.first_token = int(torch.argmax(out.pre.last_logits))
-        out.picked_first(clock.total())
-        return out
+    def _run(self, req: Request) -> Iterator[Event]:
+        with self.lock:
+            yield from self.scheduler.run_inline(req)
 
-    def prepare_pieces(self, out: Request, resolved: Resolved | None = None,
-                       piece_tokens: int | None = None) -> Generator[None, None, Request]:
-        """:meth:`prepare` up to the first token's logits, as pieces: each ``next()`` runs one, the longest
-        being a forward of at most ``piece_tokens`` tokens (``None``: the prefill in one pass), so a
-        scheduler can decode other requests between them. Returns ``out``, prepared."""
-        out.reuse = req = out.reuse.validated()
-        if out.sampler.constraint is None:  # the end of turn (min_tokens) and the grammar, before any prefill
-            out.sampler.bind(set(self.lm.stop_token_ids), None if out.sampling.grammar is None else
-                             self.grammars.constraint(out.sampling.grammar))
-        ratio, kv_kind = req.ratio, str(req.kv)
-        clock = self.clock()
-        changed = self.follow_store()
-        if resolved is None or changed or not self._current(resolved):
-            resolved = self.resolve(req)
-        pieces, hit_scores, note = resolved.pieces, resolved.scores, resolved.note
-        chunk_ids, passages = resolved.chunk_ids, resolved.passages
-        clock.lap("retrieve")
-        token_ids = resolved.token_ids(self)
-        question_token_ids = resolved.question_ids(self, req)
-        system_ids = resolved.system_ids(self, req)
-        method, why = self.resolve_method(req.method, sum(map(len, token_ids)), auto.ready_tokens(
-            self.prefix_cache, self.prompt.system_hash, resolved.pieces, token_ids))
-        note = note or ("" if req.raw else why)  # a raw prompt has no passages to reuse by design
-        if method == "full":
-            kv_kind, ratio = "none", 1.0
 
-        fallbacks, cached, info = 0, None, method_info(method)
-        origins = ["computed"] * len(chunk_ids)  # where each passage's KV came from (Request.kv_origins)
-        keys = [] if info.placement is not None else \
-            context_keys(self.context_cache, system_ids, token_ids, method, ratio, kv_kind,
-                         self.lm.dtype)  # a method's own layout (maybe read through a rule) is not cached
-        if keys and not req.skip_cache:  # skip_cache: an A/B test's baseline computes what it does not reuse
-            cached = self.context_cache.get(keys)
-        if cached is not None:  # the same S + chunks computed before: only the question is prefilled
-            clock.skip("load")
-            clock.skip("select")
-            pre = yield from prefill_reused_pieces(self.lm, cached.kv, cached.ids, cached.spans, question_token_ids,
-                                                   piece_tokens=piece_tokens)
-            note = note or "context cache: this context's KV was computed by an earlier request"
-            origins = ["context_cache"] * len(chunk_ids)
-        elif method == "full":
-            clock.skip("load")
-            clock.skip("select")
-            pre = yield from prefill_full_pieces(self.lm, system_ids, token_ids, question_token_ids, piece_tokens)
-        else:
-            entries, fallbacks = self.loader.load(chunk_ids, passages, token_ids, kv_kind, resolved.spans,
-                                                  fresh=req.skip_cache, zero=resolved.forced)
-            origins = [e.metadata.get(ORIGIN, "store") for e in entries]
-            # One buffer for the prompt: the context, then room for the question, which the pass writes into.
-            buffer, ctx_ids, spans = assemble_context(self.lm, prefix_kv(self, system_ids), [e.kv for e in entries],
-                                                      system_ids, token_ids, info.placement,
-                                                      room=len(question_token_ids) if info.placement is None else 0)
-            ctx = buffer.head(len(ctx_ids))
-            clock.lap("load")
-            cut = piece_tokens is not None and len(ctx_ids) > piece_tokens  # a prompt over the step budget
-            if cut:
-                yield  # loading was a piece: a decode step may run before the selection
-            if info.recomputes_nothing:
-                idx = None
-            else:
-                scores = (self.loader.cachecraft_scores(chunk_ids, entries, kv_kind, resolved.spans)
-                          if method == "cachecraft" else [])
-                inp = SelectionInput(self.lm, ctx, ctx_ids, spans, torch.tensor(question_token_ids),
-                                     chunk_scores=scores)
-                idx = with_cut_starts(select(make_policy(method), inp, float(ratio)), spans, resolved.spans)
-            idx = with_forced(idx, spans, resolved.forced)  # a client's own tokens between stored chunks
-            clock.lap("select")
-            if cut and idx is not None:
-                yield  # the selection's pre-pass was a piece too
-            pre = yield from prefill_reused_pieces(self.lm, ctx, ctx_ids, spans, question_token_ids, idx,
-                                                   piece_tokens, buffer if len(buffer) > len(ctx) else None)
-        if keys and cached is None:
-            self.context_cache.put(keys[0], CachedContext.of(pre.kv, system_ids, token_ids,
-                                                             pre.spans), chunk_ids)
-        clock.lap("recompute")
-        timings = {**clock.stages, "total": clock.total()}
-        pre.timings_ms["recompute"] = timings["recompute"]
-        sources = [{"chunk_id": p.chunk_id, "title": p.title, "source": p.source, "score": score,
-                    "stored": p.chunk_id is not None, "part": list(p.span) if p.span else None, "origin": origin}
-                   for p, score, origin in zip(pieces, hit_scores, origins, strict=True)]
-        out.pre, out.method, out.kv_kind, out.ratio = pre, method, kv_kind, float(ratio)
-        out.prompt_token_ids = [*system_ids, *(t for c in token_ids for t in c), *question_token_ids]
-        out.sampler.see_prompt(out.prompt_token_ids)
-        out.chunk_ids, out.passages, out.chunk_token_ids, out.ttft_ms = chunk_ids, passages, token_ids, timings
-        out.chunk_parts = resolved.spans
-        out.fused_fallbacks, out.sources, out.note = fallbacks, sources, note
-        out.context_cache_hit, out.kv_origins, out.status = cached is not None, origins, Status.PREPARED
-        return out
+def _reuse(question: str | ReuseRequest, method: str, ratio: float, top_k: int | None, chunks: Sequence[dict] | None,
+           kv: str | None, preamble: str, retrieval: bool | None) -> ReuseRequest:
+    return question if isinstance(question, ReuseRequest) else \
+        ReuseRequest(question, method, ratio, kv, top_k, chunks, preamble, retrieval)
 
-    def resolve_method(self, method: str, context_tokens: int, ready_tokens: int | None = None) -> tuple[str, str]:
-        """The method a request runs and, when that is not the one it named, why (:func:`fusionrag.online.auto.choose`
-        with this engine's :attr:`min_reuse_tokens`)."""
-        return auto.choose(method, context_tokens, ready_tokens, self.min_reuse_tokens)
 
-    @functools.cached_property
-    def grammars(self) -> Any:
-        """Structured outputs' compiled grammars for this model's tokenizer (:mod:`fusionrag.online.constraints`)."""
-        from fusionrag.online.constraints import Grammars
-
-        return Grammars(self.lm.tokenizer, int(self.lm.model.config.vocab_size), list(self.lm.stop_token_ids))
-
-    def finish(self, prep: Request, token_ids: list[int]) -> Request:
-        """Complete a prepared request with its generated token ids (the same object, now ``finished``)."""
-        prep.token_ids = list(token_ids)
-        prep.text = self.lm.tokenizer.decode(token_ids, skip_special_tokens=prep.sampling.skip_special_tokens).strip()
-        prep.status = Status.FINISHED
-        return prep
-
-    # -- the KV source ----------------------------------------------------------------
-
-    def prefetch(self, request: ReuseRequest) -> Resolved | None:
-        """Asynchronous loader for a queued request: find its passages now and start loading their KV; the
-        passages found are the request's (:meth:`prepare` takes them).
-
-        Runs retrieval (embedding + index search) in the caller's thread, outside the model
-        lock, so the KV reads overlap with whatever the model is computing. Best effort:
-        a request that cannot be resolved here is resolved by its prefill (None).
-        """
-        try:
-            resolved = self.resolve(request)
-            if request.method != "full" and self.store is not None:
-                self.prefetch_chunks(resolved.chunk_ids, resolved_kv(request.method, request.kv))
-        except FusionRAGError:
-            return None
-        return resolved
-
-    def resolve(self, request: ReuseRequest) -> Resolved:
-        """The request's passages: matched onto stored chunks, or retrieved, at the store's current state. A
-        request that places no passages keeps its prompt's ids (a client's own, or ``S`` and the question segment)
-        and its stored chunks are found in them wherever they were pasted (:mod:`.client_prompt`), as the vLLM
-        connector finds them: served from the store, the ids between them recomputed."""
-        generation = self.store.seen_generation if self.store is not None else None
-        if request.chunks is None and not request.retrieves and self.store is not None:
-            located = locate(self.store, self._unplaced_ids(request), resolved_kv(request.method, request.kv),
-                             self.lm.tokenizer.decode)
-            if located is not None:
-                return located
-        pieces, scores, note = self._passages(request)
-        return Resolved(pieces, scores, note, generation)
-
-    def _unplaced_ids(self, request: ReuseRequest) -> list[int]:
-        """The ids a request without passages prefills: a raw prompt's own, else ``S`` and its question segment."""
-        if request.raw:
-            return list(request.prompt_ids) if request.prompt_ids is not None else \
-                self.prompt.raw_token_ids(request.question)
-        return [*self.prompt.system_token_ids, *self.prompt.question_token_ids(request.question, request.preamble)]
-
-    def _current(self, resolved: Resolved) -> bool:
-        return self.store is None or resolved.generation == self.store.seen_generation
-
-    def prefetch_chunks(self, chunk_ids: Sequence[int | None], kv: str = "plain-first") -> None:
-        """Start loading these chunks' KV in the background (a no-op without a caching tier)."""
-        kinds = self.kinds_for(chunk_ids, kv)
-        keys = (self.loader.stored_key(c, k) for c, k in zip(chunk_ids, kinds, strict=True))
-        self.kv_source.prefetch([k for k in keys if k is not None])
-
-    def follow_store(self) -> bool:
-        """Take in what another process changed in the store since this engine last looked (its index,
-        chunks and KV: every cached copy is dropped); True if there was anything. Every request starts here,
-        so a running server never retrieves, matches or reuses a chunk another process deleted."""
-        if self.store is None or not self.store.refresh():
-            return False
-        self.kv_source.invalidate(None)
-        self.context_cache.invalidate(None)
-        return True
-
-    def invalidate(self, keys: Iterable[Key]) -> None:
-        """Forget cached copies of entries a store change rewrote or removed (every tier down to disk), and
-        the whole contexts computed from those chunks."""
-        keys = list(keys)
-        self.kv_source.invalidate(keys)
-        self.context_cache.invalidate({chunk for chunk, _ in keys})
-
-    def stats(self) -> dict[str, Any]:
-        """What ``/metrics`` and benchmarks report: ``tiers`` (``{tier: TierStats}``, empty without a
-        caching tier), ``prefix_cache`` (PrefixCacheStats of request-supplied passages) and
-        ``adhoc_entries`` (how many such KVs are cached), ``context_cache`` (ContextCacheStats)."""
-        return {"tiers": dict(self.kv_source.stats()), "prefix_cache": self.prefix_cache.stats(),
-                "context_cache": self.context_cache.stats(),
-                "adhoc_entries": len(self.prefix_cache), "adhoc_bytes": self.prefix_cache.nbytes,
-                "adhoc_limit_bytes": self.adhoc_cache_bytes or 0, "damaged_entries": len(self.loader.damaged)}
-
-    # -- internals --------------------------------------------------------------------
-
-    def _passages(self, req: ReuseRequest) -> tuple[list[Piece], list[float | None], str]:
-        """The request's chunks, their retrieval scores, and a note when it gets none it might expect.
-
-        Passages the request brings are mapped onto stored chunks (:mod:`fusionrag.retrieval.matching`);
-        a request that retrieves searches the store, unless there is none. Only stored chunks have a
-        ``chunk_id``, so an engine without a store never reaches the store below."""
-        if req.chunks is not None:
-            pieces = match_passages(self.store, self.prompt, req.chunks)
-            return pieces, [None] * len(pieces), ""
-        if not req.retrieves:
-            return [], [], ""
-        if self.store is None:
-            return [], [], "no store: answered without passages"
-        hits = self.store.retrieve(req.question, req.top_k or DEFAULT_TOP_K)
-        if not hits:
-            return [], [], "the store is empty: answered without passages"
-        pieces = [Piece(h["chunk_id"], h["title"], h["text"], h["source"]) for h in hits]
-        return pieces, [h["score"] for h in hits], ""
-
-    def kinds_for(self, chunk_ids: Sequence[int | None], kind: str) -> list[str]:
-        """The stored KV each chunk reads (:meth:`ChunkKVLoader.kinds_for`)."""
-        return self.loader.kinds_for(chunk_ids, kind)
+def _finished(events: Iterator[Event]) -> Request:
+    """The request its last event ends (raises its error)."""
+    last = collections.deque(events, maxlen=1)
+    done = last[0] if last else None
+    assert done is not None and done.kind in ("done", "error")
+    if done.kind == "error":
+        raise done.error  # type: ignore[misc]
+    return done.answer

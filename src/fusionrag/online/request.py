@@ -65,6 +65,8 @@ class ReuseRequest:
     raw: bool = False
     prompt_ids: tuple[int, ...] | None = None
     skip_cache: bool = False  # read no cache (a whole context, a passage an earlier request computed): A/B tests
+    #: The door checked that every text is valid Unicode (the server's JSON body, at ``read_json``): not again.
+    texts_checked: bool = field(default=False, compare=False, repr=False)
     #: Set by :meth:`validated` on what it returns: validating that again returns it as it is.
     checked: bool = field(default=False, compare=False, repr=False)
 
@@ -84,11 +86,11 @@ class ReuseRequest:
             raise InvalidRequest("the question is empty", "question", "empty_question")
         if self.raw and (self.chunks or self.preamble or self.retrieval):
             raise InvalidRequest("a raw prompt takes no passages, preamble or retrieval", "prompt")
-        for name, text in (("question", question), ("preamble", self.preamble or "")):
+        for name, text in () if self.texts_checked else (("question", question), ("preamble", self.preamble or "")):
             if not is_valid_text(text):
                 raise InvalidRequest(f"the {name} is not valid Unicode text (undecodable bytes or a lone surrogate)",
                                      name, "invalid_unicode")
-        for i, c in enumerate(self.chunks or ()):
+        for i, c in enumerate(() if self.texts_checked else self.chunks or ()):
             if not all(is_valid_text(str(c.get(k, ""))) for k in ("title", "text")):
                 raise InvalidRequest(f"passage {i} is not valid Unicode text", "documents", "invalid_unicode")
         return replace(out, question=question, checked=True)

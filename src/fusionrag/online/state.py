@@ -1,12 +1,13 @@
 """``Request``: one request from its admission to its answer, whatever door it came through.
 
-Like vLLM's ``Request``: created once, when a request is admitted (the server's scheduler, the CLI,
-the Python API), from a validated :class:`~fusionrag.online.request.ReuseRequest` and how to pick
-its tokens; each stage fills its own fields once: the prefetch its passages (``resolved``), the
-prefill (:meth:`Engine.prepare`) the prompt's KV, the first token's logits and the stage timings,
-the decode steps the output tokens, :meth:`Engine.finish` the answer's text. ``status`` says where
-it is. The caller's side (``events``, ``result``, ``cancel``) is thread-safe; ``emit`` runs on the
-model thread (:mod:`fusionrag.online.scheduler`).
+Like vLLM's ``Request``: created once, when a request is admitted (the server's parser, the CLI, the
+Python API: :meth:`Request.of`), from a validated :class:`~fusionrag.online.request.ReuseRequest` and how
+to pick its tokens, and handed to the scheduler (``submit``), the one way in. ``status`` says where it is,
+and only the scheduler moves it (:meth:`Request.move`, along :data:`MOVES`); each stage fills its own
+fields once: the prefetch its passages (``resolved``), the prefill plan
+(:class:`~fusionrag.online.prefill_plan.PrefillPlan`) the prompt's KV, the first token's logits and the
+stage timings, the output step (:mod:`fusionrag.online.output`) the tokens and the answer's text. The
+caller's side (``events``, ``result``, ``cancel``) is thread-safe; ``emit`` runs on the model thread.
 """
 
 from __future__ import annotations
@@ -34,13 +35,30 @@ log = logging.getLogger(__name__)
 
 
 class Status(StrEnum):
-    """Where a request is: waiting for its prefill, prepared (decoding), or finished one way or another."""
+    """Where a request is. Only the scheduler moves it (:meth:`Request.move`), along :data:`MOVES`, as vLLM's
+    scheduler alone moves its ``RequestStatus``: waiting in its queue, its prefill being advanced, decoding in
+    the batch, then finished one of four ways."""
 
     WAITING = "waiting"
-    PREPARED = "prepared"
-    FINISHED = "finished"
-    FAILED = "failed"
-    CANCELLED = "cancelled"
+    PREFILLING = "prefilling"
+    DECODING = "decoding"
+    FINISHED_STOPPED = "finished_stopped"  # a stop token or string, or a structured answer that is complete
+    FINISHED_LENGTH = "finished_length"  # its token budget (max_tokens, or the model's exact-reuse limit)
+    FINISHED_ABORTED = "finished_aborted"  # cancelled by its caller
+    FINISHED_ERROR = "finished_error"  # failed
+
+    @property
+    def finished(self) -> bool:
+        return self.value.startswith("finished_")
+
+
+_ENDS = {Status.FINISHED_ABORTED, Status.FINISHED_ERROR}
+#: The moves a request can make: forward only, and to an end (aborted, failed) from anywhere unfinished.
+MOVES: dict[Status, set[Status]] = {
+    Status.WAITING: {Status.PREFILLING, *_ENDS},
+    Status.PREFILLING: {Status.DECODING, Status.FINISHED_STOPPED, Status.FINISHED_LENGTH, *_ENDS},
+    Status.DECODING: {Status.FINISHED_STOPPED, Status.FINISHED_LENGTH, *_ENDS},
+}
 
 
 class Request:
@@ -52,7 +70,7 @@ class Request:
         self.reuse = reuse  # the question and how to reuse KV for it (validated once: at its door or its prefill)
         self.max_new_tokens = int(max_new_tokens)
         self.sampling = sampling or SamplingParams()
-        self.status = Status.WAITING
+        self._status = Status.WAITING
         self.submitted_at = time.perf_counter()
         # the prefetch: its Resolved passages, the request's own
         self.resolved: Future | None = None
@@ -85,7 +103,7 @@ class Request:
         # the decode steps and the answer
         self.token_ids: list[int] = []
         self.emitted = ""  # the text sent so far (stop strings cut, held-back tails included at the end)
-        self.text = ""  # the answer: the generated tokens decoded (Engine.finish)
+        self.text = ""  # the answer: the generated tokens as the streamer decoded them, once (online/output.py)
         self.finish_reason: str | None = None  # "stop" | "length"
         self.error: BaseException | None = None
         self.prefill_started_at: float | None = None
@@ -103,17 +121,26 @@ class Request:
         self._done = threading.Event()
 
     @classmethod
-    def admitted(cls, request: str | ReuseRequest | Request, max_new_tokens: int = 32,
-                 sampling: SamplingParams | None = None, listener: Listener | None = None,
-                 **reuse_fields: Any) -> Request:
-        """The request a submission stands for: the one made at its door (``listener`` then replaces its
-        queue), else one made here from a :class:`ReuseRequest` or a question and its fields."""
-        if isinstance(request, Request):
-            if listener is not None:
-                request._listener, request._events = listener, None
-            return request
-        reuse = request if isinstance(request, ReuseRequest) else ReuseRequest(request, **reuse_fields)
-        return cls(reuse, max_new_tokens, sampling, listener)
+    def of(cls, question: str | ReuseRequest, max_new_tokens: int = 32, sampling: SamplingParams | None = None,
+           **reuse_fields: Any) -> Request:
+        """A request for ``question`` and its :class:`ReuseRequest` fields (method, ratio, top_k, chunks, kv,
+        preamble, retrieval), or for a whole :class:`ReuseRequest`: what the Python API and tests submit."""
+        reuse = question if isinstance(question, ReuseRequest) else ReuseRequest(question, **reuse_fields)
+        return cls(reuse, max_new_tokens, sampling)
+
+    @property
+    def status(self) -> Status:
+        return self._status
+
+    def move(self, to: Status) -> None:
+        """Move to ``to`` (the scheduler's call, along :data:`MOVES`; anything else is a scheduler bug)."""
+        if to not in MOVES.get(self._status, set()):
+            raise RuntimeError(f"request {self.id} cannot move from {self._status} to {to}")
+        self._status = to
+
+    def listen(self, listener: Listener) -> None:
+        """Deliver this request's events to ``listener`` (on the model thread) instead of its queue."""
+        self._listener, self._events = listener, None
 
     def picked_first(self, ms: float) -> None:
         """The first token was picked, in ``ms`` after the prefill: a stage of TTFT (``first_token``)."""

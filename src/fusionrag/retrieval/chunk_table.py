@@ -131,15 +131,16 @@ class ChunkTable:
 
     def next_ids(self, n: int) -> list[int]:
         """The ids ``n`` new chunks get (inside the caller's transaction). Ids are never reused, not even the
-        highest one after its chunk was deleted: a reader that cached a chunk by id (a serving tier, the chunk
-        locator) must never see another text under it. The highest id ever given is kept in ``settings``."""
+        highest one after its chunk was deleted (:meth:`delete` keeps it in ``settings``): a reader that cached a
+        chunk by id (a serving tier, the chunk locator) must never see another text under it."""
+        first = self._highest() + 1
+        return list(range(first, first + n))
+
+    def _highest(self) -> int:
+        """The highest id ever given (-1: none)."""
         row = self._db.execute("SELECT MAX(id) FROM chunks").fetchone()
         mark = self._db.execute("SELECT value FROM settings WHERE key = 'last_chunk_id'").fetchone()
-        first = max(-1 if row[0] is None else int(row[0]), -1 if mark is None else int(json.loads(mark[0]))) + 1
-        if n:
-            self._db.execute("INSERT OR REPLACE INTO settings(key, value) VALUES ('last_chunk_id', ?)",
-                             (json.dumps(first + n - 1),))
-        return list(range(first, first + n))
+        return max(-1 if row[0] is None else int(row[0]), -1 if mark is None else int(json.loads(mark[0])))
 
     def insert(self, ids: Sequence[int], chunks: Sequence[Chunk], vectors: np.ndarray) -> None:
         """Add the rows (inside the caller's transaction)."""
@@ -152,6 +153,10 @@ class ChunkTable:
 
     def delete(self, ids: Sequence[int]) -> None:
         """Remove the rows (inside the caller's transaction) and their cached records."""
+        highest = self._highest()
         self._db.executemany("DELETE FROM chunks WHERE id = ?", [(int(i),) for i in ids])
+        if highest in {int(i) for i in ids}:  # the highest id goes: kept, so that no new chunk gets it
+            self._db.execute("INSERT OR REPLACE INTO settings(key, value) VALUES ('last_chunk_id', ?)",
+                             (json.dumps(highest),))
         for cid in ids:
             self._records.pop(int(cid), None)

@@ -65,9 +65,11 @@ async def read_json(request: HTTPRequest, max_bytes: int) -> Any:
     if not raw.strip():
         raise APIError(400, "the request body is empty; send a JSON object", code="invalid_json")
     try:
-        return json.loads(raw)
+        body = json.loads(raw)
     except (ValueError, RecursionError) as exc:  # JSONDecodeError, bad encoding, absurd nesting
         raise APIError(400, f"malformed JSON: {exc}", code="invalid_json") from None
+    check_text(body)  # the request's one Unicode check: every string of the body, at every door
+    return body
 
 
 def invalid_text_path(value: Any, path: str = "body") -> str | None:
@@ -122,7 +124,6 @@ def parse_documents(items: Any, s: ServerSettings, param: str, allow_empty: bool
         if unknown:
             raise APIError(400, f"{param}[{i}]: unknown field(s) {', '.join(map(repr, unknown))}; a passage is "
                                 "{title, text, source, id}", code="unsupported_parameter", param=param)
-        check_text({f"{param}[{i}]": d})
         title = d.get("title", "")
         if title is None:
             title = ""
@@ -195,7 +196,6 @@ Parsed = tuple[Request, Wire]
 def validated(model: type[BaseModel], body: Any) -> Any:
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
-    check_text(body)
     try:
         return model.model_validate(body)
     except ValidationError as exc:
@@ -263,11 +263,6 @@ def _common(req: ChatCompletionRequest | CompletionRequest, s: ServerSettings, q
                                     allow_empty=True)
     else:
         documents = parse_documents(documents, s, "messages") if documents else None
-    if raw and not question:
-        raise APIError(400, "'prompt' is empty", code="empty_question", param="prompt")
-    if not raw and not question.strip():
-        raise APIError(400, "the question is empty (the last user message, outside any <document> block)",
-                       code="empty_question", param="messages")
     stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     if len(stops) > s.max_stop or any(not x or len(x) > 200 for x in stops):
         raise APIError(400, f"'stop' takes at most {s.max_stop} non-empty strings of up to 200 characters",
@@ -298,8 +293,13 @@ def _common(req: ChatCompletionRequest | CompletionRequest, s: ServerSettings, q
         reuse = ReuseRequest(question if raw else question.strip(), method, ratio, req.kv, req.retrieval_top_k,
                              documents, preamble, retrieval, raw=raw,
                              prompt_ids=None if raw_ids is None else tuple(raw_ids),
-                             skip_cache=bool(req.skip_reading_prefix_cache)).validated(max_top_k=s.max_top_k)
+                             skip_cache=bool(req.skip_reading_prefix_cache),
+                             texts_checked=True).validated(max_top_k=s.max_top_k)  # read_json checked the texts
     except InvalidRequest as exc:
+        if exc.code == "empty_question":  # the request's one empty-question check, said in the door's words
+            raise APIError(400, "'prompt' is empty" if raw else "the question is empty (the last user message, "
+                                "outside any <document> block)", code="empty_question",
+                           param="prompt" if raw else "messages") from None
         param = "retrieval_top_k" if exc.param == "top_k" else exc.param
         raise APIError(400, str(exc).replace("'top_k'", "'retrieval_top_k'"), code=exc.code, param=param) from None
     request = Request(reuse, max_tokens or min(s.default_max_tokens, s.max_new_tokens), sampling)

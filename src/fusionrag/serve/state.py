@@ -32,7 +32,7 @@ class RecentAnswers:
         self._lock = threading.Lock()
 
     def add(self, req: Request) -> None:
-        if not self.keep or req.status != Status.FINISHED:
+        if not self.keep or req.status not in (Status.FINISHED_STOPPED, Status.FINISHED_LENGTH):
             return
         with self._lock:
             self._items[req.id] = (req.question, req)

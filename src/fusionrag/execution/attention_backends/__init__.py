@@ -37,6 +37,7 @@ kernel is reached) and imports its module only then.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 from collections.abc import Callable
@@ -74,11 +75,12 @@ class AttentionBackend:
     supports_in_place: bool = False  # has attend_in_place (the sparse recompute writing in place)
     needs_triton: bool = False  # a Triton kernel: CUDA, or the CPU under TRITON_INTERPRET=1
 
-    @property
+    @functools.cached_property
     def attend(self) -> Attend:
+        """The backend's ``attend`` (its module imported on first use, then held)."""
         return importlib.import_module(self.module).attend
 
-    @property
+    @functools.cached_property
     def attend_in_place(self) -> AttendInPlace | None:
         return importlib.import_module(self.module).attend_in_place if self.supports_in_place else None
 
