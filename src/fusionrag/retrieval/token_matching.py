@@ -18,6 +18,7 @@ reads (:mod:`fusionrag.retrieval.kv_kinds`: one rule for both engines).
 
 from __future__ import annotations
 
+from array import array
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -95,8 +96,10 @@ class ChunkMatcher:
         self.has_kv = has_kv
         self.kind = kind
         self.title_ids = title_ids or (lambda chunk_id: 0)
-        self._ids: dict[int, tuple[int, ...]] = {}
-        self._index: dict[tuple[int, ...], list[int]] = defaultdict(list)
+        self._ids: dict[int, array] = {}  # 4 bytes an id (a tuple of Python ints took ~36)
+        #: Anchors by the hash of their ids, to the chunk holding them (a list where several do). A hash that two
+        #: anchors share only adds a candidate: every candidate is compared id for id (find_regions).
+        self._index: dict[int, int | list[int]] = {}
         self._tiny: dict[tuple[int, ...], list[int]] = defaultdict(list)  # whole chunks shorter than a key
         self._framing: dict[int, tuple[int, int]] = {}
         for chunk_id, ids in chunks:
@@ -107,7 +110,7 @@ class ChunkMatcher:
         ids, chunk_id = tuple(int(t) for t in token_ids), int(chunk_id)
         if not ids:
             return
-        self._ids[chunk_id] = ids
+        self._ids[chunk_id] = array("i", ids)
         if len(ids) < KEY_TOKENS:
             self._tiny[ids].append(chunk_id)
             return
@@ -115,21 +118,32 @@ class ChunkMatcher:
             titled = self.title_ids(chunk_id) if title_ids is None else title_ids
             self._framing[chunk_id] = (titled + FRAMING_SLACK[0], FRAMING_SLACK[1])
         for key in _keys(ids):
-            self._index[key].append(chunk_id)
+            held = self._index.get(key)
+            self._index[key] = chunk_id if held is None else [held, chunk_id] if isinstance(held, int) else \
+                [*held, chunk_id]
 
     def remove(self, chunk_id: int) -> None:
         """Forget a chunk (deleted from the store, or its id given to new text)."""
-        ids = self._ids.pop(int(chunk_id), None)
-        if ids is None:
+        stored = self._ids.pop(int(chunk_id), None)
+        if stored is None:
             return
-        self._framing.pop(int(chunk_id), None)
-        table, keys = (self._tiny, [ids]) if len(ids) < KEY_TOKENS else (self._index, _keys(ids))
-        for key in keys:
-            held = table.get(key)
-            if held is not None and int(chunk_id) in held:
-                held.remove(int(chunk_id))
+        ids, chunk_id = tuple(stored), int(chunk_id)
+        self._framing.pop(chunk_id, None)
+        if len(ids) < KEY_TOKENS:
+            held = self._tiny.get(ids)
+            if held is not None and chunk_id in held:
+                held.remove(chunk_id)
                 if not held:
-                    del table[key]
+                    del self._tiny[ids]
+            return
+        for key in _keys(ids):
+            held = self._index.get(key)
+            if held == chunk_id:
+                del self._index[key]
+            elif isinstance(held, list) and chunk_id in held:
+                rest = list(held)
+                rest.remove(chunk_id)
+                self._index[key] = rest[0] if len(rest) == 1 else rest
 
     def __len__(self) -> int:
         return len(self._ids)
@@ -141,10 +155,14 @@ class ChunkMatcher:
         kind = self.kind if kind is None else kind
         s = len(self.system_ids) if tuple(ids[:len(self.system_ids)]) == self.system_ids else 0
         rest = tuple(int(t) for t in ids[s:])
-        candidates = dict.fromkeys(c for i in range(len(rest)) for c in self._index.get(rest[i:i + KEY_TOKENS], ()))
+        candidates: dict[int, None] = {}
+        for i in range(len(rest) - KEY_TOKENS + 1):
+            held = self._index.get(hash(rest[i:i + KEY_TOKENS]))
+            if held is not None:
+                candidates.update(dict.fromkeys([held] if isinstance(held, int) else held))
         for n in {len(k) for k in self._tiny}:  # whole chunks too short for a key: looked up at every position
             candidates.update(dict.fromkeys(c for i in range(len(rest)) for c in self._tiny.get(rest[i:i + n], ())))
-        readable = {c: self._ids[c] for c in candidates
+        readable = {c: tuple(self._ids[c]) for c in candidates
                     if served_kind(self.has_kv, c, kind, True) or served_kind(self.has_kv, c, kind, False)}
         regions = find_regions(rest, list(readable.items()), min_whole=1, min_part=MIN_PART_IDS, anchor=KEY_TOKENS,
                                framing=self._framing)
@@ -161,7 +179,8 @@ def _short(ids: tuple[int, ...]) -> bool:
     return len(ids) < 2 * MIN_PART_IDS
 
 
-def _keys(ids: tuple[int, ...]) -> list[tuple[int, ...]]:
-    """The anchors a chunk is indexed by (every :data:`INDEX_STRIDE`-th position; every half key when short)."""
+def _keys(ids: tuple[int, ...]) -> list[int]:
+    """The hashes of the anchors a chunk is indexed by (every :data:`INDEX_STRIDE`-th position; every half key
+    when short). A tuple of ints hashes the same in every process (no hash randomisation for ints)."""
     step = KEY_TOKENS // 2 if _short(ids) else INDEX_STRIDE
-    return [ids[at:at + KEY_TOKENS] for at in range(0, max(1, len(ids) - KEY_TOKENS + 1), step)]
+    return [hash(ids[at:at + KEY_TOKENS]) for at in range(0, max(1, len(ids) - KEY_TOKENS + 1), step)]
