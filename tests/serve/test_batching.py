@@ -287,7 +287,7 @@ def test_a_sampling_failure_fails_only_its_own_request(sched):
         def broken(_logits):
             raise RuntimeError("sampler exploded")
 
-        bad.sampler.pick = broken
+        bad.progress.sampler.pick = broken
     finally:
         gate.set()
     with pytest.raises(RuntimeError, match="sampler exploded"):

@@ -54,7 +54,7 @@ class DecodeBatch:
     def step(self, lock: threading.RLock) -> dict[str, torch.Tensor]:
         """One forward: each row's last token at its own position; each row's next-token logits."""
         with lock:
-            logits = self._decoder.step({rid: r.last_token for rid, r in self.rows.items()})
+            logits = self._decoder.step({rid: r.progress.last_token for rid, r in self.rows.items()})
         self._stats.decode_steps += 1
         self._stats.decode_rows += len(self.rows)
         self._stats.max_batch_seen = max(self._stats.max_batch_seen, len(self.rows))

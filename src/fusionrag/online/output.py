@@ -26,36 +26,38 @@ def take_token(req: Request, logits: torch.Tensor, stop_ids: set[int], tokenizer
                clock: Callable[[], StageClock], stats: SchedulerStats) -> str | None:
     """Pick ``req``'s next token from ``logits`` and send it; the finish reason (``stop`` or ``length``) when this
     token ends the request, else None. A sampling failure raises: it is this request's, not the batch's."""
+    run = req.progress
     timing = clock() if req.first_token < 0 else None  # picking the first token: TTFT's last stage
-    picked = req.sampler.pick(logits)
+    picked = run.sampler.pick(logits)
     if timing is not None:
         req.first_token = picked.token
         req.picked_first(timing.total())
     if picked.token in stop_ids or picked.token in req.sampling.stop_token_ids:
         return "stop"
-    if req.streamer is None:
-        req.streamer = TextStreamer(tokenizer, req.sampling.skip_special_tokens)
+    if run.streamer is None:
+        run.streamer = TextStreamer(tokenizer, req.sampling.skip_special_tokens)
     req.token_ids.append(picked.token)
     req.token_times.append(time.perf_counter())
     stats.tokens_generated += 1
     if req.first_token_at is None:
         req.first_token_at = req.token_times[-1]
-    text = req.stop_matcher.push(req.streamer.push(picked.token))
+    text = run.stop_matcher.push(run.streamer.push(picked.token))
     req.emitted += text
     req.emit(Event("token", token=picked.token, text=text, logprob=picked.logprob, top_logprobs=picked.top))
-    if req.stop_matcher.stopped or (req.sampler.constraint is not None and req.sampler.constraint.done):
+    if run.stop_matcher.stopped or (run.sampler.constraint is not None and run.sampler.constraint.done):
         return "stop"  # a stop string, or a structured answer that is complete
     if len(req.token_ids) >= req.max_new_tokens:
         return "length"
-    req.last_token = picked.token
+    run.last_token = picked.token
     return None
 
 
 def closing_text(req: Request) -> str:
     """What was held back until the end (an unfinished character, a possible stop string), sent with ``done``;
     sets the answer's ``text``: the streamer's, the tokens decoded once."""
-    tail = req.stop_matcher.push(req.streamer.flush()) if req.streamer is not None else ""
-    tail += req.stop_matcher.flush()
+    run = req.progress
+    tail = run.stop_matcher.push(run.streamer.flush()) if run.streamer is not None else ""
+    tail += run.stop_matcher.flush()
     req.emitted += tail
-    req.text = req.streamer.text.strip() if req.streamer is not None else ""
+    req.text = run.streamer.text.strip() if run.streamer is not None else ""
     return tail

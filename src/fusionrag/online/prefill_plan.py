@@ -190,7 +190,7 @@ def record(engine: PlanEngine, req: Request, r: Resolving, loaded: Loaded | None
                    for p, score, origin in zip(res.pieces, res.scores, origins, strict=True)]
     req.pre, req.method, req.kv_kind, req.ratio = pre, r.method, r.kv_kind, r.ratio
     req.prompt_token_ids = [*r.system_ids, *(t for c in r.token_ids for t in c), *r.question_ids]
-    req.sampler.see_prompt(req.prompt_token_ids)
+    req.progress.sampler.see_prompt(req.prompt_token_ids)
     req.chunk_ids, req.passages, req.chunk_token_ids, req.ttft_ms = res.chunk_ids, res.passages, r.token_ids, timings
     req.chunk_parts, req.fused_fallbacks = res.spans, loaded.fallbacks if loaded is not None else 0
     req.note = r.note or ("context cache: this context's KV was computed by an earlier request"
@@ -237,8 +237,8 @@ class PrefillPlan:
 
     def _resolve(self) -> bool:
         req = self.req
-        if req.sampler.constraint is None:  # the end of turn (min_tokens) and the grammar, before any prefill
-            req.sampler.bind(set(self.engine.lm.stop_token_ids), None if req.sampling.grammar is None else
+        if req.progress.sampler.constraint is None:  # the end of turn (min_tokens) and the grammar, before any prefill
+            req.progress.sampler.bind(set(self.engine.lm.stop_token_ids), None if req.sampling.grammar is None else
                              self.engine.grammars.constraint(req.sampling.grammar))
         self.resolving = r = resolve(self.engine, req, self._prefetched)
         self._clock.lap("retrieve")

@@ -19,6 +19,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import Future
+from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
@@ -59,6 +60,18 @@ MOVES: dict[Status, set[Status]] = {
     Status.PREFILLING: {Status.DECODING, Status.FINISHED_STOPPED, Status.FINISHED_LENGTH, *_ENDS},
     Status.DECODING: {Status.FINISHED_STOPPED, Status.FINISHED_LENGTH, *_ENDS},
 }
+
+
+@dataclass
+class Progress:
+    """What the scheduler works with while a request runs and nobody else reads: its token sampler (bound to the
+    end of turn and the grammar before the prefill), the stop-string matcher, the incremental detokeniser and
+    the last token (the next decode step's input)."""
+
+    sampler: TokenSampler
+    stop_matcher: StopMatcher
+    streamer: TextStreamer | None = None
+    last_token: int = -1
 
 
 class Request:
@@ -110,11 +123,9 @@ class Request:
         self.first_token_at: float | None = None
         self.finished_at: float | None = None
         self.token_times: list[float] = []  # perf_counter() of each generated token (inter-token latency)
-        # the scheduler's working state (model thread only)
-        self.sampler = TokenSampler(self.sampling)
-        self.stop_matcher = StopMatcher(self.sampling.stop, self.sampling.include_stop_str_in_output)
-        self.streamer: TextStreamer | None = None
-        self.last_token = -1
+        #: The scheduler's working state (model thread only), apart from what the caller reads.
+        self.progress = Progress(TokenSampler(self.sampling),
+                                 StopMatcher(self.sampling.stop, self.sampling.include_stop_str_in_output))
         self._listener = listener
         self._events: queue.Queue[Event] | None = None if listener is not None else queue.Queue()
         self._cancelled = threading.Event()
