@@ -16,6 +16,8 @@ the store.
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +25,8 @@ from typing import Any
 from fusionrag.online.methods import default_kv
 from fusionrag.retrieval.token_matching import ContextMatch
 from fusionrag.vllm.isolation import mode_salt, salt_request
+
+log = logging.getLogger("fusionrag.vllm")
 
 
 @dataclass
@@ -76,6 +80,9 @@ class Planner:
         self.block_size = block_size
         self.salting = salting
         self.fallback = fallback
+        t0 = time.perf_counter()  # the chunk index built at vLLM's start, not in the step loop of a first request
+        indexed = len(store.locator)
+        log.info("fusionrag connector: %d stored chunks indexed in %.1f s", indexed, time.perf_counter() - t0)
         self._plans: dict[str, Plan | None] = {}
         self._reasons: dict[str, str] = {}
         self._client_salts: dict[str, str | None] = {}
