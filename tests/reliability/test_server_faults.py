@@ -65,7 +65,8 @@ def test_a_damaged_kv_entry_is_answered_around_and_reported_without_paths(tmp_pa
     app = create_app(store_factory(tmp_path / "kb"), ServerSettings(default_max_tokens=4, memory_budget_mb=0))
     sched = app.state.scheduler
     sched.wait_ready(120)
-    with TestClient(app) as client:
+    sched.run_task(lambda: None).result(60)  # after the start's own store tasks: its stale-KV check re-fuses
+    with TestClient(app) as client:           # entries that do not verify, and would mend the damage below
         store = sched.engine.store
         for cid in store.chunk_ids():
             path = store.kv_path(cid, "fused")
