@@ -134,7 +134,7 @@ def test_no_os_or_sqlite_error_reaches_a_client_as_a_500():
     import errno
     import sqlite3
 
-    from fusionrag.serve.protocol import as_api_error
+    from fusionrag.serve.api_errors import as_api_error
 
     where = "/srv/private/kb/chunks.sqlite"  # a server path is not the client's business
     cases = {OSError(errno.ENOSPC, "No space left on device", where): (507, "insufficient_storage"),

@@ -60,17 +60,17 @@ def test_a_request_s_texts_are_checked_once(counted, monkeypatch):
     question again when validated); the empty-question check twice. Now once each: the body's texts at the door
     (``read_json``), the question's emptiness where the request is validated."""
     import fusionrag.online.request as request_module
-    import fusionrag.serve.protocol as protocol_module
+    import fusionrag.serve.bodies as bodies_module
 
     app, _, calls = counted
     checked: collections.Counter[str] = collections.Counter()
-    real = protocol_module.is_valid_text
+    real = bodies_module.is_valid_text
 
     def counting(text: str) -> bool:
         checked[text] += 1
         return real(text)
 
-    monkeypatch.setattr(protocol_module, "is_valid_text", counting)
+    monkeypatch.setattr(bodies_module, "is_valid_text", counting)
     monkeypatch.setattr(request_module, "is_valid_text", counting)
     with TestClient(app) as client:
         r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Capital?"}],

@@ -20,8 +20,9 @@ from fusionrag.online.scheduled import Event
 from fusionrag.online.state import Request
 from fusionrag.serve.access_log import set_request_id
 from fusionrag.serve.api_errors import APIError, as_api_error
+from fusionrag.serve.bodies import read_json
 from fusionrag.serve.choices import answer_many, copies, stream_many
-from fusionrag.serve.protocol import Parsed, read_json
+from fusionrag.serve.protocol import Parsed
 from fusionrag.serve.responses import Logprobs, Shape, completion_json, sse_stream
 from fusionrag.serve.settings import ServerSettings
 from fusionrag.serve.state import ServerState

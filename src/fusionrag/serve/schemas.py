@@ -12,7 +12,7 @@ meanings (``top_k``, ``min_p``, ``repetition_penalty``, ``presence_penalty``, ``
 ``logit_bias``, ``min_tokens``, ``stop_token_ids``, ``include_stop_str_in_output``, ``skip_special_tokens``),
 and structured outputs OpenAI's ``response_format`` or vLLM's ``structured_outputs``; the retrieval depth is
 ``retrieval_top_k``. The
-routes read the body themselves (bounded, see :func:`fusionrag.serve.protocol.read_json`)
+routes read the body themselves (bounded, see :func:`fusionrag.serve.bodies.read_json`)
 and validate it with these models; :func:`validation_error` turns pydantic's report into
 one OpenAI-shaped error.
 """

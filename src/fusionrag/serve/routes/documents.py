@@ -10,8 +10,8 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
 from fusionrag.serve.api_errors import APIError
+from fusionrag.serve.bodies import parse_documents, read_json
 from fusionrag.serve.documents import DocumentJob, check_job_size, document_json
-from fusionrag.serve.protocol import parse_documents, read_json
 from fusionrag.serve.schemas import DocumentsRequest, body_schema
 from fusionrag.serve.state import ServerState, State, require_api_key
 

@@ -18,7 +18,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
 from fusionrag.serve.api_errors import APIError
-from fusionrag.serve.protocol import read_json, validated
+from fusionrag.serve.bodies import read_json, validated
 from fusionrag.serve.schemas import EmbeddingsRequest, body_schema
 from fusionrag.serve.state import State, require_api_key
 

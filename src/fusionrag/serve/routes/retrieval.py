@@ -8,7 +8,7 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
-from fusionrag.serve.protocol import parse_retrieve, read_json
+from fusionrag.serve.bodies import parse_retrieve, read_json
 from fusionrag.serve.schemas import RetrieveRequest, body_schema
 from fusionrag.serve.state import State, require_api_key
 

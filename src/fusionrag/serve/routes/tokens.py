@@ -17,7 +17,8 @@ from fastapi.responses import JSONResponse
 
 from fusionrag.prompt import chat_prompt_ids
 from fusionrag.serve.api_errors import APIError
-from fusionrag.serve.protocol import message_text, parse_detokenize, parse_tokenize, read_json
+from fusionrag.serve.bodies import parse_detokenize, parse_tokenize, read_json
+from fusionrag.serve.protocol import message_text
 from fusionrag.serve.schemas import DetokenizeRequest, TokenizeChatRequest, TokenizeRequest, body_schema
 from fusionrag.serve.state import State, require_api_key
 
