@@ -13,6 +13,7 @@ pass, and all load or none do (:mod:`fusionrag.vllm.parallel`).
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -71,7 +72,8 @@ class Loader:
             from fusionrag.files import atomic_write
 
             atomic_write(Path(self.debug_dir) / f"{load.req_id}.json", json.dumps(
-                {"first": load.first, "end": end, "chunks": load.chunks, "selected": selected.tolist()}))
+                {"first": load.first, "end": end, "chunks": load.chunks, "selected": selected.tolist(),
+                 "worker": os.getpid()}))  # which replica's worker loaded it (data parallelism)
 
     def _read(self, load: ReqLoad) -> list[KV]:
         """The request's stored chunk KV, this rank's heads, verified, at the store generation it was planned on."""
