@@ -107,14 +107,18 @@ def fallback_warnings(log: Path) -> list[str]:
             for line in log.read_text(errors="replace").splitlines() if "such requests are prefilled by vLLM" in line]
 
 
-def start_server(folder: Path, port: int, threads: int, log: Path, config: dict | None) -> subprocess.Popen:
+def start_server(folder: Path, port: int, threads: int, log: Path, config: dict | None,
+                 extra: list[str] | None = None, omp_threads: int | None = None) -> subprocess.Popen:
+    """vLLM's OpenAI server on cores ``0..threads-1`` (``omp_threads`` per engine: ``threads`` by default;
+    ``extra``: more vLLM flags, e.g. ``--data-parallel-size 2``)."""
     cmd = [str(venv_python("vllm")), "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
            "--dtype", "bfloat16", "--host", "127.0.0.1", "--port", str(port),
-           "--served-model-name", "m", "--enable-prefix-caching", "--enforce-eager", "--max-model-len", "10240"]
+           "--served-model-name", "m", "--enable-prefix-caching", "--enforce-eager", "--max-model-len", "10240",
+           *(extra or [])]
     if config:
         cmd += ["--kv-transfer-config", json.dumps(config)]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-           "OMP_NUM_THREADS": str(threads)}
+           "OMP_NUM_THREADS": str(omp_threads or threads)}
     log.parent.mkdir(parents=True, exist_ok=True)
     cores = ",".join(map(str, range(threads)))
     return subprocess.Popen(["taskset", "-c", cores, *cmd], stdout=log.open("ab"), stderr=subprocess.STDOUT, env=env)
