@@ -52,6 +52,9 @@ def one_run(folder: Path, store: Path, requests: list, replicas: int, args: argp
         before = redis_stats(args.redis_port) if redis else {}
         results, wall = asyncio.run(closed_loop(args.port, requests, args.clients, args.duration, args.max_tokens))
         after = redis_stats(args.redis_port) if redis else {}
+        if redis:  # entries in Redis: each was a miss once (its first read, from disk, by one replica or the other)
+            after["keys"] = int(subprocess.run(["redis-cli", "-p", str(args.redis_port), "dbsize"], capture_output=True,
+                                               text=True, timeout=10, check=True).stdout.strip())
     finally:
         proc.terminate()
         try:
@@ -68,7 +71,9 @@ def one_run(folder: Path, store: Path, requests: list, replicas: int, args: argp
         hits = after.get("keyspace_hits", 0) - before.get("keyspace_hits", 0)
         misses = after.get("keyspace_misses", 0) - before.get("keyspace_misses", 0)
         rate = hits / (hits + misses) if hits + misses else None
-        row.update(redis_hits=hits, redis_misses=misses, redis_hit_rate=rate)
+        later = hits + misses - after["keys"]  # reads of an entry after its first: one the other replica loaded
+        row.update(redis_hits=hits, redis_misses=misses, redis_keys=after["keys"], redis_hit_rate=rate,
+                   redis_hit_rate_after_first_read=hits / later if later > 0 else None)
     print(f"[replicas] {json.dumps(row)}", file=sys.stderr, flush=True)
     return row
 
@@ -110,12 +115,14 @@ def main(argv: list[str] | None = None) -> int:
           f"`{meta['command']}`: {args.clients} clients, closed loop, at most {args.duration:.0f} s or "
           f"{args.max_requests} requests per run, {args.max_tokens} tokens per answer, bf16, one thread per engine, "
           f"{meta['machine'].get('cpu_model')}.", "",
-          "| replicas | requests ok / failed | TTFT p50 s | TTFT p99 s | requests/s | Redis hits / misses |",
-          "|---|---|---|---|---|---|"]
+          "| replicas | requests ok / failed | TTFT p50 s | TTFT p99 s | requests/s | Redis hits / misses (entries) "
+          "| hit rate after an entry's first read |", "|---|---|---|---|---|---|---|"]
     for r in rows:
-        redis = f"{r['redis_hits']} / {r['redis_misses']} ({r['redis_hit_rate']:.0%})" if "redis_hits" in r else "-"
+        redis = f"{r['redis_hits']} / {r['redis_misses']} ({r['redis_keys']})" if "redis_hits" in r else "-"
+        after = r.get("redis_hit_rate_after_first_read")
         md.append(f"| {r['replicas']} | {r['requests'] - r['failed']} / {r['failed']} | {r['ttft_p50_s']:.2f} | "
-                  f"{r['ttft_p99_s']:.2f} | {r['requests_per_s']:.3f} | {redis} |")
+                  f"{r['ttft_p99_s']:.2f} | {r['requests_per_s']:.3f} | {redis} | "
+                  f"{'-' if after is None else f'{after:.0%}'} |")
     md += ["", f"Two replicas: **{x:.2f}x** the requests/s of one." if x else ""]
     atomic_write(out / "README.md", "\n".join(md) + "\n")
     _plot(rows, out / "replicas.png")
