@@ -18,6 +18,7 @@ import pytest
 
 from vllm_helpers import closed_port, prompt_ids, tiny_store
 
+pytest.importorskip("vllm", reason="vLLM is not installed here: the connector tests run in .venv-vllm")
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed")
 
 
@@ -36,7 +37,6 @@ def _redis_stats(port: int) -> dict[str, int]:
 
 @pytest.fixture(scope="module")
 def replicas(tmp_path_factory):
-    pytest.importorskip("vllm", reason="vLLM is not installed here: the connector tests run in .venv-vllm")
     root = tmp_path_factory.mktemp("replicas")
     folder, lm, store = tiny_store(root)
     redis_port, port = closed_port(), closed_port()
@@ -83,7 +83,7 @@ def _loads(debug: Path) -> list[dict]:
     return [json.loads(p.read_text()) for p in sorted(debug.glob("*.json"), key=lambda p: p.stat().st_mtime)]
 
 
-def _until_both_replicas_loaded(r: dict, ids: list[int], most: int = 12) -> list[dict]:
+def _until_both_replicas_loaded(r: dict, ids: list[int], most: int = 12, whole: bool = True) -> list[dict]:
     """Requests over ``ids`` (a new ratio each: its own prefix-cache namespace, so every one is loaded) until
     loads from two worker processes are recorded; the loads, in order."""
     for old in r["debug"].glob("*.json"):
@@ -92,7 +92,7 @@ def _until_both_replicas_loaded(r: dict, ids: list[int], most: int = 12) -> list
         body = {"model": str(r["folder"]), "prompt": ids, "max_tokens": 1, "temperature": 0,
                 "kv_transfer_params": {"fusionrag": {"ratio": round(0.10 + 0.01 * i, 2)}}}
         served = _post(r["port"], body)["kv_transfer_params"]["fusionrag"]
-        assert served["method"] == "fusionrag" and served["stored_share"] == 1.0, served
+        assert served["method"] == "fusionrag" and (served["stored_share"] == 1.0 or not whole), served
         loads = _loads(r["debug"])
         if len({x["worker"] for x in loads}) == 2:
             return loads
@@ -128,3 +128,23 @@ def test_a_passage_added_to_the_store_is_served_by_every_replica(replicas):
     assert len(by_worker) == 2
     for load in by_worker.values():  # each replica found the new chunk in the prompt on its next request
         assert new[0] in [c[0] for c in load["chunks"]], load["chunks"]
+
+
+def test_a_deleted_document_is_served_by_no_replica(replicas):
+    """After a delete, neither replica serves the removed chunk from the store: each finds the rest of the
+    prompt's chunks and leaves the removed one's tokens to be computed (a gap)."""
+    from fusionrag.offline import build
+
+    store, lm = replicas["store"], replicas["lm"]
+    build.add_passages(store, lm, [{"title": "Hafnium", "text": "Hafnium was found in zirconium ores by Coster and "
+                                    "von Hevesy in Copenhagen in 1923, by X-ray spectroscopy."}], doc="doomed")
+    build.fuse(store, lm, top_n=2, progress=False)
+    gone = store.chunk_ids_of_docs(["doomed"])
+    kept = [c for c in store.chunk_ids() if c not in gone][:3]
+    ids = prompt_ids(store, [kept[0], *gone, *kept[1:]])  # the removed chunk between two kept ones: a gap now
+    build.delete_document(store, "doomed")
+    assert not set(gone) & set(store.chunk_ids())
+    loads = _until_both_replicas_loaded(replicas, ids, whole=False)
+    for load in {x["worker"]: x for x in loads}.values():
+        served = [c[0] for c in load["chunks"]]
+        assert served == kept, served
