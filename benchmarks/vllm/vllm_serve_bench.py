@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import random
@@ -152,17 +153,22 @@ async def closed_loop(port: int, requests: list[list[dict]], clients: int, durat
     async def one(client: httpx.AsyncClient, i: int, messages: list[dict]) -> dict:
         t0 = time.perf_counter()
         first = None
+        arrivals: list[float] = []  # when each streamed piece of the answer arrived (inter-token latency)
         body = {"model": "m", "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True}
         try:
             async with client.stream("POST", f"http://127.0.0.1:{port}/v1/chat/completions", json=body) as r:
                 if r.status_code != 200:
                     return {"i": i, "ok": False, "error": f"HTTP {r.status_code}"}
                 async for line in r.aiter_lines():
-                    if line.startswith("data: ") and line != "data: [DONE]" and first is None:
+                    if line.startswith("data: ") and line != "data: [DONE]":
                         chunk = json.loads(line[6:])
                         if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
-                            first = time.perf_counter() - t0
-            return {"i": i, "ok": first is not None, "ttft_s": first, "latency_s": time.perf_counter() - t0}
+                            arrivals.append(time.perf_counter())
+                            if first is None:
+                                first = arrivals[-1] - t0
+            gaps = [b - a for a, b in itertools.pairwise(arrivals)]
+            return {"i": i, "ok": first is not None, "ttft_s": first, "latency_s": time.perf_counter() - t0,
+                    "itl_s": gaps}
         except httpx.HTTPError as exc:
             return {"i": i, "ok": False, "error": type(exc).__name__}
 
@@ -183,8 +189,14 @@ def summary(results: list[dict], wall: float) -> dict:
     def pct(q: float) -> float | None:
         return ttft[min(len(ttft) - 1, round(q * (len(ttft) - 1)))] if ttft else None
 
+    gaps = sorted(g for r in ok for g in r.get("itl_s", ()))
+
+    def gap(q: float) -> float | None:
+        return gaps[min(len(gaps) - 1, round(q * (len(gaps) - 1)))] if gaps else None
+
     return {"requests": len(results), "ok": len(ok), "failed": len(results) - len(ok),
             "ttft_p50_s": pct(0.5), "ttft_p99_s": pct(0.99), "ttft_mean_s": statistics.fmean(ttft) if ttft else None,
+            "itl_p50_s": gap(0.5), "itl_p99_s": gap(0.99),
             "requests_per_s": len(ok) / wall if wall else None, "wall_s": wall}
 
 
