@@ -305,3 +305,26 @@ def test_a_section_two_files_share_is_credited_to_the_file_pasted_and_computed_p
         {"title": "", "text": shared, "source": str(b)}, {"title": "note", "text": "Nothing stored says this."}])
     assert prep.sources[-1]["chunk_id"] is None and prep.sources[-1]["origin"] == "computed"
     assert all(s["origin"] == "store" for s in prep.sources[:-1])
+
+
+def test_the_second_round_looks_only_at_chunks_the_first_did_not(engine, built, monkeypatch):
+    """Issue 48: the embedding round (for text the first round left unmatched) re-found every region of the first
+    round; it now compares only chunks the first round did not, and keeps what the first round found. Here the
+    text left over retrieves only chunks the first round compared (its document's): no second comparison at all
+    (there used to be one, over the same chunks)."""
+    import fusionrag.retrieval.matching as matching_module
+
+    store = engine.store
+    first = store.chunk(store.chunk_ids_of_docs([str(built[1].resolve())])[0])
+    text = first.text + "\n\n" + " ".join(f"unmatched{i} words that no stored chunk holds" for i in range(4))
+    calls: list[set[int]] = []
+    real = matching_module.find_regions
+
+    def recording(norm, bodies, *args, **kwargs):
+        calls.append({cid for cid, _ in bodies})
+        return real(norm, bodies, *args, **kwargs)
+
+    monkeypatch.setattr(matching_module, "find_regions", recording)
+    pieces = match_passages(store, engine.prompt, [{"title": "", "text": text}])
+    assert len(calls) == 1, calls
+    assert first.id in [p.chunk_id for p in pieces]  # what round 1 found is kept

@@ -158,14 +158,21 @@ def _contained(store, title: str, text: str, source: str) -> list[Piece] | None:
 
     Two rounds: the chunks that start in the text (and their documents' chunks) first, then, only where
     text of :data:`SEARCHED_CHARS` or more is left unmatched, the chunks its windows retrieve by embedding
-    (a part of a chunk that starts elsewhere). A prompt of whole pasted chunks embeds just its question."""
+    (a part of a chunk that starts elsewhere). The second round looks only at chunks the first did not, and
+    keeps what the first found: its regions fill what was left. A prompt of whole pasted chunks embeds just
+    its question."""
     norm = normalise(text)
     records: dict[int, Any] = {}
     own = _own_chunks(store, source)
-    chosen = _regions(store, norm, _candidates(store, norm, source, []), records, own)
+    first = _candidates(store, norm, source, [])
+    chosen = _regions(store, norm, first, records, own)
     left = [norm[a:b] for a, b in _unmatched(norm, [r for r, _ in chosen]) if b - a >= SEARCHED_CHARS]
     if left:
-        chosen = _regions(store, norm, _candidates(store, norm, source, windows(" ".join(left))), records, own)
+        seen = set(first)
+        more = [c for c in _candidates(store, norm, source, windows(" ".join(left))) if c not in seen]
+        taken = [r for r, _ in chosen]
+        found = [f for f in _regions(store, norm, more, records, own) if not _overlaps(f[0], taken)] if more else []
+        chosen = sorted([*chosen, *found], key=lambda f: f[0].start)
     if not chosen:
         return None
     titles = {normalise(records[r.chunk_id].title).lower() for r, _ in chosen}
@@ -198,6 +205,10 @@ def _regions(store, norm: str, candidates: Sequence[int], records: dict[int, Any
     found = [_served(store.prompt.tokenizer, r, records[r.chunk_id], bodies[r.chunk_id])
              for r in find_regions(norm, [(c, w.body) for c, w in bodies.items()], MIN_MATCH_CHARS, prefer=own)]
     return [f for f in found if f is not None]
+
+
+def _overlaps(region: Region, taken: Sequence[Region]) -> bool:
+    return any(region.start < t.end and t.start < region.end for t in taken)
 
 
 def _unmatched(norm: str, regions: Sequence[Region]) -> list[tuple[int, int]]:
