@@ -72,6 +72,17 @@ def test_a_vanishing_temperature_is_greedy_not_an_overflow():
     assert TokenSampler(SamplingParams(temperature=1e-300, seed=1)).pick(logits).token == 1
 
 
+def test_an_overflowing_repetition_penalty_samples_the_top_tokens_not_an_error():
+    """The API fuzzer's find: repetition_penalty 1e-300 divides a seen positive logit to infinity, and inf - inf
+    made the sampler's distribution NaN (a 500). The overflowed tokens are now the largest finite scores."""
+    logits = torch.tensor([0.0, 3.0, 1.0, -2.0])
+    s = TokenSampler(SamplingParams(temperature=0.5, repetition_penalty=1e-300, seed=0))
+    s.see_prompt([1, 2])  # both positive logits seen: divided to +inf
+    assert {s.pick(logits).token for _ in range(50)} <= {1, 2}
+    masked = TokenSampler(SamplingParams(temperature=1.0, seed=0))
+    assert masked.pick(torch.tensor([float("nan"), 1.0, float("-inf")])).token == 1  # NaN and -inf never drawn
+
+
 def test_the_warpers_scale_then_cut_top_k_then_top_p_like_generate():
     logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, 3.0])
     s = TokenSampler(SamplingParams(temperature=2.0, top_k=4, top_p=0.8, seed=0))

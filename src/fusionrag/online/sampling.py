@@ -109,7 +109,7 @@ class TokenSampler:
         p = self.params
         logits = logits.detach().float().reshape(-1).cpu()
         scores = self._penalise(logits) if self.penalised else logits
-        scores = self._adjust(scores)
+        scores = _finite(self._adjust(scores))
         token = int(torch.argmax(scores)) if self.warpers is None else self._sample(scores)
         if self._seen is not None:
             self._seen[token] = True
@@ -154,9 +154,18 @@ class TokenSampler:
         return repetition_penalised(logits, self._seen, self.params.repetition_penalty)
 
     def _sample(self, logits: torch.Tensor) -> int:
-        scores = self.warpers(_NO_INPUT_IDS, logits.unsqueeze(0))[0]
+        scores = _finite(self.warpers(_NO_INPUT_IDS, logits.unsqueeze(0))[0])
         probs = torch.softmax(scores, dim=-1)
         return int(torch.multinomial(probs, 1, generator=self.generator))
+
+
+def _finite(scores: torch.Tensor) -> torch.Tensor:
+    """Scores a distribution can be made of: an overflow (a repetition penalty of 1e-300 divides a logit to
+    infinity, a small temperature divides it again) becomes the largest finite score, so the request samples
+    among its top tokens instead of failing on ``inf - inf``; NaN and masked tokens stay impossible (-inf)."""
+    if bool(torch.isfinite(scores).all()):
+        return scores
+    return torch.nan_to_num(scores, nan=float("-inf"), posinf=torch.finfo(scores.dtype).max, neginf=float("-inf"))
 
 
 def repetition_penalised(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
