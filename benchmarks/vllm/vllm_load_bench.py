@@ -19,7 +19,6 @@ import asyncio
 import json
 import shlex
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
@@ -28,18 +27,13 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "engines"))
 
 from vllm_bench import connector_config  # noqa: E402
-from vllm_serve_bench import closed_loop, requests_for, start_server, summary, wait_ready  # noqa: E402
+from vllm_serve_bench import closed_loop, fused_workload, requests_for, serving, summary  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
     from fusionrag.bench.datasets import load_questions
     from fusionrag.bench.provenance import build_meta
-    from fusionrag.bench.ttft import ttft_workload
     from fusionrag.files import atomic_write
-    from fusionrag.models import load_model
-    from fusionrag.models.gguf import ensure_converted
-    from fusionrag.models.registry import PACKAGED
-    from fusionrag.offline import build
     from fusionrag.prompt import chat_prompt_ids
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -52,18 +46,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     out = Path(args.out)
-    lm = load_model("qwen2.5-0.5b", dtype="bfloat16", device="cpu")
-    store, _, _ = ttft_workload(lm, args.data, [8192], top_n=2, model_source="qwen2.5-0.5b")
-    build.fuse(store, lm, top_n=2)
+    lm, store, folder = fused_workload(args.data)
     clients = [int(c) for c in args.clients.split(",")]
     requests = requests_for(store, load_questions(args.data), args.max_requests * len(clients), seed=1)
     context = statistics.median(len(chat_prompt_ids(lm.tokenizer, m)) for m in requests[:20])
-    folder = ensure_converted(PACKAGED["qwen2.5-0.5b"])
     rows = []
     for engine, config in (("vllm", None), ("vllm+fusionrag", connector_config(store.path, 0.15))):
-        proc = start_server(folder, args.port, 1, out / "logs" / f"{engine}.log", config)
-        try:
-            wait_ready(args.port, proc)
+        with serving(folder, args.port, 1, out / "logs" / f"{engine}.log", config):
             for k, n in enumerate(clients):  # each client count its own requests (no prefix-cache hit across)
                 batch = requests[k * args.max_requests:(k + 1) * args.max_requests]
                 results, wall = asyncio.run(closed_loop(args.port, batch, n, args.duration, args.max_tokens))
@@ -74,12 +63,6 @@ def main(argv: list[str] | None = None) -> int:
                        "requests_per_s": s["requests_per_s"], "requests": s["requests"], "failed": s["failed"]}
                 rows.append(row)
                 print(f"[load] {json.dumps(row)}", file=sys.stderr, flush=True)
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
     meta = build_meta(command=shlex.join(["benchmarks/vllm/vllm_load_bench.py", *sys.argv[1:]]),
                       model="qwen2.5-0.5b", data_files=[args.data],
                       extra={"duration_s": args.duration, "max_requests": args.max_requests, "threads": 1})

@@ -28,7 +28,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "engines"))
 
 from vllm_bench import connector_config  # noqa: E402
-from vllm_serve_bench import closed_loop, requests_for, start_server, summary, wait_ready  # noqa: E402
+from vllm_serve_bench import closed_loop, fused_workload, requests_for, serving, summary  # noqa: E402
 
 
 def redis_stats(port: int) -> dict[str, int]:
@@ -45,22 +45,17 @@ def one_run(folder: Path, store: Path, requests: list, replicas: int, args: argp
                                   "", "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         time.sleep(1)
         config["kv_connector_extra_config"]["kv_tier"] = f"redis://127.0.0.1:{args.redis_port}"
-    proc = start_server(folder, args.port, replicas, out / "logs" / f"replicas-{replicas}.log", config,
-                        extra=["--data-parallel-size", str(replicas)] if replicas > 1 else [], omp_threads=1)
     try:
-        wait_ready(args.port, proc)
-        before = redis_stats(args.redis_port) if redis else {}
-        results, wall = asyncio.run(closed_loop(args.port, requests, args.clients, args.duration, args.max_tokens))
-        after = redis_stats(args.redis_port) if redis else {}
-        if redis:  # entries in Redis: each was a miss once (its first read, from disk, by one replica or the other)
-            after["keys"] = int(subprocess.run(["redis-cli", "-p", str(args.redis_port), "dbsize"], capture_output=True,
-                                               text=True, timeout=10, check=True).stdout.strip())
+        with serving(folder, args.port, replicas, out / "logs" / f"replicas-{replicas}.log", config,
+                     extra=["--data-parallel-size", str(replicas)] if replicas > 1 else [], omp_threads=1):
+            before = redis_stats(args.redis_port) if redis else {}
+            results, wall = asyncio.run(closed_loop(args.port, requests, args.clients, args.duration,
+                                                    args.max_tokens))
+            after = redis_stats(args.redis_port) if redis else {}
+            if redis:  # entries in Redis: each was a miss once (its first read, from disk, by one replica or another)
+                after["keys"] = int(subprocess.run(["redis-cli", "-p", str(args.redis_port), "dbsize"],
+                                                   capture_output=True, text=True, timeout=10, check=True).stdout)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
         if redis is not None:
             redis.kill()
     s = summary(results, wall)
@@ -81,12 +76,7 @@ def one_run(folder: Path, store: Path, requests: list, replicas: int, args: argp
 def main(argv: list[str] | None = None) -> int:
     from fusionrag.bench.datasets import load_questions
     from fusionrag.bench.provenance import build_meta
-    from fusionrag.bench.ttft import ttft_workload
     from fusionrag.files import atomic_write
-    from fusionrag.models import load_model
-    from fusionrag.models.gguf import ensure_converted
-    from fusionrag.models.registry import PACKAGED
-    from fusionrag.offline import build
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data", default="../shared/data/2wikimqa/2wikimqa_dev_bm25_hipporag.jsonl")
@@ -99,11 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     out = Path(args.out)
-    lm = load_model("qwen2.5-0.5b", dtype="bfloat16", device="cpu")
-    store, _, _ = ttft_workload(lm, args.data, [8192], top_n=2, model_source="qwen2.5-0.5b")
-    build.fuse(store, lm, top_n=2)
+    _, store, folder = fused_workload(args.data)
     requests = requests_for(store, load_questions(args.data), args.max_requests)
-    folder = ensure_converted(PACKAGED["qwen2.5-0.5b"])
     rows = [one_run(folder, store.path, requests, n, args, out) for n in (1, 2)]
     meta = build_meta(command=shlex.join(["benchmarks/vllm/vllm_replicas_bench.py", *sys.argv[1:]]),
                       model="qwen2.5-0.5b", data_files=[args.data],

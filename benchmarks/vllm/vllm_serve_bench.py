@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import itertools
 import json
 import os
@@ -33,7 +34,9 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
@@ -123,6 +126,37 @@ def start_server(folder: Path, port: int, threads: int, log: Path, config: dict 
     log.parent.mkdir(parents=True, exist_ok=True)
     cores = ",".join(map(str, range(threads)))
     return subprocess.Popen(["taskset", "-c", cores, *cmd], stdout=log.open("ab"), stderr=subprocess.STDOUT, env=env)
+
+
+@contextlib.contextmanager
+def serving(folder: Path, port: int, threads: int, log: Path, config: dict | None,
+            **options: Any) -> Iterator[subprocess.Popen]:
+    """A vLLM server (:func:`start_server`), ready when entered, stopped on exit."""
+    proc = start_server(folder, port, threads, log, config, **options)
+    try:
+        wait_ready(port, proc)
+        yield proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def fused_workload(data: str) -> tuple[Any, Any, Path]:
+    """qwen2.5-0.5b in bf16, ``bench ttft``'s store over ``data`` with every chunk a request can name fused (the
+    contexts bench ttft fuses cover only its prompts), and the model folder vLLM loads."""
+    from fusionrag.bench.ttft import ttft_workload
+    from fusionrag.models import load_model
+    from fusionrag.models.gguf import ensure_converted
+    from fusionrag.models.registry import PACKAGED
+    from fusionrag.offline import build
+
+    lm = load_model("qwen2.5-0.5b", dtype="bfloat16", device="cpu")
+    store, _, _ = ttft_workload(lm, data, [8192], top_n=2, model_source="qwen2.5-0.5b")
+    build.fuse(store, lm, top_n=2)
+    return lm, store, ensure_converted(PACKAGED["qwen2.5-0.5b"])
 
 
 def wait_ready(port: int, proc: subprocess.Popen, timeout_s: float = 600) -> None:
@@ -248,11 +282,7 @@ def markdown(doc: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     from fusionrag.bench.datasets import load_questions
     from fusionrag.bench.provenance import build_meta
-    from fusionrag.bench.ttft import ttft_workload
     from fusionrag.files import atomic_write
-    from fusionrag.models import load_model
-    from fusionrag.models.gguf import ensure_converted
-    from fusionrag.models.registry import PACKAGED
     from fusionrag.paths import fusionrag_home
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -272,12 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.report:
         atomic_write(out / "README.md", markdown(json.loads((out / "serve.json").read_text())))
         return 0
-    lm = load_model("qwen2.5-0.5b", dtype="bfloat16", device="cpu")
-    store, _, _ = ttft_workload(lm, args.data, [8192], top_n=2, model_source="qwen2.5-0.5b")
-    # Fused KV for every chunk a request can name (the contexts bench ttft fuses cover only its prompts).
-    from fusionrag.offline import build
-
-    build.fuse(store, lm, top_n=2)
+    _, store, folder = fused_workload(args.data)
     requests = requests_for(store, load_questions(args.data), args.max_requests)
     unstored = with_unstored(requests) if args.faults else 0
     served_store = store.path
@@ -285,12 +310,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.faults:
         served_store = fusionrag_home() / "bench" / "serve-faulty-store"
         broken = faulty_copy(store.path, served_store, args.faults)
-    folder = ensure_converted(PACKAGED["qwen2.5-0.5b"])
     cells = {}
     for name, config in (("vllm", None), ("vllm+fusionrag", connector_config(served_store, 0.15))):
-        proc = start_server(folder, args.port, args.threads, out / "logs" / f"{name}.log", config)
-        try:
-            wait_ready(args.port, proc)
+        with serving(folder, args.port, args.threads, out / "logs" / f"{name}.log", config):
             results, wall = asyncio.run(closed_loop(args.port, requests, args.clients, args.duration,
                                                     args.max_tokens))
             cells[name] = {"summary": summary(results, wall), "results": results}
@@ -298,12 +320,6 @@ def main(argv: list[str] | None = None) -> int:
                 cells[name]["langchain"] = langchain_check(args.port, requests[1])
                 cells[name]["fallback_warnings"] = fallback_warnings(out / "logs" / f"{name}.log")
             print(f"[serve] {name}: {json.dumps(cells[name]['summary'])}", file=sys.stderr, flush=True)
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
     base, ours = cells["vllm"]["summary"], cells["vllm+fusionrag"]["summary"]
     ratios = {"ttft_p50_x": base["ttft_p50_s"] / ours["ttft_p50_s"] if base["ttft_p50_s"] and ours["ttft_p50_s"]
               else None,
