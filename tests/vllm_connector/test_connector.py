@@ -75,6 +75,24 @@ def test_fifteen_percent_selects_the_tokens_our_engine_selects(parts):
     assert selected_of(parts) == engine.pre.selected.tolist()
 
 
+def test_auto_selects_what_our_engine_selects_and_a_bad_ratio_is_vllms_prefill(parts):
+    """``ratio: "auto"`` (issue 50): the connector sizes the recompute with the store's setting, as our engine
+    does, so both select the same tokens; a ratio no request can run is served by vLLM's own prefill."""
+    store, lm = parts["store"], parts["lm"]
+    chunk_ids = store.chunk_ids()[:5]
+    ids = prompt_ids(store, chunk_ids)
+    run(parts, ids, {"ratio": "auto"})
+    loaded = json.loads(next(parts["debug"].glob("*.json")).read_text())
+    assert loaded["ratio"] == "auto" and 0.0 < loaded["chosen_share"] <= 1.0
+    chunks = [{"title": store.chunk(c).title, "text": store.chunk(c).text} for c in chunk_ids]
+    engine = Engine(store, lm).prepare(QUESTION, method="fusionrag", ratio="auto", chunks=chunks)
+    assert loaded["selected"] == engine.pre.selected.tolist()
+    bad, _ = run(parts, ids, {"ratio": "most"})
+    assert not list(parts["debug"].glob("*.json"))  # not loaded: vLLM prefilled it
+    theirs, _ = run(parts, ids, "off")
+    assert (bad - theirs).abs().max() < 1e-3
+
+
 def test_a_missing_or_corrupted_entry_falls_back_to_vllms_prefill(parts):
     """A flipped byte fails the worker's verified read (the request's blocks are reported invalid and vLLM
     prefills them); a chunk with no KV at all is not matched (vLLM prefills from there). Either way the
@@ -145,3 +163,19 @@ def test_a_chat_request_built_with_rag_messages_is_served_by_the_connector(parts
     parts["llm"].chat(messages, SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
     (loaded,) = [json.loads(p.read_text()) for p in parts["debug"].glob("*.json")]
     assert [c[0] for c in loaded["chunks"]] == store.chunk_ids()[:3]
+
+
+@pytest.mark.parametrize(("extra", "refused"), [({"ratio": "auto"}, None), ({"ratio": 0.3}, None),
+                                                ({"ratio": 1.5}, "within"), ({"ratio": "most"}, "within"),
+                                                ({"ratio": "auto", "method": "reuse"}, None)])
+def test_a_ratio_option_no_request_could_run_is_refused_at_start(extra, refused):
+    from types import SimpleNamespace
+
+    from fusionrag.vllm.connector import _options
+
+    config = SimpleNamespace(kv_connector_extra_config={"store": "kb/", **extra})
+    if refused is None:
+        assert _options(config)["ratio"] in ("auto", 0.3, 0.0)
+    else:
+        with pytest.raises(ValueError, match=f"kv_connector_extra_config: 'ratio' must be a number {refused}"):
+            _options(config)

@@ -97,7 +97,8 @@ def run_cell(engines, full_ref: FullReference, full_cache: FullCache, spec, data
     fresh_full = None
     # The committed reference alone is enough: without the local cache only the full-vocabulary
     # first-token KL is missing (kl_first_c, from the reference, is always there).
-    if full is None or (run.method == "full" and not spec.reuse_full_cache):
+    reference_cell = run.method == "full" and run.dtype == "float32"  # Full Attention in another dtype is a method
+    if full is None or (reference_cell and not spec.reuse_full_cache):
         full, fresh_full = full_attention(engine, ex, spec.max_new_tokens)
         keep_full(full_ref, full_cache, dataset, ex.id, spec.max_new_tokens, full, fresh_full)
         full_logits: torch.Tensor | None = fresh_full.pre.last_logits.float()
@@ -105,21 +106,22 @@ def run_cell(engines, full_ref: FullReference, full_cache: FullCache, spec, data
         cached = full_cache.get(dataset, ex.id, spec.max_new_tokens, input_sha)
         full_logits = cached[1] if cached is not None else None
     ttft_from_cache = False
-    if run.method == "full" and fresh_full is None:
+    if reference_cell and fresh_full is None:
         # Served from the reference: answer, gold NLL and (by definition) zero KL; its TTFT was measured
         # by an earlier run under possibly other conditions, so it is left out, not mixed in.
         ttft_from_cache = True
         res = Scored(full.text, full_logits, full.info["gold_nll"], full.info["gold_nll_eot"], 0.0, 0.0,
                      int(full.info.get("context_tokens", 0)), int(full.info.get("context_tokens", 0)), {}, 0)
     else:
-        if run.method == "full":
+        if reference_cell:
             prep = fresh_full
         else:
             chunks = [{"title": p.title, "text": p.text} for p in ex.passages]
-            prep = engine.prepare(ex.question, method=run.method, ratio=run.ratio, chunks=chunks, kv=run.kv)
+            kv = None if run.method == "full" else run.kv
+            prep = engine.prepare(ex.question, method=run.method, ratio=run.ratio, chunks=chunks, kv=kv)
         res = score_prepared(engine, prep, ex, full.reference, spec.max_new_tokens,
-                             decode=spec.decode and run.method != "full")
-        if run.method == "full":
+                             decode=spec.decode and not reference_cell)
+        if reference_cell:
             res.text = full.text
     scores = metrics.answer_scores(res.text, ex.answers) if res.text is not None else {}
     return {

@@ -141,7 +141,8 @@ def plan_runs(spec: QualitySpec) -> list[Run]:
 
     Each method runs on the KV it reuses in ``ask`` and ``serve`` (``fusionrag``: plain-first) unless
     spelled ``method:kv``; ``reuse`` runs on plain and on fused KV (what the offline stage alone gives).
-    Outside float32 ``full`` is refused: Full Attention is the float32 reference every cell is scored against."""
+    Outside float32 ``full`` is a cell like the others (``full@bf16``: the exact prefill a user runs in that
+    dtype), scored against the float32 reference and never written into it."""
     runs: list[Run] = []
     dtype_tag(spec.dtype)
     top_ns = list(spec.top_n)
@@ -151,9 +152,6 @@ def plan_runs(spec: QualitySpec) -> list[Run]:
     ratios = [r for r in spec.ratios if 0.0 < r < 1.0]
     for text in spec.methods:
         m, kv = parse_method(text)
-        if m == "full" and spec.dtype != "float32":
-            raise FusionRAGError(f"'full' is the float32 reference every cell is scored against: run it without "
-                                 f"--dtype {spec.dtype} (the other methods' cells are computed in {spec.dtype})")
         if m == "full":
             runs.append(Run("full", "none", 1.0, 0))
         elif m == "reuse":

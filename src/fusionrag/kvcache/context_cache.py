@@ -42,14 +42,16 @@ def context_key(token_ids: Sequence[int], how: str) -> bytes:
 
 
 def context_keys(cache: ContextCache, system_ids: Sequence[int], chunk_token_ids: Sequence[Sequence[int]],
-                 method: str, ratio: float, kv_kind: str, dtype: torch.dtype) -> list[bytes]:
+                 method: str, ratio: str, kv_kind: str, dtype: torch.dtype) -> list[bytes]:
     """A context's keys, best first: computed as this request would compute it, then by Full Attention (the
-    better KV for the same work, so it serves any method); none when the cache is off or there are no chunks."""
+    better KV for the same work, so it serves any method); none when the cache is off or there are no chunks.
+    ``ratio`` as :func:`fusionrag.online.auto_ratio.ratio_key` writes it (``0.150000``, or ``auto`` and its
+    settings)."""
     if not cache.max_bytes or not chunk_token_ids:
         return []
     ids = [*system_ids, *(t for c in chunk_token_ids for t in c)]
     name = str(dtype).removeprefix("torch.")
-    how = [f"{method}|{float(ratio):.6f}|{kv_kind}|{name}", f"full|1.000000|none|{name}"]
+    how = [f"{method}|{ratio}|{kv_kind}|{name}", f"full|1.000000|none|{name}"]
     return [context_key(ids, h) for h in dict.fromkeys(how)]
 
 

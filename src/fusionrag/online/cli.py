@@ -12,6 +12,7 @@ import sys
 import time
 
 from fusionrag.models.options import add_device_args, device_options
+from fusionrag.online.auto_ratio import describe, parse_ratio
 from fusionrag.online.methods import KV_KINDS, method_info, methods
 from fusionrag.online.request import DEFAULT_MAX_NEW_TOKENS, ReuseRequest
 
@@ -97,7 +98,8 @@ def _summary(args: argparse.Namespace, result) -> None:
     """What ran (the method, the TTFT breakdown) and the sources, on stderr: stdout keeps the answer alone."""
     t = result.ttft_ms
     print(
-        f"[{result.method} on {result.kv} KV, ratio {result.ratio:.2f}: {result.recomputed_tokens}/"
+        f"[{result.method} on {result.kv} KV, ratio {describe(result.ratio, result.auto_ratio)}: "
+        f"{result.recomputed_tokens}/"
         f"{result.context_tokens} context tokens recomputed; TTFT {t['total']:.0f} ms = retrieve "
         f"{t['retrieve']:.0f} + load {t['load']:.0f} + select {t['select']:.0f} + recompute "
         f"{t['recompute']:.0f} + first token {t['first_token']:.0f}]",
@@ -110,7 +112,43 @@ def _summary(args: argparse.Namespace, result) -> None:
         print(f"  [{i}] {s['title'] or '(untitled)'}{origin}: {stored}{score}", file=sys.stderr)
 
 
+def _cmd_calibrate(args: argparse.Namespace) -> int:
+    from fusionrag.retrieval.store_info import require_store
+
+    require_store(args.store)
+    if args.model:
+        from fusionrag.retrieval.store_info import check_model_matches
+
+        check_model_matches(args.store, args.model)
+    from fusionrag.online.calibration import calibrate, record
+    from fusionrag.online.engine import Engine
+
+    engine = Engine.open(args.store, model=args.model, **device_options(args))
+    print(f"fusionrag: calibrating ratio=auto for {engine.lm.name} ({str(engine.lm.dtype).removeprefix('torch.')}) "
+          f"on {args.samples} probes made from the store's chunks ...", file=sys.stderr, flush=True)
+    result = calibrate(engine, samples=args.samples, seed=args.seed, target_kl=args.target_kl, progress=True)
+    if not args.dry_run:
+        record(engine, result)
+    print(json.dumps(result.auto.to_setting()) if args.json else
+          f"{result.summary()}{' (not written: --dry-run)' if args.dry_run else ''}")
+    return 0
+
+
 def register(sub: argparse._SubParsersAction) -> None:
+    c = sub.add_parser("calibrate", help="measure the store's ratio=auto setting against Full Attention on probes "
+                                         "made from its own chunks, and record it in the store")
+    c.add_argument("--store", required=True, help="knowledge store folder")
+    c.add_argument("--model", default=None, help="model (default: the store's)")
+    c.add_argument("--samples", type=int, default=16, help="probes (questions made from the store's chunks)")
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--target-kl", type=float, default=None,
+                   help="mean first-token KL to Full Attention that auto must reach (default: the fixed 0.15 "
+                        "ratio's on the same probes)")
+    c.add_argument("--dry-run", action="store_true", help="measure and print; write nothing")
+    c.add_argument("--json", action="store_true", help="print the recorded setting as JSON")
+    add_device_args(c)
+    c.set_defaults(func=_cmd_calibrate)
+
     p = sub.add_parser("ask", help="answer a question over a knowledge store")
     p.add_argument("question")
     p.add_argument("--store", default=None, help="knowledge store folder (from 'fusionrag ingest'); without one, "
@@ -119,7 +157,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                                                  "model is refused before it loads)")
     p.add_argument("--method", default="auto", choices=methods(),
                    help="; ".join(f"{m}: {method_info(m).description}" for m in methods()))
-    p.add_argument("--ratio", type=float, default=0.15, help="fraction of context tokens to recompute")
+    p.add_argument("--ratio", type=parse_ratio, default=0.15,
+                   help="fraction of context tokens to recompute, or 'auto': as much as the question needs (the "
+                        "store's calibration: fusionrag calibrate)")
     p.add_argument("--top-k", type=int, default=None, help="chunks to retrieve (default 5; 0: none)")
     p.add_argument("--no-retrieval", action="store_true", help="answer from the question alone")
     p.add_argument("--min-reuse-tokens", type=int, default=None,

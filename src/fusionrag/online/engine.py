@@ -21,6 +21,7 @@ import functools
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 
+from fusionrag.online.auto_ratio import Ratio
 from fusionrag.online.prefill_engine import DEFAULT_CONTEXT_CACHE_BYTES, PrefillEngine
 from fusionrag.online.request import DEFAULT_MAX_NEW_TOKENS, ReuseRequest
 from fusionrag.online.resolved import Resolved
@@ -40,7 +41,7 @@ class Engine(PrefillEngine):
         """The scheduler this engine's own calls run through, inline (no model thread)."""
         return BatchScheduler(self, autostart=False)
 
-    def answer(self, question: str | ReuseRequest, method: str = "fusionrag", ratio: float = 0.15,
+    def answer(self, question: str | ReuseRequest, method: str = "fusionrag", ratio: Ratio = 0.15,
                top_k: int | None = None, chunks: Sequence[dict] | None = None,
                max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, kv: str | None = None, preamble: str = "",
                retrieval: bool | None = None, sampling: SamplingParams | None = None) -> Request:
@@ -66,7 +67,7 @@ class Engine(PrefillEngine):
             if event.kind == "done" and on_done is not None:
                 on_done(event.answer)
 
-    def prepare(self, question: str | ReuseRequest | Request, method: str = "fusionrag", ratio: float = 0.15,
+    def prepare(self, question: str | ReuseRequest | Request, method: str = "fusionrag", ratio: Ratio = 0.15,
                 top_k: int | None = None, chunks: Sequence[dict] | None = None, kv: str | None = None,
                 preamble: str = "", retrieval: bool | None = None, resolved: Resolved | None = None) -> Request:
         """Everything up to the first answer token (greedy), with the TTFT breakdown: the request run by the
@@ -88,7 +89,7 @@ class Engine(PrefillEngine):
             yield from self.scheduler.run_inline(req)
 
 
-def _reuse(question: str | ReuseRequest, method: str, ratio: float, top_k: int | None, chunks: Sequence[dict] | None,
+def _reuse(question: str | ReuseRequest, method: str, ratio: Ratio, top_k: int | None, chunks: Sequence[dict] | None,
            kv: str | None, preamble: str, retrieval: bool | None) -> ReuseRequest:
     return question if isinstance(question, ReuseRequest) else \
         ReuseRequest(question, method, ratio, kv, top_k, chunks, preamble, retrieval)

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from fusionrag.files import atomic_write
+from fusionrag.online.auto_ratio import describe
 from fusionrag.online.state import Request
 
 _CSS = """
@@ -35,7 +36,8 @@ def render_explain_html(answer: Request, question: str, tokenizer, token_ids: li
         f"<h1>{html.escape(question)}</h1>",
         f"<p><b>Answer:</b> {html.escape(answer.text)}</p>",
         f"<p class='meta'>method <b>{html.escape(answer.method)}</b> on {html.escape(answer.kv)} KV, "
-        f"ratio {answer.ratio:.2f}: {answer.recomputed_tokens} of {answer.context_tokens} context tokens "
+        f"ratio {describe(answer.ratio, answer.auto_ratio)}: {answer.recomputed_tokens} of {answer.context_tokens} "
+        f"context tokens "
         f"recomputed; TTFT {answer.ttft_ms.get('total', 0):.0f} ms</p>",
     ]
     for i, ((start, stop), ids) in enumerate(zip(answer.spans, token_ids, strict=True)):

@@ -20,6 +20,7 @@ Which names exist, and which KV each reuses by default, is :mod:`fusionrag.onlin
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -35,6 +36,7 @@ from fusionrag.execution.attention import (
 from fusionrag.execution.forward import forward_first_layers, forward_to_attention, visibility
 from fusionrag.kvcache.kv import KV
 from fusionrag.models.registry import LoadedModel
+from fusionrag.online.auto_ratio import AutoRatio, Ratio, is_auto
 from fusionrag.online.prefill import all_chunk_indices
 
 EPIC_MAX_PER_CHUNK = 32
@@ -75,17 +77,28 @@ class Policy(Protocol):
         ...
 
 
-def select(policy: Policy, inp: SelectionInput, ratio: float) -> torch.Tensor:
-    """Indices (into the assembled cache) that ``policy`` recomputes at ``ratio``."""
-    cand = inp.candidates
-    k = budget(ratio, cand.numel())
-    if k == cand.numel():
-        return cand
-    if k == 0:
-        return torch.empty(0, dtype=torch.long)
-    scores = policy.scores(inp)
+def select(policy: Policy, inp: SelectionInput, ratio: Ratio, auto: AutoRatio | None = None) -> torch.Tensor:
+    """Indices (into the assembled cache) that ``policy`` recomputes at ``ratio`` (``"auto"``: as ``auto`` sizes it)."""
+    return choose_top(lambda: policy.scores(inp), inp.candidates, ratio, auto)
+
+
+def choose_top(scores_of: Callable[[], torch.Tensor], candidates: torch.Tensor, ratio: Ratio,
+               auto: AutoRatio | None = None) -> torch.Tensor:
+    """The candidates to recompute, sorted: all at ratio >= 1, none at <= 0, else the ``round(ratio * n)`` best of
+    ``scores_of()`` (one score per candidate, called only when it decides), or for ``"auto"`` as many as
+    ``auto`` (the store's calibrated :class:`~fusionrag.online.auto_ratio.AutoRatio`) counts. One rule for our
+    engine and the vLLM connector."""
+    n = candidates.numel()
+    if is_auto(ratio):
+        scores = scores_of()
+        k = (auto or AutoRatio()).count(scores)
+    else:
+        k = budget(float(ratio), n)
+        if k == n or k == 0:
+            return candidates if k else torch.empty(0, dtype=torch.long)
+        scores = scores_of()
     k = min(k, int(torch.isfinite(scores).sum()))  # a policy rules tokens out with -inf (EPIC's cap)
-    return top_k_of(scores, cand, k)
+    return candidates if k == n else top_k_of(scores, candidates, k)
 
 
 # --- query-guided (FusionRAG) ---------------------------------------------------------

@@ -33,6 +33,7 @@ from fusionrag.models.clock import StageClock
 from fusionrag.models.fingerprint import same_weights
 from fusionrag.models.registry import LoadedModel
 from fusionrag.online import auto
+from fusionrag.online.auto_ratio import AutoRatio
 from fusionrag.online.client_prompt import PromptPrefixes, locate
 from fusionrag.online.kv_loading import ChunkKVLoader
 from fusionrag.online.prefill_plan import PrefillPlan
@@ -76,6 +77,9 @@ class PrefillEngine:
         self.lm = lm
         self.prompt = store.prompt if store is not None else PromptBuilder(lm.tokenizer)
         self.min_reuse_tokens = auto.break_even_tokens(lm) if min_reuse_tokens is None else int(min_reuse_tokens)
+        #: How ``ratio="auto"`` sizes a request's recompute: the store's calibration (``fusionrag calibrate``), or
+        #: the default; read again when the store changes (:meth:`follow_store`).
+        self.auto_ratio = AutoRatio.from_settings(store.settings if store is not None else None)
         source = kv_source if kv_source is not None else store.kv_source() if store is not None else NoStoredKV()
         self.kv_source: KVSource = kv_tiers(source, lm.device, memory_budget_bytes, device_budget_bytes,
                                             loader_threads=loader_threads)
@@ -219,6 +223,7 @@ class PrefillEngine:
             return False
         self.kv_source.invalidate(None)
         self.context_cache.invalidate(None)
+        self.auto_ratio = AutoRatio.from_settings(self.store.settings)  # a re-calibration is a store change too
         return True
 
     def invalidate(self, keys: Iterable[Key]) -> None:

@@ -33,6 +33,7 @@ from fusionrag.kvcache.prefix_cache import AlternativePathCache
 from fusionrag.models.clock import StageClock
 from fusionrag.models.registry import LoadedModel
 from fusionrag.online import auto
+from fusionrag.online.auto_ratio import AutoRatio, Ratio, is_auto, ratio_key
 from fusionrag.online.client_prompt import prefix_kv, with_forced
 from fusionrag.online.kv_loading import ORIGIN, ChunkKVLoader
 from fusionrag.online.methods import MethodInfo, make_policy, method_info
@@ -61,6 +62,7 @@ class PlanEngine(Protocol):
     grammars: Any
     system_kv: KV
     prefixes: Any
+    auto_ratio: AutoRatio
 
     def follow_store(self) -> bool: ...
     def resolve(self, request: Any) -> Resolved: ...
@@ -95,7 +97,7 @@ class Resolving:
     method: str
     info: MethodInfo
     kv_kind: str
-    ratio: float
+    ratio: Ratio  # a number, or "auto" (sized in :func:`choose`)
     note: str
     keys: list  # the whole-context cache's keys for this context (none for a method's own layout)
     cached: CachedContext | None
@@ -122,9 +124,11 @@ class Assembled:
 
 @dataclass
 class Selection:
-    """Stage 4: the context slots recomputed (None: none)."""
+    """Stage 4: the context slots recomputed (None: none), and for ``ratio="auto"`` the share of the context's
+    candidates it chose."""
 
     idx: torch.Tensor | None
+    share: float | None = None
 
 
 def resolve(engine: PlanEngine, req: Request, prefetched: Resolved | None) -> Resolving:
@@ -137,11 +141,12 @@ def resolve(engine: PlanEngine, req: Request, prefetched: Resolved | None) -> Re
     method, why = engine.resolve_method(reuse.method, sum(map(len, token_ids)), auto.ready_tokens(
         engine.prefix_cache, engine.prompt.system_hash, resolved.pieces, token_ids))
     note = resolved.note or ("" if reuse.raw else why)  # a raw prompt has no passages to reuse by design
-    kv_kind, ratio = ("none", 1.0) if method == "full" else (str(reuse.kv), float(reuse.ratio))
+    kv_kind, ratio = ("none", 1.0) if method == "full" else (str(reuse.kv), reuse.ratio)
     info = method_info(method)
     system_ids = resolved.system_ids(engine, reuse)
     keys = [] if info.placement is not None else context_keys(  # a method's own layout is not cached
-        engine.context_cache, system_ids, token_ids, method, ratio, kv_kind, engine.lm.dtype)
+        engine.context_cache, system_ids, token_ids, method, ratio_key(ratio, engine.auto_ratio), kv_kind,
+        engine.lm.dtype)
     cached = engine.context_cache.get(keys) if keys and not reuse.skip_cache else None  # skip_cache: an A/B baseline
     return Resolving(resolved, system_ids, token_ids, resolved.question_ids(engine, reuse), method, info, kv_kind,
                      ratio, note, keys, cached)
@@ -167,6 +172,7 @@ def choose(engine: PlanEngine, r: Resolving, loaded: Loaded, a: Assembled) -> Se
     """Stage 4: the method's selection (none for a method that recomputes nothing), the first tokens of a chunk
     served from a part of it, and every gap of a client's prompt."""
     res = r.resolved
+    share = None
     if r.info.recomputes_nothing:
         idx = None
     else:
@@ -174,13 +180,17 @@ def choose(engine: PlanEngine, r: Resolving, loaded: Loaded, a: Assembled) -> Se
                   if r.method == "cachecraft" else [])
         inp = SelectionInput(engine.lm, a.context, a.context_ids, a.spans, torch.tensor(r.question_ids),
                              chunk_scores=scores)
-        idx = with_cut_starts(select(make_policy(r.method), inp, r.ratio), a.spans, res.spans)
-    return Selection(with_forced(idx, a.spans, res.forced))
+        chosen = select(make_policy(r.method), inp, r.ratio, engine.auto_ratio)
+        if is_auto(r.ratio):
+            share = chosen.numel() / max(1, inp.candidates.numel())
+        idx = with_cut_starts(chosen, a.spans, res.spans)
+    return Selection(with_forced(idx, a.spans, res.forced), share)
 
 
-def record(engine: PlanEngine, req: Request, r: Resolving, loaded: Loaded | None, pre: Prefilled,
-           timings: dict[str, float]) -> None:
-    """Fill the request from its prefill: the prompt, its KV and first logits, what was reused and from where."""
+def record(engine: PlanEngine, req: Request, r: Resolving, loaded: Loaded | None, selection: Selection | None,
+           pre: Prefilled, timings: dict[str, float]) -> None:
+    """Fill the request from its prefill: the prompt, its KV and first logits, what was reused and from where, and
+    the ratio used (``"auto"``: the share it chose)."""
     res = r.resolved
     origins = ["context_cache"] * len(res.pieces) if r.cached is not None else \
         loaded.origins if loaded is not None else ["computed"] * len(res.pieces)
@@ -188,7 +198,9 @@ def record(engine: PlanEngine, req: Request, r: Resolving, loaded: Loaded | None
     req.sources = [{"chunk_id": p.chunk_id, "title": p.title, "source": p.source, "score": score,
                     "stored": p.chunk_id is not None, "part": list(p.span) if p.span else None, "origin": origin}
                    for p, score, origin in zip(res.pieces, res.scores, origins, strict=True)]
-    req.pre, req.method, req.kv_kind, req.ratio = pre, r.method, r.kv_kind, r.ratio
+    req.pre, req.method, req.kv_kind = pre, r.method, r.kv_kind
+    req.ratio = selection.share if selection is not None and selection.share is not None else r.ratio
+    req.auto_ratio = engine.auto_ratio if is_auto(r.ratio) else None
     req.prompt_token_ids = [*r.system_ids, *(t for c in r.token_ids for t in c), *r.question_ids]
     req.progress.sampler.see_prompt(req.prompt_token_ids)
     req.chunk_ids, req.passages, req.chunk_token_ids, req.ttft_ms = res.chunk_ids, res.passages, r.token_ids, timings
@@ -285,7 +297,8 @@ class PrefillPlan:
             self.engine.context_cache.put(r.keys[0], CachedContext.of(pre.kv, r.system_ids, r.token_ids, pre.spans),
                                           r.resolved.chunk_ids)
         self._clock.lap("recompute")
-        record(self.engine, self.req, r, self.loaded, pre, {**self._clock.stages, "total": self._clock.total()})
+        record(self.engine, self.req, r, self.loaded, self.selection, pre,
+               {**self._clock.stages, "total": self._clock.total()})
         self.stage = "prefilled"
         return True
 

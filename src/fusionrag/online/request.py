@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fusionrag.errors import FusionRAGError
+from fusionrag.online.auto_ratio import AUTO, AUTO_METHODS, Ratio, is_auto
 from fusionrag.online.methods import KV_KINDS, default_kv, method_info
 from fusionrag.prompt import is_valid_text
 
@@ -56,7 +57,7 @@ class ReuseRequest:
 
     question: str
     method: str = DEFAULT_METHOD
-    ratio: float = DEFAULT_RATIO
+    ratio: Ratio = DEFAULT_RATIO
     kv: str | None = None
     top_k: int | None = None
     chunks: Sequence[dict] | None = None
@@ -99,6 +100,10 @@ class ReuseRequest:
         """Every field but the question checked (a server checks the question after parsing passages)."""
         info = method_info_or_invalid(self.method)
         ratio = check_ratio(self.ratio)
+        if is_auto(ratio) and not (info.recomputes_nothing or info.name in ("full", *AUTO_METHODS)):
+            raise InvalidRequest(f"ratio \"auto\" sizes the recompute from the question's attention, which "
+                                 f"{', '.join(AUTO_METHODS)} select by; give {info.name} a number", "ratio",
+                                 "invalid_ratio")
         if info.name == "full":
             ratio = 1.0
         elif info.recomputes_nothing:
@@ -126,15 +131,19 @@ def method_info_or_invalid(method: str):
         raise InvalidRequest(str(exc), "method", "unknown_method") from None
 
 
-def check_ratio(ratio: Any) -> float:
-    """A recompute ratio within [0, 1] (the one check every door uses)."""
+def check_ratio(ratio: Any) -> Ratio:
+    """A recompute ratio within [0, 1], or ``"auto"`` (each request's own: :mod:`fusionrag.online.auto_ratio`);
+    the one check every door uses."""
+    if is_auto(ratio):
+        return AUTO
     try:
         value = float(ratio)
     except (TypeError, ValueError):
-        raise InvalidRequest(f"'ratio' must be a number within [0, 1], got {ratio!r}", "ratio",
+        raise InvalidRequest(f"'ratio' must be a number within [0, 1] or \"auto\", got {ratio!r}", "ratio",
                              "invalid_ratio") from None
     if isinstance(ratio, bool) or not math.isfinite(value) or not 0.0 <= value <= 1.0:
-        raise InvalidRequest(f"'ratio' must be a number within [0, 1], got {ratio!r}", "ratio", "invalid_ratio")
+        raise InvalidRequest(f"'ratio' must be a number within [0, 1] or \"auto\", got {ratio!r}", "ratio",
+                             "invalid_ratio")
     return value
 
 

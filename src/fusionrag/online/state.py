@@ -91,7 +91,9 @@ class Request:
         self.pre: Prefilled | None = None  # the prompt's KV and the logits of the first answer token
         self.method = reuse.method  # the method it ran (method=auto's choice once prepared)
         self.kv_kind = ""  # "plain" | "fused" | "plain-first" | "none" (Full Attention)
-        self.ratio = float(reuse.ratio)
+        #: The ratio asked (a number, or "auto"); once prefilled, the one used ("auto": the share it chose).
+        self.ratio: float | str = reuse.ratio
+        self.auto_ratio: Any = None  # for ratio="auto": the AutoRatio that sized it (its mass, floor, ceiling)
         self.chunk_ids: list[int | None] = []  # None for request-supplied passages not in the store
         self.passages: list[dict] = []
         self.chunk_token_ids: list[list[int]] = []
@@ -298,12 +300,19 @@ class Request:
         if ev.kind in ("done", "error"):
             self._done.set()
 
+    def auto_json(self) -> dict | None:
+        """For ``ratio="auto"``: the setting that sized the recompute and whether the store calibrated it."""
+        a = self.auto_ratio
+        return None if a is None else {"mass": a.mass, "floor": a.floor, "ceiling": a.ceiling,
+                                       "calibrated": a.calibrated}
+
     def to_json(self) -> dict:
         return {
             "answer": self.text,
             "method": self.method,
             "kv": self.kv_kind,
             "ratio": self.ratio,
+            "auto_ratio": self.auto_json(),
             "chunk_ids": self.chunk_ids,
             "context_tokens": self.context_tokens,
             "recomputed_tokens": self.recomputed_tokens,

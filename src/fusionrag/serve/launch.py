@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from fusionrag.errors import FusionRAGError
 from fusionrag.models.options import add_device_args, device_options
+from fusionrag.online.auto_ratio import parse_ratio
 from fusionrag.serve.settings import ServerSettings, load_settings, settings_help
 
 if TYPE_CHECKING:
@@ -45,7 +46,8 @@ _FLAGS = (
      "on: search the store for requests that do not say; off (default): only passages the request brings or "
      "pastes (stored chunks found in the prompt reuse their KV)"),
     ("--method", "default_method", str, "default method of requests that name none"),
-    ("--ratio", "default_ratio", float, "default recompute ratio"),
+    ("--ratio", "default_ratio", parse_ratio, "default recompute ratio (a share, or auto: as much as each question "
+                                              "needs, sized by the store's calibration)"),
     ("--memory-budget-mb", "memory_budget_mb", int,
      "in-memory KV tier (heat-based, with the asynchronous loader); 0 reads the store directly"),
     ("--device-kv-budget-mb", "device_kv_budget_mb", int,

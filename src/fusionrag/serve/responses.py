@@ -32,10 +32,13 @@ def reuse_json(ans: Request) -> dict[str, Any]:
     ``method`` is the method that ran (``auto`` resolved; ``note`` says why when it differs from the
     request's); ``sources``: each chunk's ``chunk_id, title, source, score, stored``, for citing, and ``part``:
     ``[first, stop]``, the stored chunk's tokens a part of it used (a client's own split), else null.
+    ``ratio``: the share of the context the method was asked to recompute, or for ``ratio: "auto"`` the share it
+    chose (then ``auto_ratio`` names the setting that sized it: ``fusionrag calibrate``).
     """
     stored = sum(c is not None for c in ans.chunk_ids)
     full = ans.method == "full"
-    return {"method": ans.method, "kv": ans.kv, "chunks": len(ans.chunk_ids),
+    return {"method": ans.method, "kv": ans.kv, "ratio": ans.ratio, "auto_ratio": ans.auto_json(),
+            "chunks": len(ans.chunk_ids),
             "reused_chunks": 0 if full else stored, "adhoc_chunks": len(ans.chunk_ids) - stored,
             "prefix_cache_hits": 0 if full else ans.kv_origins.count("prefix_cache"),
             "computed_chunks": len(ans.chunk_ids) if full else ans.kv_origins.count("computed"),

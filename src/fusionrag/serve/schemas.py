@@ -157,7 +157,9 @@ class _Generation(_Body):
     store: bool | None = Field(None, description="false only: fusionrag keeps no completions")
     # fusionrag
     method: str | None = None
-    ratio: float | None = None
+    ratio: float | Literal["auto"] | None = Field(None, description="share of the context to recompute, or \"auto\": "
+                                                                     "as much as the question needs (usage.fusionrag."
+                                                                     "ratio says the share chosen)")
     retrieval_top_k: int | None = Field(None, ge=0, description="retrieval depth: how many of the store's chunks "
                                                                 "to retrieve (0: none)")
     retrieval: bool | None = Field(None, description="false: no retrieval from the server's store (the request's "

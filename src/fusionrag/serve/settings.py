@@ -11,7 +11,7 @@ changes a test's server.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -58,7 +58,8 @@ class ServerSettings(BaseModel):
                                     "ask for it, and stored chunks pasted into a prompt are reused where they occur")
     default_method: str = Field("auto", description="method of requests that name none (auto: fusionrag where "
                                                     "reuse pays, full below the break-even context length)")
-    default_ratio: float = Field(0.15, ge=0.0, le=1.0, description="recompute ratio of requests that name none")
+    default_ratio: float | Literal["auto"] = Field(0.15, description="recompute ratio of requests that name none "
+                                                                    "(a share within [0, 1], or auto)")
     default_temperature: float = Field(0.0, ge=0.0, le=2.0,
                                        description="temperature of requests that name none (0: greedy)")
     request_timeout_s: float = Field(600.0, gt=0, description="seconds a request may wait for its next token")
@@ -107,6 +108,16 @@ class ServerSettings(BaseModel):
         try:
             return check_tier_url(value)
         except FusionRAGError as exc:
+            raise ValueError(str(exc)) from None
+
+    @field_validator("default_ratio", mode="before")
+    @classmethod
+    def _ratio(cls, value: Any) -> float | str:
+        from fusionrag.online.request import InvalidRequest, check_ratio
+
+        try:  # the one ratio check every door uses
+            return check_ratio(value)
+        except InvalidRequest as exc:
             raise ValueError(str(exc)) from None
 
     @field_validator("default_method")

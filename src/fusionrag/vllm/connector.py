@@ -19,7 +19,9 @@ Every fallback is counted by reason (:class:`FusionRAGStats`, in vLLM's periodic
 logged once per reason.
 
 Options (``kv_connector_extra_config``): ``store`` (the store folder, required), ``ratio`` (0.15),
-``method`` (``fusionrag``; ``reuse`` recomputes nothing), ``min_context_tokens`` (256: shorter contexts
+``method`` (``fusionrag``; ``reuse`` recomputes nothing; ``ratio: "auto"`` sizes each request's recompute from
+its question's attention, as the store's calibration says: :mod:`fusionrag.online.auto_ratio`),
+``min_context_tokens`` (256: shorter contexts
 are prefilled by vLLM), ``max_loads_per_step`` (1: others wait a step, so one step never computes several
 contexts), ``memory_budget_mb`` (1024: chunk KV kept in host memory, heat-based), ``kv_tier`` (a Redis tier
 shared by servers, ``redis://HOST:PORT``: Redis down = disk reads), ``debug_dir`` (a folder: one JSON per
@@ -43,6 +45,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
+from fusionrag.errors import FusionRAGError
+from fusionrag.online.request import ReuseRequest
 from fusionrag.vllm.isolation import can_salt
 from fusionrag.vllm.loading import Loader, find_model
 from fusionrag.vllm.model_view import VLLMModel
@@ -84,7 +88,12 @@ def _options(config: Any) -> dict[str, Any]:
     extra = dict(getattr(config, "kv_connector_extra_config", None) or {})
     if not extra.get("store"):
         raise ValueError("FusionRAGConnector needs kv_connector_extra_config.store (a fusionrag store folder)")
-    return {**DEFAULTS, **extra}
+    options = {**DEFAULTS, **extra}
+    try:  # a ratio no request could run is refused at start, in one line
+        options["ratio"] = ReuseRequest("q", str(options["method"]), options["ratio"]).fields_validated().ratio
+    except FusionRAGError as exc:
+        raise ValueError(f"kv_connector_extra_config: {exc}") from None
+    return options
 
 
 class FusionRAGConnector(KVConnectorBase_V1):

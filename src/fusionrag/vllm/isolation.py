@@ -25,9 +25,11 @@ from typing import Any
 SALT_PREFIX = "fusionrag"
 
 
-def mode_salt(method: str, ratio: float, generation: int) -> str:
-    """The prefix-cache namespace of one mode: requests with equal salts may share blocks."""
-    return f"{SALT_PREFIX}:{method}:{float(ratio):.6g}:g{int(generation)}"
+def mode_salt(method: str, ratio: float | str, generation: int) -> str:
+    """The prefix-cache namespace of one mode: requests with equal salts may share blocks (``ratio``: a share, or
+    ``ratio="auto"``'s key with the settings that size it)."""
+    shown = ratio if isinstance(ratio, str) else f"{float(ratio):.6g}"
+    return f"{SALT_PREFIX}:{method}:{shown}:g{int(generation)}"
 
 
 def salted(client_salt: str | None, salt: str) -> str:

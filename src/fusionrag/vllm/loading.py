@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from fusionrag.kvcache.kv import KV, assemble
+from fusionrag.online.auto_ratio import AutoRatio
 from fusionrag.online.prefill import with_cut_starts
 from fusionrag.vllm.model_view import VLLMModel
 from fusionrag.vllm.passes import prefill_into, question_scores, recompute, slot_mapping, write_paged
@@ -35,6 +36,7 @@ class Loader:
         self.store = store
         self.kv_source = kv_source
         self.debug_dir = debug_dir
+        self.auto = AutoRatio.from_settings(store.settings)  # how ratio="auto" is sized: the store's calibration
         self._system: dict[tuple[int, ...], KV] = {}
 
     def load(self, load: ReqLoad) -> None:
@@ -61,7 +63,8 @@ class Loader:
         work.keys[:, :, :end] = context.keys[:, :, :end]
         work.values[:, :, :end] = context.values[:, :, :end]
         candidates = torch.arange(max(load.first, load.system_len), end)
-        selected = select(vm, load, question, work, candidates)
+        selected = select(vm, load, question, work, candidates, self.auto)
+        chosen = selected.numel() / max(1, candidates.numel())  # the share selected (ratio="auto": its own)
         selected = with_cut_starts(selected, [(start, min(stop, end)) for _, _, start, stop, _ in load.chunks],
                                    [(offset, offset + stop - start) for _, _, start, stop, offset in load.chunks])
         if gaps:  # every gap position (also before vLLM's own prefix hit: the pass reads them)
@@ -73,6 +76,7 @@ class Loader:
 
             atomic_write(Path(self.debug_dir) / f"{load.req_id}.json", json.dumps(
                 {"first": load.first, "end": end, "chunks": load.chunks, "selected": selected.tolist(),
+                 "ratio": load.ratio, "chosen_share": round(chosen, 6),
                  "worker": os.getpid()}))  # which replica's worker loaded it (data parallelism)
 
     def _read(self, load: ReqLoad) -> list[KV]:
@@ -95,19 +99,22 @@ class Loader:
         return kv
 
 
-def select(vm: VLLMModel, load: ReqLoad, question: list[int], work: KV, candidates: torch.Tensor) -> torch.Tensor:
+def select(vm: VLLMModel, load: ReqLoad, question: list[int], work: KV, candidates: torch.Tensor,
+           auto: AutoRatio | None = None) -> torch.Tensor:
     """The context slots to recompute: every candidate at ratio >= 1, none at <= 0 or for ``reuse``, else the
-    question's most attended ``round(ratio * candidates)`` (the engine's :func:`~fusionrag.online.policies.select`),
-    one selection for every tensor-parallel rank."""
-    from fusionrag.online.policies import budget, top_k_of
+    question's most attended ``round(ratio * candidates)``, or as many as the store's calibrated ``auto`` counts
+    for ``ratio="auto"`` (the engine's rule: :func:`~fusionrag.online.policies.choose_top`), one selection for
+    every tensor-parallel rank."""
+    from fusionrag.online.policies import choose_top
 
-    k = budget(load.ratio, candidates.numel())
-    if load.method == "reuse" or k == 0:
+    if load.method == "reuse":
         return torch.empty(0, dtype=torch.long)
-    if k == candidates.numel():
-        return candidates
-    scores = question_scores(vm, question, load.end, work)
-    return vm.tp.same(top_k_of(scores[candidates.to(scores.device)], candidates, k))
+
+    def scores() -> torch.Tensor:
+        every = question_scores(vm, question, load.end, work)
+        return every[candidates.to(every.device)]
+
+    return vm.tp.same(choose_top(scores, candidates, load.ratio, auto))
 
 
 def find_model(vllm_config: Any, caller_depth: int = 8) -> Any:

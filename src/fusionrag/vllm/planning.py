@@ -22,7 +22,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from fusionrag.errors import FusionRAGError
+from fusionrag.online.auto_ratio import AutoRatio, is_auto, ratio_key
 from fusionrag.online.methods import default_kv
+from fusionrag.online.request import ReuseRequest
 from fusionrag.retrieval.token_matching import ContextMatch
 from fusionrag.vllm.isolation import mode_salt, salt_request
 
@@ -43,7 +46,7 @@ class ReqLoad:
     block_ids: list[int]
     block_size: int
     method: str
-    ratio: float
+    ratio: float | str  # a share, or "auto" (the worker sizes it with the store's calibration)
     generation: int  # the store generation planned on: a worker that sees another one does not load
 
 
@@ -54,7 +57,7 @@ class Plan:
     match: ContextMatch
     end: int  # one past the last context token it serves (never the last prompt token)
     method: str
-    ratio: float
+    ratio: float | str
     generation: int  # the store generation the match was made on (the worker loads only at that one)
     loaded_tokens: int = 0  # how many the connector computed (0: this mode's prefix-cache blocks held them)
 
@@ -80,6 +83,7 @@ class Planner:
         self.block_size = block_size
         self.salting = salting
         self.fallback = fallback
+        self.auto = AutoRatio.from_settings(store.settings)  # what the workers read too (the store's calibration)
         t0 = time.perf_counter()  # the chunk index built at vLLM's start, not in the step loop of a first request
         indexed = len(store.locator)
         log.info("fusionrag connector: %d stored chunks indexed in %.1f s", indexed, time.perf_counter() - t0)
@@ -152,7 +156,9 @@ class Planner:
             return {"method": "off" if reason == "off" else "vllm", "reason": reason or "not planned"}
         context = plan.end - plan.match.system_len
         stored = plan.match.stored_tokens
-        return {"method": plan.method, "ratio": plan.ratio, "context_tokens": context, "stored_tokens": stored,
+        auto = {"auto_ratio": {"mass": self.auto.mass, "floor": self.auto.floor, "ceiling": self.auto.ceiling,
+                               "calibrated": self.auto.calibrated}} if is_auto(plan.ratio) else {}
+        return {"method": plan.method, "ratio": plan.ratio, **auto, "context_tokens": context, "stored_tokens": stored,
                 "stored_share": round(stored / context, 4) if context > 0 else 0.0,
                 "chunks": len(plan.match.chunks), "loaded_tokens": plan.loaded_tokens}
 
@@ -166,7 +172,8 @@ class Planner:
         self._plans[request.request_id] = plan
         if plan is not None and self.salting:
             salt_request(request, self._client_salts.get(request.request_id, request.cache_salt),
-                         mode_salt(plan.method, plan.ratio, plan.generation))
+                         mode_salt(plan.method, ratio_key(plan.ratio, self.auto) if is_auto(plan.ratio) else plan.ratio,
+                                   plan.generation))
         return plan
 
     def _plan(self, request: Any) -> Plan | None:
@@ -188,8 +195,13 @@ class Planner:
         if match.stored_tokens < int(self.options["min_context_tokens"]) or end <= 0:
             self._reasons[rid] = f"fewer than {self.options['min_context_tokens']} stored context tokens"
             return None
-        ratio = float(params.get("ratio", self.options["ratio"])) if isinstance(params, dict) else \
-            float(self.options["ratio"])
+        asked = params.get("ratio", self.options["ratio"]) if isinstance(params, dict) else self.options["ratio"]
+        try:
+            ratio = ReuseRequest("q", str(self.options["method"]), asked).fields_validated().ratio
+        except FusionRAGError as exc:  # vLLM prefills it exactly: never an unasked-for ratio
+            self.fallback("invalid ratio", exc)
+            self._reasons[rid] = str(exc)
+            return None
         return Plan(match, end, str(self.options["method"]), ratio, self.store.seen_generation)
 
     def _load_of(self, req_id: str, request: Any, plan: Plan, first: int, block_ids: list[int]) -> ReqLoad:
