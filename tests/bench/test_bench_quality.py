@@ -2,8 +2,11 @@
 
 import json
 
+import pytest
+
 from bench_helpers import sample_data
 from fusionrag.bench.quality import QualitySpec, plan_runs, run_quality
+from fusionrag.errors import FusionRAGError
 from fusionrag.retrieval.embedder import HashingEmbedder
 
 
@@ -98,3 +101,23 @@ def test_cached_full_attention_serves_the_full_cell_without_a_ttft(tmp_path):
     assert first["full"]["ttft_n"] == 3 and second["reuse"]["ttft_n"] == 3
 
 
+
+
+def test_auto_ratios_run_fusionrag_with_the_stores_or_a_given_mass_and_record_the_share(tmp_path):
+    """Issue 50: ``--ratios 0.15,auto,auto:0.9`` puts ratio="auto" on the curve (fusionrag only; a bf16 ``full``
+    is a cell scored against the float32 reference, never written into it)."""
+    with pytest.raises(FusionRAGError, match="auto:MASS"):
+        plan_runs(QualitySpec(data=[], out=None, ratios=["auto:2"], methods=["fusionrag"]))
+    data = sample_data(tmp_path)
+    spec = QualitySpec(data=[data], out=tmp_path / "out", model="tiny-llama", limit=2, ratios=["auto", "auto:0.9"],
+                       methods=["full", "fusionrag", "cacheblend"], top_n=[2], max_new_tokens=2, progress=False,
+                       embedder=HashingEmbedder(), dtype="bfloat16", full_reference=tmp_path / "ref")
+    run_quality(spec)
+    records = [json.loads(line) for line in (tmp_path / "out" / "records.jsonl").read_text().splitlines()]
+    assert sorted({r["run"] for r in records}) == ["full@bf16|none|1|0", "fusionrag@bf16|plain-first|auto:0.9|2",
+                                                   "fusionrag@bf16|plain-first|auto|2"]
+    for r in records:
+        assert (r["auto_share"] is None) == r["run"].startswith("full")
+        assert r["kl_first_c"] >= 0 and r["answer"] is not None
+    full = [r for r in records if r["method"] == "full@bf16"]
+    assert all(0 <= r["kl_first_c"] < 0.05 for r in full)  # bf16 Full Attention against the float32 reference

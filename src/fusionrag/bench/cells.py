@@ -42,6 +42,7 @@ class Scored:
     recomputed_tokens: int
     ttft_ms: dict
     fused_fallbacks: int
+    auto_share: float | None = None  # ratio="auto": the share of the context it chose
 
 
 def _decode(lm, prep, max_new_tokens: int) -> tuple[list[int], bool]:
@@ -85,7 +86,22 @@ def score_prepared(engine, prep, ex: QAExample, ref: TopKReference, max_new_toke
         ids, _ = _decode(lm, prep, max_new_tokens)
         text = lm.tokenizer.decode(ids, skip_special_tokens=True).strip()
     return Scored(text, prep.pre.last_logits, gold.nll, gold.nll_eot, kl_first_c, kl_answer,
-                  prep.pre.context_tokens, prep.pre.recomputed, prep.ttft_ms, prep.fused_fallbacks)
+                  prep.pre.context_tokens, prep.pre.recomputed, prep.ttft_ms, prep.fused_fallbacks,
+                  prep.ratio if prep.auto_ratio is not None else None)
+
+
+def _prepare(engine, question: str, run, chunks: list[dict], kv: str | None):
+    """A run's prefill; an ``auto`` run with its setting (``auto:MASS``: that mass) in place of the store's."""
+    from fusionrag.bench.quality import auto_setting
+
+    auto = auto_setting(run.ratio, engine.auto_ratio)
+    if auto is None:
+        return engine.prepare(question, method=run.method, ratio=run.ratio, chunks=chunks, kv=kv)
+    kept, engine.auto_ratio = engine.auto_ratio, auto
+    try:
+        return engine.prepare(question, method=run.method, ratio="auto", chunks=chunks, kv=kv)
+    finally:
+        engine.auto_ratio = kept
 
 
 def run_cell(engines, full_ref: FullReference, full_cache: FullCache, spec, dataset: str, ex: QAExample,
@@ -118,7 +134,7 @@ def run_cell(engines, full_ref: FullReference, full_cache: FullCache, spec, data
         else:
             chunks = [{"title": p.title, "text": p.text} for p in ex.passages]
             kv = None if run.method == "full" else run.kv
-            prep = engine.prepare(ex.question, method=run.method, ratio=run.ratio, chunks=chunks, kv=kv)
+            prep = _prepare(engine, ex.question, run, chunks, kv)
         res = score_prepared(engine, prep, ex, full.reference, spec.max_new_tokens,
                              decode=spec.decode and not reference_cell)
         if reference_cell:
@@ -146,6 +162,7 @@ def run_cell(engines, full_ref: FullReference, full_cache: FullCache, spec, data
         "gold_nll_eot": res.gold_nll_eot,
         "ctx_tokens": res.context_tokens,
         "recomputed_tokens": res.recomputed_tokens,
+        "auto_share": res.auto_share,
         "ttft_ms": None if ttft_from_cache else res.ttft_ms.get("total"),
         "ttft_breakdown_ms": {} if ttft_from_cache else res.ttft_ms,
         "full_from_cache": ttft_from_cache,

@@ -16,6 +16,11 @@ def _floats(text: str) -> list[float]:
     return [float(x) for x in text.split(",") if x.strip()]
 
 
+def _ratios(text: str) -> list[float | str]:
+    """``0,0.15,auto``: numbers, and ``auto`` (the store's calibrated ratio="auto") or ``auto:MASS`` (that mass)."""
+    return [x.strip() if x.strip().startswith("auto") else float(x) for x in text.split(",") if x.strip()]
+
+
 def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
@@ -203,7 +208,9 @@ def add_quality_args(q: argparse.ArgumentParser) -> None:
                         f"{', '.join(KV_KINDS)}); each runs on the KV it reuses in 'ask' and 'serve' unless :KV says "
                         "otherwise (fusionrag: plain-first). Default includes fusionrag:plain, the same selection "
                         "without the offline stage")
-    q.add_argument("--ratios", type=_floats, default="0,0.05,0.1,0.15,0.3")
+    q.add_argument("--ratios", type=_ratios, default="0,0.05,0.1,0.15,0.3",
+                   help="recompute ratios; 'auto' runs ratio=auto with the store's calibration and 'auto:MASS' with "
+                        "that attention mass (fusionrag only)")
     q.add_argument("--top-n", type=_ints, default="10", help="offline neighbours; a list runs one store each")
     q.add_argument("--model", default=DEFAULT_MODEL)
     q.add_argument("--max-new-tokens", type=int, default=24)

@@ -46,6 +46,7 @@ from fusionrag.bench.records import (
 from fusionrag.errors import FusionRAGError
 from fusionrag.kvcache.store import DEFAULT_KV_DTYPE
 from fusionrag.offline.preprocess import FuseSettings
+from fusionrag.online.auto_ratio import AUTO, AUTO_METHODS, AutoRatio
 from fusionrag.online.methods import KV_KINDS, method_info, reads_store
 from fusionrag.online.request import check_ratio
 
@@ -64,7 +65,7 @@ class QualitySpec:
     limit: int | None = 50
     kb_limit: int | None = None  # knowledge base = passages of the first N questions (default: limit)
     methods: Sequence[str] = DEFAULT_METHODS
-    ratios: Sequence[float] = DEFAULT_RATIOS
+    ratios: Sequence[float | str] = DEFAULT_RATIOS  # numbers, "auto", "auto:MASS"
     top_n: Sequence[int] = (10,)
     max_new_tokens: int = 24
     max_passage_words: int | None = None
@@ -99,13 +100,38 @@ def dtype_tag(dtype: str) -> str:
     return DTYPE_TAGS[dtype]
 
 
+def auto_run_ratio(text: str) -> str:
+    """A bench ratio ``auto`` (ratio="auto" with the store's calibration) or ``auto:MASS`` (with that attention
+    mass), checked; anything else is a one-line error."""
+    _, _, mass = text.partition(":")
+    try:
+        if text.split(":")[0] != AUTO or (mass and not 0.0 < float(mass) <= 1.0):
+            raise ValueError
+    except ValueError:
+        raise FusionRAGError(f"ratio {text!r}: a number, 'auto' or 'auto:MASS' (0 < MASS <= 1)") from None
+    return f"{AUTO}:{float(mass):g}" if mass else AUTO
+
+
+def autos_for(method: str, autos: Sequence[str]) -> list[str]:
+    """The auto ratios ``method`` runs: all for the methods ratio="auto" can size, none for the others."""
+    return list(autos) if method in AUTO_METHODS else []
+
+
+def auto_setting(ratio: float | str, current: AutoRatio) -> AutoRatio | None:
+    """What a run's ``ratio`` sizes ratio="auto" with (None: a number): the store's setting, or ``auto:MASS``'s."""
+    if not isinstance(ratio, str):
+        return None
+    _, _, mass = ratio.partition(":")
+    return current.with_mass(float(mass)) if mass else current
+
+
 @dataclass(frozen=True)
 class Run:
     """One cell of the matrix: a selection method, the KV it reuses, a ratio, the offline top-n, the compute dtype."""
 
     method: str
     kv: str
-    ratio: float
+    ratio: float | str  # a number, or "auto" / "auto:MASS" (ratio="auto")
     top_n: int
     dtype: str = "float32"
 
@@ -116,7 +142,8 @@ class Run:
 
     @property
     def key(self) -> str:
-        return f"{self.label}|{self.kv}|{self.ratio:g}|{self.top_n}"
+        ratio = self.ratio if isinstance(self.ratio, str) else f"{self.ratio:g}"
+        return f"{self.label}|{self.kv}|{ratio}|{self.top_n}"
 
     @property
     def reads_store(self) -> bool:
@@ -147,9 +174,11 @@ def plan_runs(spec: QualitySpec) -> list[Run]:
     dtype_tag(spec.dtype)
     top_ns = list(spec.top_n)
     main_n = top_ns[-1] if len(top_ns) == 1 else (10 if 10 in top_ns else top_ns[0])
+    autos = [auto_run_ratio(r) for r in spec.ratios if isinstance(r, str)]
     for r in spec.ratios:
-        check_ratio(r)
-    ratios = [r for r in spec.ratios if 0.0 < r < 1.0]
+        if not isinstance(r, str):
+            check_ratio(r)
+    ratios: list[float | str] = [r for r in spec.ratios if not isinstance(r, str) and 0.0 < r < 1.0]
     for text in spec.methods:
         m, kv = parse_method(text)
         if m == "full":
@@ -166,9 +195,9 @@ def plan_runs(spec: QualitySpec) -> list[Run]:
             if reads_store(m, kind):
                 # The top-n ablation varies the offline stage of FusionRAG's own cells; others read the main store.
                 ns = top_ns if m == "fusionrag" else [main_n]
-                runs.extend(Run(m, kind, r, n) for n in ns for r in ratios)
+                runs.extend(Run(m, kind, r, n) for n in ns for r in [*ratios, *autos_for(m, autos)])
             else:
-                runs.extend(Run(m, kind, r, 0) for r in ratios)
+                runs.extend(Run(m, kind, r, 0) for r in [*ratios, *autos_for(m, autos)])
     runs = [replace(r, dtype=spec.dtype) for r in runs]
     seen, unique = set(), []
     for r in runs:

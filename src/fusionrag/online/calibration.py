@@ -82,8 +82,9 @@ def first_token_kl(reference: torch.Tensor, other: torch.Tensor) -> float:
 def calibrate(engine: Any, samples: int = DEFAULT_SAMPLES, seed: int = 0, target_kl: float | None = None,
               masses: Sequence[float] = MASS_GRID, floor: float = DEFAULT_FLOOR, ceiling: float = DEFAULT_CEILING,
               progress: bool = False, top_k: int | None = None) -> Calibration:
-    """Measure the setting (module doc) with ``engine`` (a :class:`~fusionrag.online.engine.Engine` on a store);
-    nothing is written (:func:`record` does)."""
+    """Measure the setting (module doc) with ``engine`` (a :class:`~fusionrag.online.engine.Engine` on a store),
+    each probe over the ``top_k`` chunks retrieval finds for it (None: the engine's default, as a request that
+    names none); nothing is written (:func:`record` does)."""
     if engine.store is None:
         raise FusionRAGError("calibration needs a store: its chunks make the probes")
     questions = probe_questions(engine.store, samples, seed)
@@ -96,13 +97,13 @@ def calibrate(engine: Any, samples: int = DEFAULT_SAMPLES, seed: int = 0, target
     bar = _progress(len(questions) * (2 + len(masses)), progress)
     try:
         for q in questions:
-            full = _first_logits(engine, q, "full", 1.0)
+            full = _first_logits(engine, q, "full", 1.0, top_k)
             bar.update(1)
-            fixed.append(first_token_kl(full, _first_logits(engine, q, "fusionrag", DEFAULT_RATIO)))
+            fixed.append(first_token_kl(full, _first_logits(engine, q, "fusionrag", DEFAULT_RATIO, top_k)))
             bar.update(1)
             for m in masses:
                 engine.auto_ratio = AutoRatio(m, floor, ceiling)
-                req = _prepared(engine, q, "fusionrag", AUTO)
+                req = _prepared(engine, q, "fusionrag", AUTO, top_k)
                 per_mass[m].append((first_token_kl(full, req.pre.last_logits), float(req.ratio)))
                 bar.update(1)
     finally:
@@ -115,7 +116,7 @@ def calibrate(engine: Any, samples: int = DEFAULT_SAMPLES, seed: int = 0, target
     chosen = next((g for g in grid if g["kl"] <= target), None)
     reached = chosen is not None
     chosen = chosen or grid[-1]
-    info = {"samples": len(questions), "seed": seed, "target_kl": target, "fixed_ratio": DEFAULT_RATIO,
+    info = {"samples": len(questions), "seed": seed, "top_k": top_k, "target_kl": target, "fixed_ratio": DEFAULT_RATIO,
             "fixed_kl": fixed_kl, "mean_kl": chosen["kl"], "mean_share": chosen["share"], "reached": reached,
             "dtype": str(engine.lm.dtype).removeprefix("torch."), "model": engine.lm.name,
             "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "grid": grid}
@@ -131,13 +132,13 @@ def record(engine: Any, result: Calibration) -> None:
     engine.auto_ratio = result.auto
 
 
-def _prepared(engine: Any, question: str, method: str, ratio: float | str) -> Any:
+def _prepared(engine: Any, question: str, method: str, ratio: float | str, top_k: int | None) -> Any:
     # skip_cache: each way is computed, never a whole context an earlier probe left in the context cache
-    return engine.prepare(ReuseRequest(question, method, ratio, skip_cache=True))
+    return engine.prepare(ReuseRequest(question, method, ratio, top_k=top_k, skip_cache=True))
 
 
-def _first_logits(engine: Any, question: str, method: str, ratio: float) -> torch.Tensor:
-    return _prepared(engine, question, method, ratio).pre.last_logits
+def _first_logits(engine: Any, question: str, method: str, ratio: float, top_k: int | None) -> torch.Tensor:
+    return _prepared(engine, question, method, ratio, top_k).pre.last_logits
 
 
 def _progress(total: int, on: bool) -> Any:

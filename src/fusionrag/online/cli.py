@@ -126,7 +126,8 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     engine = Engine.open(args.store, model=args.model, **device_options(args))
     print(f"fusionrag: calibrating ratio=auto for {engine.lm.name} ({str(engine.lm.dtype).removeprefix('torch.')}) "
           f"on {args.samples} probes made from the store's chunks ...", file=sys.stderr, flush=True)
-    result = calibrate(engine, samples=args.samples, seed=args.seed, target_kl=args.target_kl, progress=True)
+    result = calibrate(engine, samples=args.samples, seed=args.seed, target_kl=args.target_kl, progress=True,
+                       top_k=args.top_k)
     if not args.dry_run:
         record(engine, result)
     print(json.dumps(result.auto.to_setting()) if args.json else
@@ -141,6 +142,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--model", default=None, help="model (default: the store's)")
     c.add_argument("--samples", type=int, default=16, help="probes (questions made from the store's chunks)")
     c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--top-k", type=int, default=None,
+                   help="chunks retrieved per probe (default: as a request that names none, 5); set it to the "
+                        "retrieval depth your requests use")
     c.add_argument("--target-kl", type=float, default=None,
                    help="mean first-token KL to Full Attention that auto must reach (default: the fixed 0.15 "
                         "ratio's on the same probes)")
