@@ -14,7 +14,7 @@ cd "$(dirname "$0")/../.."
 source studies/datasets.sh
 MUS_TRAIN=$D/musique/musique_train_paragraphs_hipporag.jsonl
 OUT=studies/matched_quality/results
-RATIOS=0.05,0.1,0.15,0.2,0.3,0.5
+RATIOS=0.05,0.1,0.15,0.2,0.3,0.5,auto,auto:0.5,auto:0.7,auto:0.8,auto:0.9  # auto: the store's calibration (fusionrag calibrate)
 METHODS=full,reuse,fusionrag:fused,prophetkv:fused,prophetkv,cacheblend,epic
 Q() { .venv/bin/python -m studies.quality_cli --full-reference studies/paper/results/full_reference \
         --cache-dir runs/cache --max-new-tokens 16 --limit 100 --kb-limit 100 --fuse-only-evaluated \

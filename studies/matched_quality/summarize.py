@@ -1,0 +1,301 @@
+"""Speed at matched quality (issue 50): the summary of ``studies/matched_quality/results/records.jsonl``.
+
+For each dataset, on the questions every cell answered (paired): per method and ratio the agreement of the
+greedy answer with Full Attention's (exact match of the whole answer, after the usual answer normalisation),
+first-token and answer KL to the float32 reference, the share of the context recomputed and TTFT; then the
+table the 2026 papers print (per method, the smallest ratio reaching each quality level, with its TTFT); then
+``ratio="auto"`` against the fixed ratio (paired), and how well its signal predicts each question's distance
+from Full Attention (Spearman, bootstrap interval). Agreement is with Full Attention **in bfloat16** (the exact
+prefill a user runs instead); its own agreement with the float32 reference is given as the floor of the dtype.
+
+    .venv/bin/python -m studies.matched_quality.summarize
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+from scipy.stats import spearmanr
+
+from fusionrag.bench.metrics import bootstrap_ci, bootstrap_diff_ci, normalize_answer
+from fusionrag.bench.records import read_records
+from fusionrag.files import atomic_write, write_json_atomic
+
+RESULTS = Path(__file__).resolve().parent / "results"
+FULL = ("full@bf16", "none", 1.0)
+LEVELS = (0.90, 0.95, 0.99)
+KL_LEVEL = 0.05
+CURVES = [("fusionrag@bf16", "fused"), ("prophetkv@bf16", "fused"), ("prophetkv@bf16", "plain"),
+          ("cacheblend@bf16", "plain"), ("epic@bf16", "plain")]
+NAMES = {("fusionrag@bf16", "fused"): "FusionRAG (fused KV)", ("prophetkv@bf16", "fused"): "ProphetKV (fused KV)",
+         ("prophetkv@bf16", "plain"): "ProphetKV (plain KV)", ("cacheblend@bf16", "plain"): "CacheBlend",
+         ("epic@bf16", "plain"): "EPIC", ("reuse@bf16", "plain"): "Full Reuse (plain KV)",
+         ("reuse@bf16", "fused"): "Full Reuse (fused KV)", ("full@bf16", "none"): "Full Attention (bf16)"}
+N_BOOT = 2000
+
+
+def _ratio(value) -> float | str:
+    return value if isinstance(value, str) else float(value)
+
+
+def cells(records) -> dict[str, dict[tuple, dict[str, dict]]]:
+    """dataset -> (method, kv, ratio) -> qid -> record."""
+    out: dict[str, dict[tuple, dict[str, dict]]] = defaultdict(lambda: defaultdict(dict))
+    for r in records:
+        out[r["dataset"]][(r["method"], r["kv"], _ratio(r["ratio"]))][r["qid"]] = r
+    return out
+
+
+def complete_questions(ds: dict[tuple, dict[str, dict]]) -> list[str]:
+    """Questions every cell of the dataset answered (a stopped lane leaves its last question partial)."""
+    qids = None
+    for per_q in ds.values():
+        qids = set(per_q) if qids is None else qids & set(per_q)
+    return sorted(qids or [])
+
+
+def agree(a: str | None, b: str | None) -> float:
+    return float(a is not None and b is not None and normalize_answer(a) == normalize_answer(b))
+
+
+def share(r: dict) -> float:
+    if r.get("auto_share") is not None:
+        return float(r["auto_share"])
+    return float(r["recomputed_tokens"]) / max(1, int(r["ctx_tokens"]))
+
+
+def cell_row(per_q: dict[str, dict], full: dict[str, dict], qids: list[str]) -> dict:
+    ag = [agree(per_q[q]["answer"], full[q]["answer"]) for q in qids]
+    ag32 = [agree(per_q[q]["answer"], per_q[q]["full_answer"]) for q in qids]
+    row = {"n": len(qids)}
+    for name, values in (("agreement", ag), ("agreement_fp32", ag32),
+                         ("kl_first", [per_q[q]["kl_first_c"] for q in qids]),
+                         ("kl_answer", [per_q[q]["kl_answer"] for q in qids]),
+                         ("share", [share(per_q[q]) for q in qids]),
+                         ("ttft_ms", [per_q[q]["ttft_ms"] for q in qids])):
+        mean, lo, hi = bootstrap_ci(values, n_boot=N_BOOT)
+        row[name], row[f"{name}_ci"] = mean, [lo, hi]
+    return row
+
+
+def ratio_of_means(a: list[float], b: list[float]) -> tuple[float, float, float]:
+    """mean(a) / mean(b), paired bootstrap over questions (a ratio of means, never a mean of ratios)."""
+    x, y = np.asarray(a, float), np.asarray(b, float)
+    rng = np.random.default_rng(0)
+    idx = rng.integers(0, len(x), size=(N_BOOT, len(x)))
+    boots = x[idx].mean(1) / y[idx].mean(1)
+    return float(x.mean() / y.mean()), float(np.percentile(boots, 2.5)), float(np.percentile(boots, 97.5))
+
+
+def matched(rows: dict[tuple, dict]) -> list[dict]:
+    """Per curve method, the smallest ratio reaching each agreement level and the first-token KL level."""
+    out = []
+    for method, kv in CURVES:
+        curve = sorted(((k[2], r) for k, r in rows.items() if k[:2] == (method, kv) and not isinstance(k[2], str)),
+                       key=lambda t: t[0])
+        if not curve:
+            continue
+        entry = {"method": NAMES[(method, kv)]}
+        for level in LEVELS:
+            hit = next(((ratio, r) for ratio, r in curve if r["agreement"] >= level), None)
+            entry[f"agreement>={level:g}"] = None if hit is None else {
+                "ratio": hit[0], "agreement": hit[1]["agreement"], "agreement_ci": hit[1]["agreement_ci"],
+                "ttft_ms": hit[1]["ttft_ms"], "ttft_ms_ci": hit[1]["ttft_ms_ci"]}
+        hit = next(((ratio, r) for ratio, r in curve if r["kl_first"] <= KL_LEVEL), None)
+        entry[f"kl_first<={KL_LEVEL:g}"] = None if hit is None else {
+            "ratio": hit[0], "kl_first": hit[1]["kl_first"], "kl_first_ci": hit[1]["kl_first_ci"],
+            "ttft_ms": hit[1]["ttft_ms"], "ttft_ms_ci": hit[1]["ttft_ms_ci"]}
+        out.append(entry)
+    return out
+
+
+def paired_vs(a: dict[str, dict], b: dict[str, dict], full: dict[str, dict], qids: list[str]) -> dict:
+    """``a`` minus ``b`` on the same questions: agreement, first-token KL, share; TTFT as a ratio of means."""
+    def diff(fa, fb):
+        mean, lo, hi = bootstrap_diff_ci([fa(q) for q in qids], [fb(q) for q in qids], n_boot=N_BOOT)
+        return [mean, lo, hi]
+    return {"n": len(qids),
+            "agreement": diff(lambda q: agree(a[q]["answer"], full[q]["answer"]),
+                              lambda q: agree(b[q]["answer"], full[q]["answer"])),
+            "kl_first": diff(lambda q: a[q]["kl_first_c"], lambda q: b[q]["kl_first_c"]),
+            "kl_answer": diff(lambda q: a[q]["kl_answer"], lambda q: b[q]["kl_answer"]),
+            "share": diff(lambda q: share(a[q]), lambda q: share(b[q])),
+            "ttft_ratio_b_over_a": list(ratio_of_means([b[q]["ttft_ms"] for q in qids],
+                                                       [a[q]["ttft_ms"] for q in qids]))}
+
+
+def spearman_ci(x: list[float], y: list[float]) -> list[float]:
+    """Spearman's rho with a percentile bootstrap interval over questions."""
+    xs, ys = np.asarray(x, float), np.asarray(y, float)
+    rho = float(spearmanr(xs, ys).statistic)
+    rng = np.random.default_rng(0)
+    boots = []
+    for _ in range(N_BOOT):
+        i = rng.integers(0, len(xs), len(xs))
+        if np.ptp(xs[i]) > 0 and np.ptp(ys[i]) > 0:
+            boots.append(spearmanr(xs[i], ys[i]).statistic)
+    return [rho, float(np.percentile(boots, 2.5)), float(np.percentile(boots, 97.5))]
+
+
+def summarize(records: list[dict]) -> dict:
+    out: dict = {"datasets": {}}
+    for dataset, ds in sorted(cells(records).items()):
+        if FULL not in ds:
+            continue
+        qids = complete_questions(ds)
+        if not qids:
+            continue
+        full = ds[FULL]
+        rows = {k: cell_row(v, full, qids) for k, v in ds.items()}
+        fixed = ("fusionrag@bf16", "fused", 0.15)
+        autos = sorted(k for k in ds if k[0] == "fusionrag@bf16" and isinstance(k[2], str))
+        auto_vs = {}
+        for k in autos:
+            vs_fixed = paired_vs(ds[k], ds[fixed], full, qids)
+            # the fixed ratio nearest the auto cell's mean share: quality at the same mean recompute
+            near = min((r for r in (0.05, 0.1, 0.15, 0.2, 0.3, 0.5) if ("fusionrag@bf16", "fused", r) in ds),
+                       key=lambda r: abs(r - rows[k]["share"]))
+            auto_vs[k[2]] = {"vs_fixed_15": vs_fixed, "nearest_fixed": near,
+                             "vs_nearest_fixed": paired_vs(ds[k], ds[("fusionrag@bf16", "fused", near)], full, qids)}
+        peers = {}
+        for ratio in (0.05, 0.1, 0.15, 0.2, 0.3, 0.5):
+            a = ds.get(("fusionrag@bf16", "fused", ratio))
+            for method, kv in CURVES[1:]:
+                b = ds.get((method, kv, ratio))
+                if a is not None and b is not None:
+                    peers[f"{NAMES[(method, kv)]} @ {ratio:g}"] = paired_vs(a, b, full, qids)
+        signal = {}
+        if ("fusionrag@bf16", "fused", "auto") in ds and fixed in ds:
+            chosen = [share(ds[("fusionrag@bf16", "fused", "auto")][q]) for q in qids]
+            signal = {"spearman_share_vs_kl_first_at_15": spearman_ci(chosen,
+                                                                      [ds[fixed][q]["kl_first_c"] for q in qids]),
+                      "spearman_share_vs_kl_answer_at_15": spearman_ci(chosen,
+                                                                       [ds[fixed][q]["kl_answer"] for q in qids]),
+                      "spearman_share_vs_disagreement_at_15": spearman_ci(
+                          chosen, [1.0 - agree(ds[fixed][q]["answer"], full[q]["answer"]) for q in qids])}
+        out["datasets"][dataset] = {
+            "n": len(qids), "context_tokens_median": float(np.median([full[q]["ctx_tokens"] for q in qids])),
+            "cells": [{"method": k[0], "kv": k[1], "ratio": k[2], **r} for k, r in sorted(rows.items(), key=str)],
+            "matched": matched(rows), "auto": auto_vs, "fusionrag_minus_peers": peers, "signal": signal}
+    return out
+
+
+def _pct(x) -> str:
+    return "-" if x is None else (x if isinstance(x, str) else f"{100 * x:.0f}%")
+
+
+def _ci(v, ci, fmt="{:.3f}") -> str:
+    return f"{fmt.format(v)} [{fmt.format(ci[0])}, {fmt.format(ci[1])}]"
+
+
+def markdown(summary: dict) -> str:
+    lines = ["# Speed at matched quality: results", "",
+             "qwen2.5-0.5b, **bf16** cells (as users run it on this CPU), one thread per lane, scored against the "
+             "committed **fp32** Full Attention reference; agreement = exact match (normalised) of the greedy "
+             "16-token answer with **Full Attention in bf16**. Paired over the questions every cell answered; "
+             "95% bootstrap intervals. TTFT: the cells' own, ~1.8K-token contexts, one thread, beside another lane.",
+             ""]
+    for dataset, d in summary["datasets"].items():
+        lines += [f"## {dataset} (n = {d['n']}, median context {d['context_tokens_median']:.0f} tokens)", "",
+                  "| method | kv | ratio | recomputed | agreement | agreement with fp32 FA | first-token KL | "
+                  "answer KL | TTFT ms |", "|---|---|---|---|---|---|---|---|---|"]
+        for c in d["cells"]:
+            lines.append(f"| {c['method']} | {c['kv']} | {_pct(c['ratio'])} | {c['share']:.1%} | "
+                         f"{_ci(c['agreement'], c['agreement_ci'], '{:.2f}')} | {c['agreement_fp32']:.2f} | "
+                         f"{_ci(c['kl_first'], c['kl_first_ci'])} | {c['kl_answer']:.3f} | {c['ttft_ms']:.0f} |")
+        lines += ["", "**Smallest ratio reaching each quality level** (agreement with Full Attention's answers; "
+                  f"first-token KL <= {KL_LEVEL:g}), with the TTFT there:", "",
+                  "| method | " + " | ".join(f"agreement >= {lv:g}" for lv in LEVELS) + f" | KL <= {KL_LEVEL:g} |",
+                  "|---|" + "---|" * (len(LEVELS) + 1)]
+        for m in d["matched"]:
+            cols = []
+            for key in [*(f"agreement>={lv:g}" for lv in LEVELS), f"kl_first<={KL_LEVEL:g}"]:
+                hit = m[key]
+                cols.append("not reached" if hit is None else f"{_pct(hit['ratio'])} ({hit['ttft_ms']:.0f} ms)")
+            lines.append(f"| {m['method']} | " + " | ".join(cols) + " |")
+        if d["auto"]:
+            lines += ["", "**ratio=\"auto\"** (paired; `auto` = the store's calibration, `auto:M` = attention mass M):",
+                      "", "| cell | mean recomputed | minus fixed 15%: agreement | first-token KL | TTFT fixed 15% / "
+                      "auto | vs the fixed ratio nearest its share: agreement | first-token KL |",
+                      "|---|---|---|---|---|---|---|"]
+            rows = {(c["method"], c["kv"], c["ratio"]): c for c in d["cells"]}
+            for k, a in d["auto"].items():
+                v, w = a["vs_fixed_15"], a["vs_nearest_fixed"]
+                lines.append(f"| {k} | {rows[('fusionrag@bf16', 'fused', k)]['share']:.1%} | "
+                             f"{_ci(v['agreement'][0], v['agreement'][1:], '{:+.2f}')} | "
+                             f"{_ci(v['kl_first'][0], v['kl_first'][1:], '{:+.3f}')} | "
+                             f"{_ci(v['ttft_ratio_b_over_a'][0], v['ttft_ratio_b_over_a'][1:], '{:.2f}x')} | "
+                             f"{_pct(a['nearest_fixed'])}: {_ci(w['agreement'][0], w['agreement'][1:], '{:+.2f}')} | "
+                             f"{_ci(w['kl_first'][0], w['kl_first'][1:], '{:+.3f}')} |")
+        if d["signal"]:
+            s = {k.split("_vs_")[1].removesuffix("_at_15"): _ci(v[0], v[1:], "{:+.2f}") for k, v in d["signal"].items()}
+            lines += ["", "**The signal** (Spearman over questions: the share `auto` chose vs the fixed 15%'s distance "
+                      f"from Full Attention on the same question): first-token KL {s['kl_first']}, answer KL "
+                      f"{s['kl_answer']}, disagreement {s['disagreement']}."]
+        if d["fusionrag_minus_peers"]:
+            lines += ["", "**FusionRAG minus each peer at the same ratio** (agreement | first-token KL):", "",
+                      "| peer @ ratio | n | agreement | first-token KL |", "|---|---|---|---|"]
+            for name, p in d["fusionrag_minus_peers"].items():
+                lines.append(f"| {name} | {p['n']} | {_ci(p['agreement'][0], p['agreement'][1:], '{:+.2f}')} | "
+                             f"{_ci(p['kl_first'][0], p['kl_first'][1:], '{:+.3f}')} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(summary: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    datasets = list(summary["datasets"])
+    fig, axes = plt.subplots(2, len(datasets), figsize=(6 * len(datasets), 8), squeeze=False)
+    for j, dataset in enumerate(datasets):
+        cells_ = summary["datasets"][dataset]["cells"]
+        for i, (metric, label) in enumerate((("agreement", "agreement with Full Attention (bf16)"),
+                                             ("kl_first", "first-token KL to fp32 Full Attention"))):
+            ax = axes[i][j]
+            for method, kv in CURVES:
+                pts = sorted((c for c in cells_ if (c["method"], c["kv"]) == (method, kv)
+                              and not isinstance(c["ratio"], str)), key=lambda c: c["share"])
+                if pts:
+                    ax.plot([100 * c["share"] for c in pts], [c[metric] for c in pts], marker="o",
+                            label=NAMES[(method, kv)])
+            autos = sorted((c for c in cells_ if c["method"] == "fusionrag@bf16" and isinstance(c["ratio"], str)),
+                           key=lambda c: c["share"])
+            if autos:
+                ax.plot([100 * c["share"] for c in autos], [c[metric] for c in autos], marker="*", ls="--",
+                        ms=10, label='FusionRAG ratio="auto" (masses)')
+            ax.set_xlabel("mean share of the context recomputed (%)")
+            ax.set_ylabel(label)
+            ax.set_title(f"{dataset} (n = {summary['datasets'][dataset]['n']})")
+            ax.grid(alpha=0.3)
+            if i == 0 and j == 0:
+                ax.legend(fontsize=8)
+    fig.suptitle("Speed at matched quality: qwen2.5-0.5b, bf16, one thread")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--results", default=str(RESULTS))
+    args = p.parse_args(argv)
+    results = Path(args.results)
+    records = list(read_records(results / "records.jsonl").values())
+    summary = summarize(records)
+    summary["command"] = ("bash studies/matched_quality/run.sh LANE; "
+                          ".venv/bin/python -m studies.matched_quality.summarize")
+    write_json_atomic(results / "summary.json", summary)
+    atomic_write(results / "summary.md", markdown(summary))
+    plot(summary, results / "matched_quality.png")
+    print(f"wrote {results}/summary.json, summary.md, matched_quality.png")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
