@@ -117,6 +117,10 @@ def test_calibration_writes_the_store_setting_every_engine_reads(store_dir):
     assert _engine(store_dir).auto_ratio.mass == result.auto.mass
     assert other.follow_store() and other.auto_ratio.calibrated  # a running engine takes it in on its next request
     assert other.auto_ratio.calibration["samples"] == 3
+    from fusionrag.retrieval.store_info import store_info
+
+    shown = store_info(store_dir)["auto_ratio"]  # `fusionrag store info` says what auto runs with
+    assert shown["mass"] == result.auto.mass and "grid" not in shown["calibration"]
 
 
 def test_calibrate_command_prints_and_records(store_dir, capsys):

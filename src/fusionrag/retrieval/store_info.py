@@ -140,7 +140,17 @@ def store_info(path) -> dict[str, Any]:
         "settings": {k: settings.get(k) for k in (
             "fuse", "chunk_tokens", "kv_dtype", "plain_kv", "converted_from", "embedder", "embedding_dim",
             "system_tokens", "created")},
+        "auto_ratio": _auto_ratio(settings.get("auto_ratio")),
     }
+
+
+def _auto_ratio(setting: Any) -> dict[str, Any] | None:
+    """What ``ratio="auto"`` runs with (``fusionrag calibrate``'s record, without its per-mass grid); None: never
+    calibrated (the default applies)."""
+    if not isinstance(setting, dict):
+        return None
+    calibration = {k: v for k, v in (setting.get("calibration") or {}).items() if k != "grid"}
+    return {**{k: setting.get(k) for k in ("mass", "floor", "ceiling")}, "calibration": calibration}
 
 
 def check_model_matches(path, model: str) -> None:
