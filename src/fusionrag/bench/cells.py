@@ -25,6 +25,7 @@ from fusionrag.bench.likelihood import TopKReference, encode_answer, gold_nll, r
 from fusionrag.bench.records import FullCache, example_sha
 from fusionrag.execution.generate import greedy_tokens
 from fusionrag.execution.teacher_forcing import continuation_logprobs
+from fusionrag.online.auto_ratio import AutoRatio
 from fusionrag.online.methods import reads_store
 
 
@@ -90,10 +91,16 @@ def score_prepared(engine, prep, ex: QAExample, ref: TopKReference, max_new_toke
                   prep.ratio if prep.auto_ratio is not None else None)
 
 
+def auto_setting(ratio: float | str, current: AutoRatio) -> AutoRatio | None:
+    """What a run's ``ratio`` sizes ratio="auto" with (None: a number): the store's setting, or ``auto:MASS``'s."""
+    if not isinstance(ratio, str):
+        return None
+    _, _, mass = ratio.partition(":")
+    return current.with_mass(float(mass)) if mass else current
+
+
 def _prepare(engine, question: str, run, chunks: list[dict], kv: str | None):
     """A run's prefill; an ``auto`` run with its setting (``auto:MASS``: that mass) in place of the store's."""
-    from fusionrag.bench.quality import auto_setting
-
     auto = auto_setting(run.ratio, engine.auto_ratio)
     if auto is None:
         return engine.prepare(question, method=run.method, ratio=run.ratio, chunks=chunks, kv=kv)

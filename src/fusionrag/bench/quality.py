@@ -46,7 +46,7 @@ from fusionrag.bench.records import (
 from fusionrag.errors import FusionRAGError
 from fusionrag.kvcache.store import DEFAULT_KV_DTYPE
 from fusionrag.offline.preprocess import FuseSettings
-from fusionrag.online.auto_ratio import AUTO, AUTO_METHODS, AutoRatio
+from fusionrag.online.auto_ratio import AUTO, AUTO_METHODS
 from fusionrag.online.methods import KV_KINDS, method_info, reads_store
 from fusionrag.online.request import check_ratio
 
@@ -115,14 +115,6 @@ def auto_run_ratio(text: str) -> str:
 def autos_for(method: str, autos: Sequence[str]) -> list[str]:
     """The auto ratios ``method`` runs: all for the methods ratio="auto" can size, none for the others."""
     return list(autos) if method in AUTO_METHODS else []
-
-
-def auto_setting(ratio: float | str, current: AutoRatio) -> AutoRatio | None:
-    """What a run's ``ratio`` sizes ratio="auto" with (None: a number): the store's setting, or ``auto:MASS``'s."""
-    if not isinstance(ratio, str):
-        return None
-    _, _, mass = ratio.partition(":")
-    return current.with_mass(float(mass)) if mass else current
 
 
 @dataclass(frozen=True)
