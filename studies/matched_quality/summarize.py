@@ -35,6 +35,7 @@ NAMES = {("fusionrag@bf16", "fused"): "FusionRAG (fused KV)", ("prophetkv@bf16",
          ("epic@bf16", "plain"): "EPIC", ("reuse@bf16", "plain"): "Full Reuse (plain KV)",
          ("reuse@bf16", "fused"): "Full Reuse (fused KV)", ("full@bf16", "none"): "Full Attention (bf16)"}
 N_BOOT = 2000
+GRID = (0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.7, 0.9)
 
 
 def _ratio(value) -> float | str:
@@ -71,7 +72,7 @@ def cell_row(per_q: dict[str, dict], full: dict[str, dict], qids: list[str]) -> 
     ag = [agree(per_q[q]["answer"], full[q]["answer"]) for q in qids]
     ag32 = [agree(per_q[q]["answer"], per_q[q]["full_answer"]) for q in qids]
     row = {"n": len(qids)}
-    for name, values in (("agreement", ag), ("agreement_fp32", ag32),
+    for name, values in (("agreement", ag), ("agreement_fp32", ag32), ("f1", [per_q[q].get("f1") for q in qids]),
                          ("kl_first", [per_q[q]["kl_first_c"] for q in qids]),
                          ("kl_answer", [per_q[q]["kl_answer"] for q in qids]),
                          ("share", [share(per_q[q]) for q in qids]),
@@ -91,7 +92,9 @@ def ratio_of_means(a: list[float], b: list[float]) -> tuple[float, float, float]
 
 
 def matched(rows: dict[tuple, dict]) -> list[dict]:
-    """Per curve method, the smallest ratio reaching each agreement level and the first-token KL level."""
+    """Per curve method, the smallest ratio reaching each agreement level, each share of Full Attention's gold F1
+    (the 2026 papers' "keeps X% of full-prefill accuracy") and the first-token KL level."""
+    full_f1 = rows[FULL]["f1"]
     out = []
     for method, kv in CURVES:
         curve = sorted(((k[2], r) for k, r in rows.items() if k[:2] == (method, kv) and not isinstance(k[2], str)),
@@ -103,6 +106,11 @@ def matched(rows: dict[tuple, dict]) -> list[dict]:
             hit = next(((ratio, r) for ratio, r in curve if r["agreement"] >= level), None)
             entry[f"agreement>={level:g}"] = None if hit is None else {
                 "ratio": hit[0], "agreement": hit[1]["agreement"], "agreement_ci": hit[1]["agreement_ci"],
+                "ttft_ms": hit[1]["ttft_ms"], "ttft_ms_ci": hit[1]["ttft_ms_ci"]}
+        for level in LEVELS:
+            hit = next(((ratio, r) for ratio, r in curve if r["f1"] >= level * full_f1), None)
+            entry[f"f1>={level:g}xFA"] = None if hit is None else {
+                "ratio": hit[0], "f1": hit[1]["f1"], "f1_ci": hit[1]["f1_ci"], "full_f1": full_f1,
                 "ttft_ms": hit[1]["ttft_ms"], "ttft_ms_ci": hit[1]["ttft_ms_ci"]}
         hit = next(((ratio, r) for ratio, r in curve if r["kl_first"] <= KL_LEVEL), None)
         entry[f"kl_first<={KL_LEVEL:g}"] = None if hit is None else {
@@ -156,12 +164,12 @@ def summarize(records: list[dict]) -> dict:
         for k in autos:
             vs_fixed = paired_vs(ds[k], ds[fixed], full, qids)
             # the fixed ratio nearest the auto cell's mean share: quality at the same mean recompute
-            near = min((r for r in (0.05, 0.1, 0.15, 0.2, 0.3, 0.5) if ("fusionrag@bf16", "fused", r) in ds),
+            near = min((r for r in GRID if ("fusionrag@bf16", "fused", r) in ds),
                        key=lambda r: abs(r - rows[k]["share"]))
             auto_vs[k[2]] = {"vs_fixed_15": vs_fixed, "nearest_fixed": near,
                              "vs_nearest_fixed": paired_vs(ds[k], ds[("fusionrag@bf16", "fused", near)], full, qids)}
         peers = {}
-        for ratio in (0.05, 0.1, 0.15, 0.2, 0.3, 0.5):
+        for ratio in GRID:
             a = ds.get(("fusionrag@bf16", "fused", ratio))
             for method, kv in CURVES[1:]:
                 b = ds.get((method, kv, ratio))
@@ -200,19 +208,24 @@ def markdown(summary: dict) -> str:
              ""]
     for dataset, d in summary["datasets"].items():
         lines += [f"## {dataset} (n = {d['n']}, median context {d['context_tokens_median']:.0f} tokens)", "",
-                  "| method | kv | ratio | recomputed | agreement | agreement with fp32 FA | first-token KL | "
-                  "answer KL | TTFT ms |", "|---|---|---|---|---|---|---|---|---|"]
+                  "| method | kv | ratio | recomputed | agreement | agreement with fp32 FA | gold F1 | "
+                  "first-token KL | answer KL | TTFT ms |", "|---|---|---|---|---|---|---|---|---|---|"]
         for c in d["cells"]:
             lines.append(f"| {c['method']} | {c['kv']} | {_pct(c['ratio'])} | {c['share']:.1%} | "
                          f"{_ci(c['agreement'], c['agreement_ci'], '{:.2f}')} | {c['agreement_fp32']:.2f} | "
+                         f"{c['f1']:.3f} | "
                          f"{_ci(c['kl_first'], c['kl_first_ci'])} | {c['kl_answer']:.3f} | {c['ttft_ms']:.0f} |")
-        lines += ["", "**Smallest ratio reaching each quality level** (agreement with Full Attention's answers; "
-                  f"first-token KL <= {KL_LEVEL:g}), with the TTFT there:", "",
-                  "| method | " + " | ".join(f"agreement >= {lv:g}" for lv in LEVELS) + f" | KL <= {KL_LEVEL:g} |",
-                  "|---|" + "---|" * (len(LEVELS) + 1)]
+        full_f1 = next(c["f1"] for c in d["cells"] if (c["method"], c["kv"]) == FULL[:2])
+        lines += ["", "**Smallest ratio reaching each quality level** (agreement with Full Attention's answers; gold "
+                  f"F1 as a share of Full Attention's, {full_f1:.3f}; first-token KL <= {KL_LEVEL:g}), with the "
+                  "TTFT there (ratios tried: 5-90%):", "",
+                  "| method | " + " | ".join(f"agreement >= {lv:g}" for lv in LEVELS) + " | "
+                  + " | ".join(f"F1 >= {lv:g}x FA" for lv in LEVELS) + f" | KL <= {KL_LEVEL:g} |",
+                  "|---|" + "---|" * (2 * len(LEVELS) + 1)]
         for m in d["matched"]:
             cols = []
-            for key in [*(f"agreement>={lv:g}" for lv in LEVELS), f"kl_first<={KL_LEVEL:g}"]:
+            for key in [*(f"agreement>={lv:g}" for lv in LEVELS), *(f"f1>={lv:g}xFA" for lv in LEVELS),
+                        f"kl_first<={KL_LEVEL:g}"]:
                 hit = m[key]
                 cols.append("not reached" if hit is None else f"{_pct(hit['ratio'])} ({hit['ttft_ms']:.0f} ms)")
             lines.append(f"| {m['method']} | " + " | ".join(cols) + " |")
