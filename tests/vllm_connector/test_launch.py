@@ -40,6 +40,10 @@ def test_serve_engine_vllm_execs_vllm_serve_with_the_connector(store, tmp_path, 
     assert config["kv_connector_extra_config"] == {"store": str(store.resolve()), "ratio": 0.2}
     assert "--kv-transfer-config" in capsys.readouterr().err  # the command is printed before it runs
     assert ran["env"]["VLLM_CPU_KVCACHE_SPACE"]
+    assert main(["serve", "--engine", "vllm", "--store", str(store), "--ratio", "auto", "--dtype", "float32",
+                 "--device", "cpu"]) == 0  # issue 50: ratio=auto reaches the connector's option as it is
+    config = json.loads(ran["cmd"][ran["cmd"].index("--kv-transfer-config") + 1])
+    assert config["kv_connector_extra_config"]["ratio"] == "auto"
 
 
 def test_without_vllm_or_a_store_it_says_so_in_one_line(store, monkeypatch, capsys, tmp_path):
