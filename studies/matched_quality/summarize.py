@@ -14,6 +14,7 @@ prefill a user runs instead); its own agreement with the float32 reference is gi
 from __future__ import annotations
 
 import argparse
+import json
 from collections import defaultdict
 from pathlib import Path
 
@@ -120,6 +121,22 @@ def matched(rows: dict[tuple, dict]) -> list[dict]:
     return out
 
 
+def _mean_ttft(ttft: TTFTCurves, shares: list[float], context: int) -> float | None:
+    """Mean TTFT of requests recomputing these shares at ``context`` tokens (FusionRAG's measured curve)."""
+    values = [ttft.at("fusionrag@bf16", x, context) for x in shares]
+    return None if any(v is None for v in values) else float(np.mean(values))
+
+
+def with_ttft(entries: list[dict], ttft: TTFTCurves) -> list[dict]:
+    """Each reached level's ratio timed at the bench's context lengths (the curve method's own selection)."""
+    method_of = {NAMES[k]: k[0] for k in CURVES}
+    for e in entries:
+        for hit in e.values():
+            if isinstance(hit, dict):
+                hit["ttft_ms_at"] = {str(c): ttft.at(method_of[e["method"]], hit["ratio"], c) for c in ttft.contexts}
+    return entries
+
+
 def paired_vs(a: dict[str, dict], b: dict[str, dict], full: dict[str, dict], qids: list[str]) -> dict:
     """``a`` minus ``b`` on the same questions: agreement, first-token KL, share; TTFT as a ratio of means."""
     def diff(fa, fb):
@@ -135,9 +152,11 @@ def paired_vs(a: dict[str, dict], b: dict[str, dict], full: dict[str, dict], qid
                                                        [a[q]["ttft_ms"] for q in qids]))}
 
 
-def spearman_ci(x: list[float], y: list[float]) -> list[float]:
+def spearman_ci(x: list[float], y: list[float]) -> list[float] | None:
     """Spearman's rho with a percentile bootstrap interval over questions."""
     xs, ys = np.asarray(x, float), np.asarray(y, float)
+    if len(xs) < 3 or np.ptp(xs) == 0 or np.ptp(ys) == 0:
+        return None  # undefined: too few questions, or one side constant
     rho = float(spearmanr(xs, ys).statistic)
     rng = np.random.default_rng(0)
     boots = []
@@ -145,11 +164,41 @@ def spearman_ci(x: list[float], y: list[float]) -> list[float]:
         i = rng.integers(0, len(xs), len(xs))
         if np.ptp(xs[i]) > 0 and np.ptp(ys[i]) > 0:
             boots.append(spearmanr(xs[i], ys[i]).statistic)
+    if not boots:
+        return None
     return [rho, float(np.percentile(boots, 2.5)), float(np.percentile(boots, 97.5))]
 
 
-def summarize(records: list[dict]) -> dict:
-    out: dict = {"datasets": {}}
+#: The TTFT bench's method for each curve (the same selection and pass whatever KV it reads).
+TTFT_METHOD = {"fusionrag@bf16": "fusionrag", "prophetkv@bf16": "prophetkv", "cacheblend@bf16": "cacheblend",
+               "epic@bf16": "epic", "full@bf16": "full", "reuse@bf16": "fusionrag"}
+
+
+class TTFTCurves:
+    """TTFT at the bench's context lengths (``results/ttft``: ``fusionrag bench ttft``, one thread, interleaved),
+    per method and ratio, interpolated linearly in the ratio between measured ones."""
+
+    def __init__(self, path: Path) -> None:
+        self.rows = [r for r in json.loads(path.read_text())["rows"] if r.get("tier") in ("memory", "-")] \
+            if path.is_file() else []
+        self.contexts = sorted({int(r["context_tokens"]) for r in self.rows if r["method"] == "full"})
+
+    def at(self, method: str, ratio: float, context: int) -> float | None:
+        name = TTFT_METHOD.get(method, method)
+        if name == "full" or ratio >= 1.0:
+            pts = [(1.0, r["ttft_ms"]) for r in self.rows if r["method"] == "full" and r["context_tokens"] == context]
+        else:
+            pts = sorted((float(r["ratio"]), r["ttft_ms"]) for r in self.rows
+                         if r["method"] == name and r["context_tokens"] == context)
+        if not pts:
+            return None
+        xs, ys = zip(*pts, strict=True)
+        return float(np.interp(ratio, xs, ys))
+
+
+def summarize(records: list[dict], ttft: TTFTCurves | None = None) -> dict:
+    ttft = ttft or TTFTCurves(RESULTS / "ttft" / "ttft.json")
+    out: dict = {"datasets": {}, "ttft_contexts": ttft.contexts}
     for dataset, ds in sorted(cells(records).items()):
         if FULL not in ds:
             continue
@@ -187,7 +236,12 @@ def summarize(records: list[dict]) -> dict:
         out["datasets"][dataset] = {
             "n": len(qids), "context_tokens_median": float(np.median([full[q]["ctx_tokens"] for q in qids])),
             "cells": [{"method": k[0], "kv": k[1], "ratio": k[2], **r} for k, r in sorted(rows.items(), key=str)],
-            "matched": matched(rows), "auto": auto_vs, "fusionrag_minus_peers": peers, "signal": signal}
+            "matched": with_ttft(matched(rows), ttft), "auto": auto_vs, "fusionrag_minus_peers": peers,
+            "signal": signal, "auto_ttft": {
+                k[2]: {str(c): _mean_ttft(ttft, [share(ds[k][q]) for q in qids], c) for c in ttft.contexts}
+                for k in autos}
+            | {"fixed 15%": {str(c): ttft.at("fusionrag@bf16", 0.15, c) for c in ttft.contexts},
+               "full": {str(c): ttft.at("full@bf16", 1.0, c) for c in ttft.contexts}}}
     return out
 
 
@@ -218,7 +272,10 @@ def markdown(summary: dict) -> str:
         full_f1 = next(c["f1"] for c in d["cells"] if (c["method"], c["kv"]) == FULL[:2])
         lines += ["", "**Smallest ratio reaching each quality level** (agreement with Full Attention's answers; gold "
                   f"F1 as a share of Full Attention's, {full_f1:.3f}; first-token KL <= {KL_LEVEL:g}), with the "
-                  "TTFT there (ratios tried: 5-90%):", "",
+                  "TTFT there at " + " / ".join(f"{c} tokens" for c in summary["ttft_contexts"]) + " (`bench ttft`, "
+                  "one thread; Full Attention: " + " / ".join(
+                      f"{v / 1000:.2f}" for v in d["auto_ttft"]["full"].values() if v is not None)
+                  + " s; ratios tried: 5-90%):", "",
                   "| method | " + " | ".join(f"agreement >= {lv:g}" for lv in LEVELS) + " | "
                   + " | ".join(f"F1 >= {lv:g}x FA" for lv in LEVELS) + f" | KL <= {KL_LEVEL:g} |",
                   "|---|" + "---|" * (2 * len(LEVELS) + 1)]
@@ -227,7 +284,9 @@ def markdown(summary: dict) -> str:
             for key in [*(f"agreement>={lv:g}" for lv in LEVELS), *(f"f1>={lv:g}xFA" for lv in LEVELS),
                         f"kl_first<={KL_LEVEL:g}"]:
                 hit = m[key]
-                cols.append("not reached" if hit is None else f"{_pct(hit['ratio'])} ({hit['ttft_ms']:.0f} ms)")
+                at = "" if hit is None else " / ".join(f"{v / 1000:.2f}" for v in hit["ttft_ms_at"].values()
+                                                       if v is not None)
+                cols.append("not reached" if hit is None else f"{_pct(hit['ratio'])} ({at or '-'} s)")
             lines.append(f"| {m['method']} | " + " | ".join(cols) + " |")
         if d["auto"]:
             lines += ["", "**ratio=\"auto\"** (paired; `auto` = the store's calibration, `auto:M` = attention mass M):",
@@ -243,8 +302,15 @@ def markdown(summary: dict) -> str:
                              f"{_ci(v['ttft_ratio_b_over_a'][0], v['ttft_ratio_b_over_a'][1:], '{:.2f}x')} | "
                              f"{_pct(a['nearest_fixed'])}: {_ci(w['agreement'][0], w['agreement'][1:], '{:+.2f}')} | "
                              f"{_ci(w['kl_first'][0], w['kl_first'][1:], '{:+.3f}')} |")
+        if d["auto"] and summary["ttft_contexts"]:
+            lines += ["", "Mean TTFT at " + " / ".join(f"{c}" for c in summary["ttft_contexts"]) + " tokens of "
+                      "requests recomputing the shares each cell chose (FusionRAG's measured TTFT curve, per "
+                      "question's share): " + "; ".join(
+                          f"{k} " + " / ".join(f"{v / 1000:.2f}" for v in t.values() if v is not None) + " s"
+                          for k, t in d["auto_ttft"].items())]
         if d["signal"]:
-            s = {k.split("_vs_")[1].removesuffix("_at_15"): _ci(v[0], v[1:], "{:+.2f}") for k, v in d["signal"].items()}
+            s = {k.split("_vs_")[1].removesuffix("_at_15"): "undefined" if v is None else _ci(v[0], v[1:], "{:+.2f}")
+                 for k, v in d["signal"].items()}
             lines += ["", "**The signal** (Spearman over questions: the share `auto` chose vs the fixed 15%'s distance "
                       f"from Full Attention on the same question): first-token KL {s['kl_first']}, answer KL "
                       f"{s['kl_answer']}, disagreement {s['disagreement']}."]
