@@ -314,6 +314,15 @@ def markdown(summary: dict) -> str:
             lines += ["", "**The signal** (Spearman over questions: the share `auto` chose vs the fixed 15%'s distance "
                       f"from Full Attention on the same question): first-token KL {s['kl_first']}, answer KL "
                       f"{s['kl_answer']}, disagreement {s['disagreement']}."]
+        signals = RESULTS / f"signals_{dataset}.json"
+        if signals.is_file():
+            sig = json.loads(signals.read_text())
+            r = {k: "undefined" if v is None else _ci(v[0], v[1:], "{:+.2f}")
+                 for k, v in sig["spearman_vs_kl_first_at_15"].items()}
+            lines += ["", f"**Signals an engine can read** (`signals.py`, n = {sig['n']}; Spearman against the fixed "
+                      f"15%'s first-token KL per question): the share `auto` chose (mass {sig['store_mass']:g}) "
+                      f"{r['auto_share']}; how far recomputing 15% moved the first token from Full Reuse's "
+                      f"(KL(p_15 || p_reuse), a second pass online) {r['moved']}."]
         if d["fusionrag_minus_peers"]:
             lines += ["", "**FusionRAG minus each peer at the same ratio** (agreement | first-token KL):", "",
                       "| peer @ ratio | n | agreement | first-token KL |", "|---|---|---|---|"]
