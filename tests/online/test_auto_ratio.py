@@ -127,3 +127,13 @@ def test_calibrate_command_prints_and_records(store_dir, capsys):
     assert main(["calibrate", "--store", str(store_dir), "--samples", "2", "--json", "--dry-run"]) == 0
     printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert 0 < printed["mass"] <= 1 and math.isfinite(printed["calibration"]["fixed_kl"])
+
+
+def test_auto_kv_is_kept_apart_from_a_fixed_ratios_and_another_settings():
+    """vLLM's prefix cache (salted per mode) and our context cache key ``auto`` by its setting: an auto request never
+    reads blocks a fixed ratio (or another calibration) computed, and the other way round."""
+    from fusionrag.vllm.isolation import mode_salt
+
+    salts = {mode_salt("fusionrag", ratio_key(AUTO, AutoRatio(m)), 3) for m in (0.6, 0.7)}
+    salts |= {mode_salt("fusionrag", 0.15, 3), mode_salt("fusionrag", 0.6, 3)}
+    assert len(salts) == 4
