@@ -137,6 +137,34 @@ def with_ttft(entries: list[dict], ttft: TTFTCurves) -> list[dict]:
     return entries
 
 
+def escalation(sig: dict, ds: dict, qids: list[str], ttft: TTFTCurves, context: int) -> list[dict]:
+    """Simulated from measured cells: 15% for every question, then 30% (a second pass) for the share whose first
+    token moved most, against a random choice of that share and the fixed ratio of the same mean TTFT."""
+    moved = {r["qid"]: r["moved"] for r in sig["rows"] if r["qid"] in qids}
+    keep = [q for q in qids if q in moved]
+    if len(keep) < 5:
+        return []
+    kl = {r: {q: ds[("fusionrag@bf16", "fused", r)][q]["kl_first_c"] for q in keep} for r in GRID}
+    t15, t30 = ttft.at("fusionrag@bf16", 0.15, context), ttft.at("fusionrag@bf16", 0.3, context)
+    if t15 is None or t30 is None:
+        return []
+    ranked = sorted(keep, key=lambda q: -moved[q])
+    fixed_t = [(r, ttft.at("fusionrag@bf16", r, context)) for r in GRID]
+    fixed_kl = [(r, float(np.mean(list(kl[r].values())))) for r in GRID]
+    out = []
+    for share_ in (0.1, 0.2, 0.3, 0.5):
+        up = set(ranked[: round(share_ * len(keep))])
+        mean_t = t15 + len(up) / len(keep) * t30
+        ratio = float(np.interp(mean_t, [t for _, t in fixed_t], [r for r, _ in fixed_t]))
+        out.append({"share": share_, "context": context, "ttft_ms": mean_t, "n": len(keep),
+                    "kl_moved": float(np.mean([kl[0.3][q] if q in up else kl[0.15][q] for q in keep])),
+                    "kl_random": float(np.mean([(1 - len(up) / len(keep)) * kl[0.15][q] + len(up) / len(keep)
+                                                * kl[0.3][q] for q in keep])),
+                    "fixed_ratio": ratio,
+                    "kl_fixed": float(np.interp(ratio, [r for r, _ in fixed_kl], [k for _, k in fixed_kl]))})
+    return out
+
+
 def paired_vs(a: dict[str, dict], b: dict[str, dict], full: dict[str, dict], qids: list[str]) -> dict:
     """``a`` minus ``b`` on the same questions: agreement, first-token KL, share; TTFT as a ratio of means."""
     def diff(fa, fb):
@@ -233,7 +261,12 @@ def summarize(records: list[dict], ttft: TTFTCurves | None = None) -> dict:
                                                                        [ds[fixed][q]["kl_answer"] for q in qids]),
                       "spearman_share_vs_disagreement_at_15": spearman_ci(
                           chosen, [1.0 - agree(ds[fixed][q]["answer"], full[q]["answer"]) for q in qids])}
+        signals = RESULTS / f"signals_{dataset}.json"
+        sig = json.loads(signals.read_text()) if signals.is_file() else None
+        if sig and ttft.contexts:
+            sig["escalation"] = escalation(sig, ds, qids, ttft, max(ttft.contexts))
         out["datasets"][dataset] = {
+            "signals": sig,
             "n": len(qids), "context_tokens_median": float(np.median([full[q]["ctx_tokens"] for q in qids])),
             "cells": [{"method": k[0], "kv": k[1], "ratio": k[2], **r} for k, r in sorted(rows.items(), key=str)],
             "matched": with_ttft(matched(rows), ttft), "auto": auto_vs, "fusionrag_minus_peers": peers,
@@ -314,15 +347,26 @@ def markdown(summary: dict) -> str:
             lines += ["", "**The signal** (Spearman over questions: the share `auto` chose vs the fixed 15%'s distance "
                       f"from Full Attention on the same question): first-token KL {s['kl_first']}, answer KL "
                       f"{s['kl_answer']}, disagreement {s['disagreement']}."]
-        signals = RESULTS / f"signals_{dataset}.json"
-        if signals.is_file():
-            sig = json.loads(signals.read_text())
+        sig = d.get("signals")
+        if sig:
             r = {k: "undefined" if v is None else _ci(v[0], v[1:], "{:+.2f}")
                  for k, v in sig["spearman_vs_kl_first_at_15"].items()}
             lines += ["", f"**Signals an engine can read** (`signals.py`, n = {sig['n']}; Spearman against the fixed "
                       f"15%'s first-token KL per question): the share `auto` chose (mass {sig['store_mass']:g}) "
                       f"{r['auto_share']}; how far recomputing 15% moved the first token from Full Reuse's "
                       f"(KL(p_15 || p_reuse), a second pass online) {r['moved']}."]
+            if sig.get("escalation"):
+                lines += ["", "*What a settle check could buy* (simulated from the measured cells of the same "
+                          "questions, not run as one policy): recompute 15%, then 30% for the share of questions "
+                          "whose first token moved most; mean first-token KL with that signal choosing, with a "
+                          "random choice of the same share, and the fixed ratio of the same mean TTFT at "
+                          f"{sig['escalation'][0]['context']} tokens (FusionRAG's measured curve); "
+                          f"n = {sig['escalation'][0]['n']}, means without intervals:", "",
+                          "| escalated | mean TTFT s | KL, moved picks | KL, random picks | fixed ratio of that TTFT "
+                          "| its KL |", "|---|---|---|---|---|---|"]
+                for e in sig["escalation"]:
+                    lines.append(f"| {e['share']:.0%} | {e['ttft_ms'] / 1000:.2f} | {e['kl_moved']:.3f} | "
+                                 f"{e['kl_random']:.3f} | {e['fixed_ratio']:.0%} | {e['kl_fixed']:.3f} |")
         if d["fusionrag_minus_peers"]:
             lines += ["", "**FusionRAG minus each peer at the same ratio** (agreement | first-token KL):", "",
                       "| peer @ ratio | n | agreement | first-token KL |", "|---|---|---|---|"]
