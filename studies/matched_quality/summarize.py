@@ -230,8 +230,9 @@ class TTFTCurves:
         return float(np.interp(ratio, xs, ys))
 
 
-def summarize(records: list[dict], ttft: TTFTCurves | None = None) -> dict:
-    ttft = ttft or TTFTCurves(RESULTS / "ttft" / "ttft.json")
+def summarize(records: list[dict], results: Path = RESULTS) -> dict:
+    """The summary of ``records``, with the TTFT bench's and the signal study's files found in ``results``."""
+    ttft = TTFTCurves(results / "ttft" / "ttft.json")
     out: dict = {"datasets": {}, "ttft_contexts": ttft.contexts}
     for dataset, ds in sorted(cells(records).items()):
         if FULL not in ds:
@@ -267,7 +268,7 @@ def summarize(records: list[dict], ttft: TTFTCurves | None = None) -> dict:
                                                                        [ds[fixed][q]["kl_answer"] for q in qids]),
                       "spearman_share_vs_disagreement_at_15": spearman_ci(
                           chosen, [1.0 - agree(ds[fixed][q]["answer"], full[q]["answer"]) for q in qids])}
-        signals = RESULTS / f"signals_{dataset}.json"
+        signals = results / f"signals_{dataset}.json"
         sig = json.loads(signals.read_text()) if signals.is_file() else None
         if sig and ttft.contexts:
             sig["escalation"] = escalation(sig, ds, qids, ttft, max(ttft.contexts))
@@ -428,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     results = Path(args.results)
     records = list(read_records(results / "records.jsonl").values())
-    summary = summarize(records)
+    summary = summarize(records, results)
     summary["command"] = ("bash studies/matched_quality/run.sh LANE; "
                           ".venv/bin/python -m studies.matched_quality.summarize")
     write_json_atomic(results / "summary.json", summary)
