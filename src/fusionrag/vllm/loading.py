@@ -83,6 +83,7 @@ class Loader:
         """The request's stored chunk KV, this rank's heads, verified, at the store generation it was planned on."""
         if self.store.refresh():  # another process rewrote entries: no cached copy of the old ones is read
             self.kv_source.invalidate(None)
+            self.auto = AutoRatio.from_settings(self.store.settings)  # a re-calibration, as the planner sees it
         if self.store.seen_generation != load.generation:  # its blocks are salted with the planned generation
             raise RuntimeError(f"the store changed (generation {load.generation} -> {self.store.seen_generation}) "
                                "between planning and loading")

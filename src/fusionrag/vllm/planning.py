@@ -101,7 +101,8 @@ class Planner:
     def matched(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         """vLLM's ``get_num_new_matched_tokens``: the tokens after its own hit the connector provides."""
         try:
-            self.store.refresh()  # another process (ingest, delete) changed the store: the locator follows it
+            if self.store.refresh():  # another process (ingest, delete, calibrate) changed the store: the
+                self.auto = AutoRatio.from_settings(self.store.settings)  # locator follows it, and the setting
             rid = request.request_id
             stale = self._plans.get(rid) is not None and self._plans[rid].generation != self.store.seen_generation
             if rid not in self._plans or stale:
