@@ -394,7 +394,7 @@ def plot(summary: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     datasets = list(summary["datasets"])
-    fig, axes = plt.subplots(2, len(datasets), figsize=(6 * len(datasets), 8), squeeze=False)
+    fig, axes = plt.subplots(2, len(datasets), figsize=(6.5 * len(datasets), 8.5), squeeze=False)
     for j, dataset in enumerate(datasets):
         cells_ = summary["datasets"][dataset]["cells"]
         for i, (metric, label) in enumerate((("agreement", "agreement with Full Attention (bf16)"),
@@ -405,6 +405,11 @@ def plot(summary: dict, path: Path) -> None:
                               and not isinstance(c["ratio"], str)), key=lambda c: c["share"])
                 if pts:
                     ax.plot([100 * c["share"] for c in pts], [c[metric] for c in pts], marker="o",
+                            label=NAMES[(method, kv)])
+            for (method, kv), marker in ((("reuse@bf16", "plain"), "x"), (("reuse@bf16", "fused"), "+")):
+                ref = next((c for c in cells_ if (c["method"], c["kv"]) == (method, kv)), None)
+                if ref is not None:
+                    ax.plot([0], [ref[metric]], marker=marker, ms=10, ls="none", color="black",
                             label=NAMES[(method, kv)])
             autos = sorted((c for c in cells_ if c["method"] == "fusionrag@bf16" and isinstance(c["ratio"], str)),
                            key=lambda c: c["share"])
