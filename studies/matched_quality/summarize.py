@@ -121,6 +121,19 @@ def matched(rows: dict[tuple, dict]) -> list[dict]:
     return out
 
 
+def same_share(ds: dict, auto_key: tuple, qids: list[str], mean_share: float) -> dict:
+    """Auto's first-token and answer KL minus the fixed ratio's at auto's mean share: each question's fixed-ratio KL
+    interpolated between the two measured ratios around that share (paired, bootstrap over questions)."""
+    grid = [r for r in GRID if ("fusionrag@bf16", "fused", r) in ds]
+    out: dict = {"share": mean_share}
+    for metric in ("kl_first_c", "kl_answer"):
+        fixed = [float(np.interp(mean_share, grid, [ds[("fusionrag@bf16", "fused", r)][q][metric] for r in grid]))
+                 for q in qids]
+        mean, lo, hi = bootstrap_diff_ci([ds[auto_key][q][metric] for q in qids], fixed, n_boot=N_BOOT)
+        out[metric] = [mean, lo, hi]
+    return out
+
+
 def _mean_ttft(ttft: TTFTCurves, shares: list[float], context: int) -> float | None:
     """Mean TTFT of requests recomputing these shares at ``context`` tokens (FusionRAG's measured curve)."""
     values = [ttft.at("fusionrag@bf16", x, context) for x in shares]
@@ -251,7 +264,8 @@ def summarize(records: list[dict], results: Path = RESULTS) -> dict:
             near = min((r for r in GRID if ("fusionrag@bf16", "fused", r) in ds),
                        key=lambda r: abs(r - rows[k]["share"]))
             auto_vs[k[2]] = {"vs_fixed_15": vs_fixed, "nearest_fixed": near,
-                             "vs_nearest_fixed": paired_vs(ds[k], ds[("fusionrag@bf16", "fused", near)], full, qids)}
+                             "vs_nearest_fixed": paired_vs(ds[k], ds[("fusionrag@bf16", "fused", near)], full, qids),
+                             "vs_fixed_at_same_share": same_share(ds, k, qids, rows[k]["share"])}
         peers = {}
         for ratio in GRID:
             a = ds.get(("fusionrag@bf16", "fused", ratio))
@@ -331,17 +345,20 @@ def markdown(summary: dict) -> str:
         if d["auto"]:
             lines += ["", "**ratio=\"auto\"** (paired; `auto` = the store's calibration, `auto:M` = attention mass M):",
                       "", "| cell | mean recomputed | minus fixed 15%: agreement | first-token KL | TTFT fixed 15% / "
-                      "auto | vs the fixed ratio nearest its share: agreement | first-token KL |",
-                      "|---|---|---|---|---|---|---|"]
+                      "auto | vs the fixed ratio nearest its share: agreement | first-token KL | minus the fixed "
+                      "curve at its mean share: first-token KL | answer KL |",
+                      "|---|---|---|---|---|---|---|---|---|"]
             rows = {(c["method"], c["kv"], c["ratio"]): c for c in d["cells"]}
             for k, a in d["auto"].items():
-                v, w = a["vs_fixed_15"], a["vs_nearest_fixed"]
+                v, w, x = a["vs_fixed_15"], a["vs_nearest_fixed"], a["vs_fixed_at_same_share"]
                 lines.append(f"| {k} | {rows[('fusionrag@bf16', 'fused', k)]['share']:.1%} | "
                              f"{_ci(v['agreement'][0], v['agreement'][1:], '{:+.2f}')} | "
                              f"{_ci(v['kl_first'][0], v['kl_first'][1:], '{:+.3f}')} | "
                              f"{_ci(v['ttft_ratio_b_over_a'][0], v['ttft_ratio_b_over_a'][1:], '{:.2f}x')} | "
                              f"{_pct(a['nearest_fixed'])}: {_ci(w['agreement'][0], w['agreement'][1:], '{:+.2f}')} | "
-                             f"{_ci(w['kl_first'][0], w['kl_first'][1:], '{:+.3f}')} |")
+                             f"{_ci(w['kl_first'][0], w['kl_first'][1:], '{:+.3f}')} | "
+                             f"{_ci(x['kl_first_c'][0], x['kl_first_c'][1:], '{:+.3f}')} | "
+                             f"{_ci(x['kl_answer'][0], x['kl_answer'][1:], '{:+.3f}')} |")
         if d["auto"] and summary["ttft_contexts"]:
             lines += ["", "Mean TTFT at " + " / ".join(f"{c}" for c in summary["ttft_contexts"]) + " tokens of "
                       "requests recomputing the shares each cell chose (FusionRAG's measured TTFT curve, per "
