@@ -49,9 +49,11 @@ def test_a_bf16_cell_writes_records_distinguishable_from_float32_ones(tmp_path):
     assert len(_records(out)) == len(fp32) + len(bf16)
 
 
-def test_full_attention_is_only_the_float32_reference():
-    with pytest.raises(FusionRAGError, match="float32 reference"):
-        plan_runs(QualitySpec(data=[], out=None, ratios=[0.15], methods=["full", "fusionrag"], dtype="bfloat16"))
+def test_full_attention_in_bf16_is_a_cell_named_apart_from_the_float32_reference():
+    """Issue 50: the exact prefill a user runs in bf16 is a cell of its own (``full@bf16``), scored against the
+    float32 reference (which only a float32 ``full`` writes: the next test)."""
+    runs = plan_runs(QualitySpec(data=[], out=None, ratios=[0.15], methods=["full", "fusionrag"], dtype="bfloat16"))
+    assert [r.key for r in runs] == ["full@bf16|none|1|0", "fusionrag@bf16|plain-first|0.15|10"]
     with pytest.raises(FusionRAGError, match="dtype"):
         plan_runs(QualitySpec(data=[], out=None, ratios=[0.15], methods=["fusionrag"], dtype="float64"))
 
