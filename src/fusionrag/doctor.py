@@ -25,6 +25,7 @@ from fusionrag.kvcache.kv import KV
 from fusionrag.kvcache.quant import dequantize_kv, quantize_kv
 from fusionrag.models.registry import LoadedModel
 from fusionrag.models.rope import KEY_REL_TOL, REDUCED_KEY_REL_TOL
+from fusionrag.online.calibration import first_token_kl
 from fusionrag.online.prefill import (
     all_chunk_indices,
     assemble_context,
@@ -43,13 +44,6 @@ KL_TOL = 1e-3
 TOLERANCES = {"float32": {"logits": LOGIT_TOL, "key_rel": KEY_REL_TOL},
               "reduced": {"added_first_token_kl_mean": KL_TOL, "key_rel": REDUCED_KEY_REL_TOL,
                           "greedy_tokens": "equal on the sample"}}
-
-
-def first_token_kl(reference: torch.Tensor, other: torch.Tensor) -> float:
-    """KL(reference || other) of the first-token distributions (nats), computed in float64."""
-    p = torch.log_softmax(reference.double().cpu(), -1)
-    q = torch.log_softmax(other.double().cpu(), -1)
-    return float((p.exp() * (p - q)).sum())
 
 
 def run_checks(model: str, device: str | None = None, dtype: str | None = None,

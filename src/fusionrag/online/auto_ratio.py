@@ -62,27 +62,32 @@ class AutoRatio:
         n = int(scores.numel())
         if n == 0:
             return 0
-        mass = torch.nan_to_num(scores.detach().float().cpu(), nan=0.0, posinf=0.0, neginf=0.0).clamp_min(0.0)
+        mass = _attention(scores)
         total = float(mass.sum())
         if total > 0.0:
             held = torch.cumsum(torch.sort(mass, descending=True).values, 0) / total
             k = int(torch.searchsorted(held, torch.tensor([self.mass - 1e-9])).item()) + 1
         else:  # no attention to go by: the floor
             k = 0
-        lo, hi = _share(self.floor, n), _share(self.ceiling, n)
+        lo, hi = budget(self.floor, n), budget(self.ceiling, n)
         return max(lo, min(k, hi, n))
 
     def held(self, scores: torch.Tensor, k: int) -> float:
-        """Share of the attention mass the top ``k`` of ``scores`` hold (what ``usage`` reports)."""
+        """Share of the attention mass the top ``k`` of ``scores`` hold."""
         import torch
 
-        mass = torch.nan_to_num(scores.detach().float().cpu(), nan=0.0, posinf=0.0, neginf=0.0).clamp_min(0.0)
+        mass = _attention(scores)
         total = float(mass.sum())
         return float(torch.topk(mass, min(k, mass.numel())).values.sum()) / total if total > 0 and k > 0 else 0.0
 
     @property
     def calibrated(self) -> bool:
         return self.calibration is not None
+
+    def summary(self) -> dict[str, Any]:
+        """What a response says sized a request's recompute (``usage.fusionrag.auto_ratio``, the connector's
+        report)."""
+        return {"mass": self.mass, "floor": self.floor, "ceiling": self.ceiling, "calibrated": self.calibrated}
 
     def to_setting(self) -> dict[str, Any]:
         """What the store's :data:`SETTING` holds."""
@@ -122,5 +127,13 @@ def describe(ratio: Ratio, auto: Any = None) -> str:
     return f"{text} (auto)" if auto is not None and not is_auto(ratio) else text
 
 
-def _share(ratio: float, n: int) -> int:
-    return max(0, min(n, round(ratio * n)))
+def _attention(scores: torch.Tensor) -> torch.Tensor:
+    """Scores as attention mass: finite, non-negative, float32 on the CPU (a ruled-out -inf counts nothing)."""
+    import torch
+
+    return torch.nan_to_num(scores.detach().float().cpu(), nan=0.0, posinf=0.0, neginf=0.0).clamp_min(0.0)
+
+
+def budget(ratio: float, context_tokens: int) -> int:
+    """Number of context tokens to recompute for a numeric ``ratio`` (also the auto floor's and ceiling's)."""
+    return max(0, min(context_tokens, round(ratio * context_tokens)))

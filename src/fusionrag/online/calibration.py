@@ -75,10 +75,11 @@ def _sentence_start(text: str, rng: random.Random) -> str:
 
 
 def first_token_kl(reference: torch.Tensor, other: torch.Tensor) -> float:
-    """KL(reference || other) of two first-token logit vectors, in float32."""
-    p = torch.log_softmax(reference.float().flatten(), -1)
-    q = torch.log_softmax(other.float().flatten(), -1)
-    return float(torch.sum(p.exp() * (p - q)))
+    """KL(reference || other) of the first-token distributions (nats), computed in float64 (``fusionrag doctor``
+    reads it too)."""
+    p = torch.log_softmax(reference.double().cpu().flatten(), -1)
+    q = torch.log_softmax(other.double().cpu().flatten(), -1)
+    return float((p.exp() * (p - q)).sum())
 
 
 def calibrate(engine: Any, samples: int = DEFAULT_SAMPLES, seed: int = 0, target_kl: float | None = None,

@@ -36,7 +36,7 @@ from fusionrag.execution.attention import (
 from fusionrag.execution.forward import forward_first_layers, forward_to_attention, visibility
 from fusionrag.kvcache.kv import KV
 from fusionrag.models.registry import LoadedModel
-from fusionrag.online.auto_ratio import AutoRatio, Ratio, is_auto
+from fusionrag.online.auto_ratio import AutoRatio, Ratio, budget, is_auto
 from fusionrag.online.prefill import all_chunk_indices
 
 EPIC_MAX_PER_CHUNK = 32
@@ -54,11 +54,6 @@ class SelectionInput:
     @property
     def candidates(self) -> torch.Tensor:
         return all_chunk_indices(self.spans)
-
-
-def budget(ratio: float, context_tokens: int) -> int:
-    """Number of context tokens to recompute for ``ratio``."""
-    return max(0, min(context_tokens, round(ratio * context_tokens)))
 
 
 def top_k_of(scores: torch.Tensor, candidates: torch.Tensor, k: int) -> torch.Tensor:

@@ -182,7 +182,7 @@ def choose(engine: PlanEngine, r: Resolving, loaded: Loaded, a: Assembled) -> Se
                              chunk_scores=scores)
         chosen = select(make_policy(r.method), inp, r.ratio, engine.auto_ratio)
         if is_auto(r.ratio):
-            share = chosen.numel() / max(1, inp.candidates.numel())
+            share = chosen.numel() / max(1, sum(b - a for a, b in a.spans))
         idx = with_cut_starts(chosen, a.spans, res.spans)
     return Selection(with_forced(idx, a.spans, res.forced), share)
 

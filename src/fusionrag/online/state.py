@@ -302,9 +302,7 @@ class Request:
 
     def auto_json(self) -> dict | None:
         """For ``ratio="auto"``: the setting that sized the recompute and whether the store calibrated it."""
-        a = self.auto_ratio
-        return None if a is None else {"mass": a.mass, "floor": a.floor, "ceiling": a.ceiling,
-                                       "calibrated": a.calibrated}
+        return None if self.auto_ratio is None else self.auto_ratio.summary()
 
     def to_json(self) -> dict:
         return {

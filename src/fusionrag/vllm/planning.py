@@ -157,8 +157,7 @@ class Planner:
             return {"method": "off" if reason == "off" else "vllm", "reason": reason or "not planned"}
         context = plan.end - plan.match.system_len
         stored = plan.match.stored_tokens
-        auto = {"auto_ratio": {"mass": self.auto.mass, "floor": self.auto.floor, "ceiling": self.auto.ceiling,
-                               "calibrated": self.auto.calibrated}} if is_auto(plan.ratio) else {}
+        auto = {"auto_ratio": self.auto.summary()} if is_auto(plan.ratio) else {}
         return {"method": plan.method, "ratio": plan.ratio, **auto, "context_tokens": context, "stored_tokens": stored,
                 "stored_share": round(stored / context, 4) if context > 0 else 0.0,
                 "chunks": len(plan.match.chunks), "loaded_tokens": plan.loaded_tokens}
@@ -173,8 +172,7 @@ class Planner:
         self._plans[request.request_id] = plan
         if plan is not None and self.salting:
             salt_request(request, self._client_salts.get(request.request_id, request.cache_salt),
-                         mode_salt(plan.method, ratio_key(plan.ratio, self.auto) if is_auto(plan.ratio) else plan.ratio,
-                                   plan.generation))
+                         mode_salt(plan.method, ratio_key(plan.ratio, self.auto), plan.generation))
         return plan
 
     def _plan(self, request: Any) -> Plan | None:
