@@ -40,11 +40,11 @@ from engines_bench import DATA, build_prompts  # noqa: E402
 from engines_report import find, paired_ratio  # noqa: E402
 
 
-def connector_config(store: Path, ratio: float) -> dict:
-    """vLLM's ``--kv-transfer-config`` for fusionrag's connector over ``store``."""
+def connector_config(store: Path, ratio: float, **options: object) -> dict:
+    """vLLM's ``--kv-transfer-config`` for fusionrag's connector over ``store`` (``options``: more of its options)."""
     return {"kv_connector": "FusionRAGConnector", "kv_connector_module_path": "fusionrag.vllm", "kv_role": "kv_both",
             "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"store": str(store), "ratio": ratio}}
+            "kv_connector_extra_config": {"store": str(store), "ratio": ratio, **options}}
 
 
 def vllm_cells(worker: Worker, threads: int, tp: int) -> list[Cell]:

@@ -47,8 +47,11 @@ from engine_cells import venv_python  # noqa: E402
 from vllm_bench import connector_config  # noqa: E402
 
 
-def requests_for(store, examples, n: int, seed: int = 0) -> list[list[dict]]:
-    """``n`` chat requests: questions whose passages the store holds, each with its passages shuffled."""
+def requests_for(store, examples, n: int, seed: int = 0, min_tokens: int = 0,
+                 tokens: Any = None) -> list[list[dict]]:
+    """``n`` chat requests: questions whose passages the store holds, each with its passages shuffled; with
+    ``min_tokens``, the next questions' passages are added until the request holds that many (``tokens(messages)``
+    counts them)."""
     from fusionrag.prompt import chunk_text, rag_messages
 
     held = {store.chunk(c).text: store.chunk(c) for c in store.chunk_ids()}
@@ -64,6 +67,11 @@ def requests_for(store, examples, n: int, seed: int = 0) -> list[list[dict]]:
     for i in range(n):
         question, passages = pool[i % len(pool)]
         shuffled = passages[:]
+        j = i + 1
+        while min_tokens and tokens(rag_messages(store.prompt.system_prompt, shuffled, question)) < min_tokens \
+                and j < i + len(pool):
+            shuffled += [p for p in pool[j % len(pool)][1] if p not in shuffled]
+            j += 1
         rng.shuffle(shuffled)
         out.append(rag_messages(store.prompt.system_prompt, shuffled, question))
     return out

@@ -18,7 +18,7 @@ vllm = pytest.importorskip("vllm", reason="vLLM is not installed here: the conne
                                           "(bash scripts/setup.sh --test makes it)")
 
 from fusionrag.online.engine import Engine  # noqa: E402
-from vllm_helpers import QUESTION, prompt_ids, run, selected_of  # noqa: E402
+from vllm_helpers import QUESTION, VOCAB, prompt_ids, run, selected_of  # noqa: E402
 
 
 def test_ratio_one_is_vllms_own_prefill(parts):
@@ -179,3 +179,56 @@ def test_a_ratio_option_no_request_could_run_is_refused_at_start(extra, refused)
     else:
         with pytest.raises(ValueError, match=f"kv_connector_extra_config: 'ratio' must be a number {refused}"):
             _options(config)
+
+
+def test_asynchronous_loads_run_beside_decodes_and_several_at_once(parts):
+    """Issue 49: a request waits for its load outside vLLM's step (16 tokens a step here): a running request
+    keeps decoding while it loads (sync loading ran the whole load inside one step: one token at most), and
+    three loads in flight at once each end as they do alone (ratio 1: vLLM's prefill; 15%: our engine's
+    selection)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    store, engine = parts["store"], parts["llm"].llm_engine
+    assert parts["llm"].reset_prefix_cache()
+    chunk_sets = [store.chunk_ids()[i:i + 4] for i in (0, 1, 2)]
+    alone = [run(parts, prompt_ids(store, c), "off")[0] for c in chunk_sets]
+
+    def params(cell, max_tokens=1):
+        return SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=VOCAB,
+                              extra_args={"kv_transfer_params": {"fusionrag": cell}})
+
+    for old in parts["debug"].glob("*.json"):
+        old.unlink()
+    assert parts["llm"].reset_prefix_cache()
+    engine.add_request("decoding", TokensPrompt(prompt_token_ids=prompt_ids(store, store.chunk_ids()[5:6])),
+                       params("off", max_tokens=200))
+    while not any(o.request_id == "decoding" and o.outputs[0].token_ids for o in engine.step()):
+        pass
+    for k, chunk_ids in enumerate(chunk_sets):
+        engine.add_request(f"loaded-{k}", TokensPrompt(prompt_token_ids=prompt_ids(store, chunk_ids)),
+                           params({"ratio": 1.0} if k < 2 else {"ratio": 0.15}))
+    firsts, decoded_while_loading, steps = {}, 0, 0
+    while len(firsts) < 3 and steps < 2000:
+        steps += 1
+        outputs = {o.request_id: o for o in engine.step()}
+        if "decoding" in outputs and not firsts:
+            decoded_while_loading += 1
+        for rid, out in outputs.items():
+            if rid.startswith("loaded-") and out.outputs[0].logprobs:
+                first = torch.full((VOCAB,), float("-inf"))
+                for tok, lp in out.outputs[0].logprobs[0].items():
+                    first[tok] = lp.logprob
+                firsts.setdefault(rid, first)
+    engine.abort_request(["decoding"])
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert len(firsts) == 3 and len(list(parts["debug"].glob("*.json"))) == 3  # all three were loaded
+    assert decoded_while_loading >= 3
+    for k in (0, 1):
+        assert (firsts[f"loaded-{k}"] - alone[k]).abs().max() < 1e-3
+    chunks = [{"title": store.chunk(c).title, "text": store.chunk(c).text} for c in chunk_sets[2]]
+    ours = Engine(store, parts["lm"]).prepare(QUESTION, method="fusionrag", ratio=0.15, chunks=chunks)
+    (path,) = parts["debug"].glob("loaded-2*.json")  # named by vLLM's id of the request (it may add a suffix)
+    loaded = json.loads(path.read_text())
+    assert loaded["selected"] == ours.pre.selected.tolist()

@@ -32,7 +32,8 @@ def _llm(folder, store, debug, max_model_len=MAX_MODEL_LEN):
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     return LLM(model=str(folder), dtype="float32", enforce_eager=True, enable_prefix_caching=True, block_size=32,
                max_model_len=max_model_len, max_logprobs=VOCAB, seed=0,
-               kv_transfer_config=connector_config(store, debug, memory_budget_mb=0))
+               kv_transfer_config=connector_config(store, debug, memory_budget_mb=0,
+                                                   async_loads=False))  # the synchronous path, on every family
 
 
 @pytest.fixture(scope="module", params=sorted(set(FAMILIES) - set(NOT_IN_VLLM)))

@@ -29,7 +29,7 @@ def tp2(request, tmp_path_factory, monkeypatch_module):
     monkeypatch_module.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
     monkeypatch_module.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1" if (os.cpu_count() or 1) >= 2 else "nobind")
     debug = root / "debug"
-    config = connector_config(store, debug, memory_budget_mb=0)
+    config = connector_config(store, debug, memory_budget_mb=0, load_tokens_per_step=16)  # both ranks cut pieces
     llm = LLM(model=str(folder), dtype="float32", enforce_eager=True, enable_prefix_caching=True, block_size=32,
               max_model_len=4096, max_logprobs=VOCAB, kv_transfer_config=config, seed=0,
               tensor_parallel_size=2, distributed_executor_backend="mp")

@@ -22,8 +22,10 @@ Options (``kv_connector_extra_config``): ``store`` (the store folder, required),
 ``method`` (``fusionrag``; ``reuse`` recomputes nothing; ``ratio: "auto"`` sizes each request's recompute from
 its question's attention, as the store's calibration says: :mod:`fusionrag.online.auto_ratio`),
 ``min_context_tokens`` (256: shorter contexts
-are prefilled by vLLM), ``max_loads_per_step`` (1: others wait a step, so one step never computes several
-contexts), ``memory_budget_mb`` (1024: chunk KV kept in host memory, heat-based), ``kv_tier`` (a Redis tier
+are prefilled by vLLM), ``async_loads`` (true: a request waits for its load outside vLLM's step while the
+others run, and the loads in flight advance ``load_tokens_per_step`` (512) tokens per step, first come first
+served; false: each load runs whole inside the step that needs it, ``max_loads_per_step`` (1) per step),
+``memory_budget_mb`` (1024: chunk KV kept in host memory, heat-based), ``kv_tier`` (a Redis tier
 shared by servers, ``redis://HOST:PORT``: Redis down = disk reads), ``debug_dir`` (a folder: one JSON per
 loaded request, with the tokens recomputed). Per request,
 ``kv_transfer_params={"fusionrag": {"ratio": r}}`` or ``{"fusionrag": "off"}``; the response's
@@ -42,6 +44,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
@@ -56,8 +59,8 @@ from fusionrag.vllm.planning import Planner, ReqLoad
 
 log = logging.getLogger("fusionrag.vllm")
 
-DEFAULTS = {"ratio": 0.15, "method": "fusionrag", "min_context_tokens": 256, "max_loads_per_step": 1,
-            "memory_budget_mb": 1024}
+DEFAULTS = {"ratio": 0.15, "method": "fusionrag", "min_context_tokens": 256, "async_loads": True,
+            "load_tokens_per_step": 512, "max_loads_per_step": 1, "memory_budget_mb": 1024}
 
 
 @dataclass
@@ -89,6 +92,13 @@ def _options(config: Any) -> dict[str, Any]:
     if not extra.get("store"):
         raise ValueError("FusionRAGConnector needs kv_connector_extra_config.store (a fusionrag store folder)")
     options = {**DEFAULTS, **extra}
+    if not isinstance(options["async_loads"], bool):
+        raise ValueError(f"kv_connector_extra_config: 'async_loads' must be true or false, not "
+                         f"{options['async_loads']!r}")
+    for name in ("load_tokens_per_step", "max_loads_per_step"):
+        if isinstance(options[name], bool) or not isinstance(options[name], int) or options[name] < 1:
+            raise ValueError(f"kv_connector_extra_config: '{name}' must be a whole number >= 1, not "
+                             f"{options[name]!r}")
     try:  # a ratio no request could run is refused at start, in one line
         options["ratio"] = ReuseRequest("q", str(options["method"]), options["ratio"]).fields_validated().ratio
     except FusionRAGError as exc:
@@ -130,6 +140,8 @@ class FusionRAGConnector(KVConnectorBase_V1):
             self.kv_source = kv_tiers(lower, "cpu", int(self.options["memory_budget_mb"]) << 20)
             self.loader: Loader | None = None
             self._errors: set[int] = set()
+            self._received: set[str] = set()  # asynchronous loads finished (written or failed) since vLLM asked
+            self._failed_async: set[str] = set()  # ... of which failed
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -146,10 +158,15 @@ class FusionRAGConnector(KVConnectorBase_V1):
         return self.planner.matched(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        self.planner.allocated(request, num_external_tokens)
+        self.planner.allocated(request, num_external_tokens, lambda: list(blocks.get_block_ids()[0]))
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         return FusionRAGMetadata(self.planner.loads(scheduler_output))
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        """A failed asynchronous load: vLLM looks the request up again from scratch, and prefills it itself."""
+        for req_id in getattr(connector_output, "failed_recving", None) or ():
+            self.planner.load_failed(req_id)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return False, {"fusionrag": self.planner.report(request.request_id)}
@@ -173,22 +190,50 @@ class FusionRAGConnector(KVConnectorBase_V1):
                  self.options["store"])
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        """Synchronous loads: each one whole, now (vLLM computes the rest of their prompts in this step).
+        Asynchronous ones (``async_loads``, decision 066): queued, and the queue advanced by
+        ``load_tokens_per_step`` tokens; vLLM calls this after the step's forward, so running requests decode
+        between the pieces, and a request is scheduled again once ``get_finished`` names it."""
         meta = self._connector_metadata
         if not isinstance(meta, FusionRAGMetadata):
             return
         for load in meta.loads:
-            try:
-                if self.loader is None:
-                    raise RuntimeError("the connector has no model (register_kv_caches was not called)")
-                self.loader.load(load)
-                self.loaded += 1
-            except Exception as exc:  # one request falls back to vLLM's prefill; the others are served
-                self._errors.add(load.block_ids[load.first // load.block_size])
-                self._fallback(type(exc).__name__, exc)
+            if self.loader is None:
+                self._failed(load, RuntimeError("the connector has no model (register_kv_caches was not called)"))
+            elif load.asynchronous:
+                self.loader.enqueue(load)
+            else:
+                try:
+                    self.loader.load(load)
+                    self.loaded += 1
+                except Exception as exc:  # one request falls back to vLLM's prefill; the others are served
+                    self._failed(load, exc)
+        if self.loader is not None and self.loader.pending():
+            for load, exc in self.loader.advance(int(self.options["load_tokens_per_step"])):
+                if exc is None:
+                    self.loaded += 1
+                else:
+                    self._failed(load, exc)
+                self._received.add(load.req_id)
 
-    def get_block_ids_with_load_errors(self) -> set[int]:
-        errors, self._errors = self._errors, set()
-        return errors
+    def _failed(self, load: ReqLoad, exc: Exception) -> None:
+        """vLLM prefills the request itself: a synchronous load's first external block is reported invalid, an
+        asynchronous load as a failed receive (its planner then leaves it to vLLM when it is looked up again)."""
+        if load.asynchronous:
+            self._failed_async.add(load.req_id)
+            self._received.add(load.req_id)  # a failed receive is still a finished one (vLLM's contract)
+        else:
+            self._errors.add(load.block_ids[load.first // load.block_size])
+        self._fallback(type(exc).__name__, exc)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """The asynchronous loads finished since the last call (written, or failed: ``failed_recving``), and
+        those of requests vLLM finished (aborted) while queued, dropped now so that vLLM frees their blocks."""
+        if self.loader is not None and finished_req_ids:
+            self._received.update(self.loader.cancel(set(finished_req_ids)))
+        received, self._received = self._received, set()
+        failed, self._failed_async = self._failed_async, set()
+        return KVConnectorTransferResults(finished_recving=received, failed_recving=failed)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None

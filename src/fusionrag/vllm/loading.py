@@ -15,6 +15,8 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,8 +30,30 @@ from fusionrag.vllm.passes import prefill_into, question_scores, recompute, slot
 from fusionrag.vllm.planning import ReqLoad
 
 
+@dataclass
+class LoadJob:
+    """One request's load between steps: assembled (``work``), then selected, then recomputed piece by piece."""
+
+    load: ReqLoad
+    work: KV | None = None  # the request-local KV: the assembled context, the question's room after it
+    selected: torch.Tensor | None = None  # the context slots to recompute, sorted (set once chosen)
+    chosen: float = 0.0  # the share of the candidates selected (ratio="auto": its own)
+    recomputed: int = 0  # how many of ``selected`` are refreshed so far (pieces go in position order)
+
+    @property
+    def left(self) -> int:
+        return 0 if self.selected is None else self.selected.numel() - self.recomputed
+
+
 class Loader:
-    """Loads requests for one worker: its model (``vm``), the store and the tiers chunk KV is read through."""
+    """Loads requests for one worker: its model (``vm``), the store and the tiers chunk KV is read through.
+
+    ``load`` runs one request's whole load at once (synchronous loading: inside the step that needs it).
+    ``enqueue`` + ``advance`` run queued loads first come, first served, a bounded number of tokens per step
+    (asynchronous loading, decision 066): the recompute is cut into pieces in position order, which computes
+    exactly what one pass does (a selected token reads fresh KV of the selected tokens before it, written by
+    an earlier piece or earlier in its own), and every tensor-parallel rank cuts them alike (budgets are token
+    counts, never times)."""
 
     def __init__(self, vm: VLLMModel, store: Any, kv_source: Any, debug_dir: str | None = None) -> None:
         self.vm = vm
@@ -38,9 +62,57 @@ class Loader:
         self.debug_dir = debug_dir
         self.auto = AutoRatio.from_settings(store.settings)  # how ratio="auto" is sized: the store's calibration
         self._system: dict[tuple[int, ...], KV] = {}
+        self._queue: deque[LoadJob] = deque()
 
     def load(self, load: ReqLoad) -> None:
-        vm = self.vm
+        """The whole load of one request, now."""
+        job = LoadJob(load)
+        self._assemble(job)
+        self._choose(job)
+        self._recompute(job, job.left)
+        self._write(job)
+
+    def enqueue(self, load: ReqLoad) -> None:
+        self._queue.append(LoadJob(load))
+
+    def pending(self) -> int:
+        return len(self._queue)
+
+    def cancel(self, req_ids: set[str]) -> list[str]:
+        """Drop the queued loads of requests vLLM finished (aborted): the ids whose blocks it may now free."""
+        gone = [job.load.req_id for job in self._queue if job.load.req_id in req_ids]
+        self._queue = deque(job for job in self._queue if job.load.req_id not in req_ids)
+        return gone
+
+    def advance(self, budget: int, min_piece: int = 32) -> list[tuple[ReqLoad, Exception | None]]:
+        """Run queued loads, first come first served, until about ``budget`` tokens went through the model
+        (the question's selection pass and the recomputed tokens count; reading and assembling do not). A piece
+        shorter than ``min_piece`` waits for the next step unless it finishes its load. Returns the loads
+        finished in this call, each with its failure (None: written into vLLM's cache)."""
+        done: list[tuple[ReqLoad, Exception | None]] = []
+        min_piece = min(min_piece, budget)  # a budget under it still makes progress
+        while self._queue and budget > 0:
+            job = self._queue[0]
+            try:
+                if job.work is None:
+                    self._assemble(job)
+                elif job.selected is None:
+                    budget -= self._choose(job)
+                elif job.left:
+                    n = min(job.left, budget)
+                    if n < min(min_piece, job.left):
+                        break
+                    budget -= self._recompute(job, n)
+                if job.selected is not None and not job.left:
+                    self._write(job)
+                    done.append((self._queue.popleft().load, None))
+            except Exception as exc:  # this request falls back to vLLM's prefill; the queue goes on
+                done.append((self._queue.popleft().load, exc))
+        return done
+
+    def _assemble(self, job: LoadJob) -> None:
+        """Read the chunks' KV and assemble the context after ``S`` in a request-local buffer (gaps: zeros)."""
+        vm, load = self.vm, job.load
         try:
             entries, failure = self._read(load), None
         except Exception as exc:  # said to the other ranks first: every rank runs every pass, or none does
@@ -49,34 +121,60 @@ class Loader:
             raise failure or RuntimeError("another tensor-parallel rank could not read this request's chunks")
         ids, end = load.token_ids, load.end
         system = self._system_kv(tuple(ids[: load.system_len])) if load.system_len else vm.empty_kv(0)
-        segments, gaps, pos = [], [], load.system_len
+        segments, pos = [], load.system_len
         for (_, _, start, stop, offset), kv in zip(load.chunks, entries, strict=True):
             if start > pos:  # a gap (a template's text, a separator): zeros here, recomputed below
                 shape = (*kv.keys.shape[:2], start - pos, kv.keys.shape[3])
                 segments.append(KV(kv.keys.new_zeros(shape), kv.values.new_zeros(shape), pos))
-                gaps.extend(range(pos, start))
             segments.append(kv.slice(offset, offset + stop - start))
             pos = stop
         context, _ = assemble(system, segments, vm.inv_freq, device=vm.device, dtype=vm.dtype)
-        question = ids[end:]
-        work = vm.empty_kv(end + len(question))
+        work = vm.empty_kv(len(ids))  # the context, then room for the question
         work.keys[:, :, :end] = context.keys[:, :, :end]
         work.values[:, :, :end] = context.values[:, :, :end]
-        candidates = torch.arange(max(load.first, load.system_len), end)
-        selected = select(vm, load, question, work, candidates, self.auto)
-        chosen = selected.numel() / max(1, candidates.numel())  # the share selected (ratio="auto": its own)
-        selected = with_cut_starts(selected, [(start, min(stop, end)) for _, _, start, stop, _ in load.chunks],
+        job.work = work
+
+    def _choose(self, job: LoadJob) -> int:
+        """The question's selection pre-pass and the slots to recompute; returns the tokens it ran."""
+        load, work = job.load, job.work
+        assert work is not None
+        question = load.token_ids[load.end:]
+        candidates = torch.arange(max(load.first, load.system_len), load.end)
+        selected = select(self.vm, load, question, work, candidates, self.auto)
+        job.chosen = selected.numel() / max(1, candidates.numel())  # the share selected
+        spans = [(start, min(stop, load.end)) for _, _, start, stop, _ in load.chunks]
+        selected = with_cut_starts(selected, spans,
                                    [(offset, offset + stop - start) for _, _, start, stop, offset in load.chunks])
+        gaps, pos = [], load.system_len
+        for _, _, start, stop, _ in load.chunks:  # a template's text, a separator: zeros in ``work``
+            gaps.extend(range(pos, start))
+            pos = stop
         if gaps:  # every gap position (also before vLLM's own prefix hit: the pass reads them)
-            selected = torch.unique(torch.cat([selected.cpu(), torch.tensor(gaps, dtype=torch.long)]))
-        recompute(vm, ids[:end], selected, work)
-        write_paged(vm, work, load.first, end, slot_mapping(load.block_ids, load.block_size, load.first, end))
+            selected = torch.cat([selected.cpu(), torch.tensor(gaps, dtype=torch.long)])
+        job.selected = torch.unique(selected.cpu())  # sorted: the pieces go in position order
+        return 0 if load.method == "reuse" else len(question)
+
+    def _recompute(self, job: LoadJob, n: int) -> int:
+        """The next ``n`` selected slots through every layer; returns ``n``."""
+        assert job.selected is not None and job.work is not None
+        piece = job.selected[job.recomputed: job.recomputed + n]
+        recompute(self.vm, job.load.token_ids[: job.load.end], piece, job.work)
+        job.recomputed += piece.numel()
+        return piece.numel()
+
+    def _write(self, job: LoadJob) -> None:
+        """The context into the request's blocks of vLLM's paged cache (and the debug file, when asked)."""
+        vm, load, work = self.vm, job.load, job.work
+        assert work is not None and job.selected is not None
+        write_paged(vm, work, load.first, load.end, slot_mapping(load.block_ids, load.block_size, load.first,
+                                                                 load.end))
+        job.work = None  # the request-local buffer is not kept past its load
         if self.debug_dir and vm.tp.rank == 0:  # what was loaded and recomputed, one JSON per request (tests)
             from fusionrag.files import atomic_write
 
             atomic_write(Path(self.debug_dir) / f"{load.req_id}.json", json.dumps(
-                {"first": load.first, "end": end, "chunks": load.chunks, "selected": selected.tolist(),
-                 "ratio": load.ratio, "chosen_share": round(chosen, 6),
+                {"first": load.first, "end": load.end, "chunks": load.chunks, "selected": job.selected.tolist(),
+                 "ratio": load.ratio, "chosen_share": round(job.chosen, 6),
                  "worker": os.getpid()}))  # which replica's worker loaded it (data parallelism)
 
     def _read(self, load: ReqLoad) -> list[KV]:

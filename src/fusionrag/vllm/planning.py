@@ -48,6 +48,7 @@ class ReqLoad:
     method: str
     ratio: float | str  # a share, or "auto" (the worker sizes it with the store's calibration)
     generation: int  # the store generation planned on: a worker that sees another one does not load
+    asynchronous: bool = False  # the request waits outside vLLM's step until the worker says it is loaded
 
 
 @dataclass
@@ -92,7 +93,9 @@ class Planner:
         self._client_salts: dict[str, str | None] = {}
         self._firsts: dict[str, int] = {}
         self._ready: dict[str, tuple[Any, Plan, int]] = {}
+        self._blocks: dict[str, list[int]] = {}  # an asynchronous load's blocks, as vLLM allocated them
         self._loads_this_step = 0
+        self.asynchronous = bool(options.get("async_loads", False))
 
     def on_arrival(self, request: Any) -> None:
         self._client_salts[request.request_id] = request.cache_salt
@@ -117,18 +120,30 @@ class Planner:
             # nothing stored, or this mode's prefix-cache blocks hold (nearly) all of it: vLLM computes the few
             # context tokens left over them itself, sooner than a load would (a whole pass over the context)
             return 0, False
+        if self.asynchronous:  # it waits for its load outside the step; the workers pace the loads in flight
+            self._firsts[rid] = num_computed_tokens
+            return plan.end - num_computed_tokens, True
         if self._loads_this_step >= int(self.options["max_loads_per_step"]):
             return None, False  # asked again next step
         self._loads_this_step += 1
         self._firsts[rid] = num_computed_tokens
         return plan.end - num_computed_tokens, False
 
-    def allocated(self, request: Any, num_external_tokens: int) -> None:
-        """vLLM's ``update_state_after_alloc``: the request's blocks exist; it is loaded in this step."""
+    def allocated(self, request: Any, num_external_tokens: int, block_ids: Callable[[], list[int]]) -> None:
+        """vLLM's ``update_state_after_alloc``: the request's blocks exist; it is loaded from this step on
+        (``block_ids``: its blocks, read for an asynchronous load, which vLLM does not schedule in this step)."""
         plan = self._plans.get(request.request_id)
         first = self._firsts.pop(request.request_id, None)
         if plan is not None and first is not None and num_external_tokens > 0:
             self._ready[request.request_id] = (request, plan, first)
+            if self.asynchronous:
+                self._blocks[request.request_id] = block_ids()
+
+    def load_failed(self, req_id: str) -> None:
+        """A worker could not load the request: vLLM prefills it (when it looks it up again, nothing is served)."""
+        if self._plans.get(req_id) is not None:
+            self._plans[req_id] = None
+            self._reasons[req_id] = "load failed"
 
     def loads(self, scheduler_output: Any) -> list[ReqLoad]:
         """The loads of this step (vLLM's ``build_connector_meta``), with the blocks vLLM gave each request."""
@@ -142,7 +157,11 @@ class Planner:
             entry = self._ready.pop(req_id, None)
             if entry is not None and cached.new_block_ids[i] is not None:
                 out.append(self._load_of(req_id, *entry, list(cached.new_block_ids[i][0])))
+        for req_id, entry in self._ready.items():  # asynchronous: not scheduled in this step, loaded from it on
+            if req_id in self._blocks:
+                out.append(self._load_of(req_id, *entry, self._blocks.pop(req_id), asynchronous=True))
         self._ready.clear()
+        self._blocks.clear()
         self._firsts.clear()
         self._loads_this_step = 0
         return out
@@ -151,7 +170,7 @@ class Planner:
         """What the request was served, for the response's ``kv_transfer_params`` (and forgets the request)."""
         plan = self._plans.pop(request_id, None)
         reason = self._reasons.pop(request_id, None)
-        for held in (self._ready, self._firsts, self._client_salts):
+        for held in (self._ready, self._firsts, self._client_salts, self._blocks):
             held.pop(request_id, None)
         if plan is None:
             return {"method": "off" if reason == "off" else "vllm", "reason": reason or "not planned"}
@@ -203,8 +222,9 @@ class Planner:
             return None
         return Plan(match, end, str(self.options["method"]), ratio, self.store.seen_generation)
 
-    def _load_of(self, req_id: str, request: Any, plan: Plan, first: int, block_ids: list[int]) -> ReqLoad:
+    def _load_of(self, req_id: str, request: Any, plan: Plan, first: int, block_ids: list[int],
+                 asynchronous: bool = False) -> ReqLoad:
         plan.loaded_tokens = plan.end - first
         chunks = [(c.chunk_id, c.kind, c.start, c.stop, c.offset) for c in plan.match.chunks]
         return ReqLoad(req_id, list(request.prompt_token_ids), plan.match.system_len, chunks, first, plan.end,
-                       block_ids, self.block_size, plan.method, plan.ratio, plan.generation)
+                       block_ids, self.block_size, plan.method, plan.ratio, plan.generation, asynchronous)
