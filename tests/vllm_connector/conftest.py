@@ -30,7 +30,7 @@ def parts(tmp_path_factory):
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     debug = root / "debug"
     config = connector_config(store, debug, memory_budget_mb=0,  # every read from the files: the fault tests
-                              load_tokens_per_step=16,  # asynchronous loads in many pieces: each load spans steps
+                              load_tokens_per_step=48,  # asynchronous loads in many pieces: each load spans steps
                               kv_tier=f"redis://127.0.0.1:{closed_port()}")
     llm = LLM(model=str(folder), dtype="float32", enforce_eager=True, enable_prefix_caching=True, block_size=32,
               max_model_len=4096, max_logprobs=VOCAB, kv_transfer_config=config, seed=0)

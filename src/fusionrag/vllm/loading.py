@@ -26,7 +26,7 @@ from fusionrag.kvcache.kv import KV, assemble
 from fusionrag.online.auto_ratio import AutoRatio
 from fusionrag.online.prefill import with_cut_starts
 from fusionrag.vllm.model_view import VLLMModel
-from fusionrag.vllm.passes import prefill_into, question_scores, recompute, slot_mapping, write_paged
+from fusionrag.vllm.passes import prefill_into, question_scores, recompute_many, slot_mapping, write_paged
 from fusionrag.vllm.planning import ReqLoad
 
 
@@ -39,6 +39,7 @@ class LoadJob:
     selected: torch.Tensor | None = None  # the context slots to recompute, sorted (set once chosen)
     chosen: float = 0.0  # the share of the candidates selected (ratio="auto": its own)
     recomputed: int = 0  # how many of ``selected`` are refreshed so far (pieces go in position order)
+    shared_passes: int = 0  # pieces that went through the model in one pass with other loads' pieces
 
     @property
     def left(self) -> int:
@@ -69,7 +70,7 @@ class Loader:
         job = LoadJob(load)
         self._assemble(job)
         self._choose(job)
-        self._recompute(job, job.left)
+        self._recompute([(job, job.left)])
         self._write(job)
 
     def enqueue(self, load: ReqLoad) -> None:
@@ -86,28 +87,45 @@ class Loader:
 
     def advance(self, budget: int, min_piece: int = 32) -> list[tuple[ReqLoad, Exception | None]]:
         """Run queued loads, first come first served, until about ``budget`` tokens went through the model
-        (the question's selection pass and the recomputed tokens count; reading and assembling do not). A piece
-        shorter than ``min_piece`` waits for the next step unless it finishes its load. Returns the loads
-        finished in this call, each with its failure (None: written into vLLM's cache)."""
+        (the question's selection pass and the recomputed tokens count; reading and assembling do not). The
+        recompute pieces of this call, one per load, go through the model in one pass (each load reads only its
+        own KV). A piece shorter than ``min_piece`` that would go alone waits for the next call, unless it finishes
+        its load.
+        Returns the loads finished in this call, each with its failure (None: written into vLLM's cache)."""
         done: list[tuple[ReqLoad, Exception | None]] = []
         min_piece = min(min_piece, budget)  # a budget under it still makes progress
-        while self._queue and budget > 0:
-            job = self._queue[0]
+        pieces: list[tuple[LoadJob, int]] = []
+        for job in list(self._queue):
+            if budget <= 0:
+                break
             try:
                 if job.work is None:
                     self._assemble(job)
-                elif job.selected is None:
+                if job.selected is None:
                     budget -= self._choose(job)
-                elif job.left:
+                if job.left and budget > 0:
                     n = min(job.left, budget)
-                    if n < min(min_piece, job.left):
+                    if n < min(min_piece, job.left) and not pieces:  # alone, a pass this short is mostly overhead
                         break
-                    budget -= self._recompute(job, n)
-                if job.selected is not None and not job.left:
-                    self._write(job)
-                    done.append((self._queue.popleft().load, None))
+                    pieces.append((job, n))
+                    budget -= n
             except Exception as exc:  # this request falls back to vLLM's prefill; the queue goes on
-                done.append((self._queue.popleft().load, exc))
+                self._queue.remove(job)
+                done.append((job.load, exc))
+        try:
+            if pieces:
+                self._recompute(pieces)
+        except Exception as exc:  # the pass failed: each of its loads falls back
+            for job, _ in pieces:
+                self._queue.remove(job)
+                done.append((job.load, exc))
+        for job in [j for j in self._queue if j.selected is not None and not j.left]:
+            self._queue.remove(job)
+            try:
+                self._write(job)
+                done.append((job.load, None))
+            except Exception as exc:
+                done.append((job.load, exc))
         return done
 
     def _assemble(self, job: LoadJob) -> None:
@@ -154,13 +172,17 @@ class Loader:
         job.selected = torch.unique(selected.cpu())  # sorted: the pieces go in position order
         return 0 if load.method == "reuse" else len(question)
 
-    def _recompute(self, job: LoadJob, n: int) -> int:
-        """The next ``n`` selected slots through every layer; returns ``n``."""
-        assert job.selected is not None and job.work is not None
-        piece = job.selected[job.recomputed: job.recomputed + n]
-        recompute(self.vm, job.load.token_ids[: job.load.end], piece, job.work)
-        job.recomputed += piece.numel()
-        return piece.numel()
+    def _recompute(self, pieces: list[tuple[LoadJob, int]]) -> None:
+        """The next ``n`` selected slots of each job through every layer, all in one pass."""
+        batch = []
+        for job, n in pieces:
+            assert job.selected is not None and job.work is not None
+            batch.append((job.load.token_ids[: job.load.end], job.selected[job.recomputed: job.recomputed + n],
+                          job.work))
+        recompute_many(self.vm, batch)
+        for job, n in pieces:
+            job.recomputed += n
+            job.shared_passes += len(pieces) > 1
 
     def _write(self, job: LoadJob) -> None:
         """The context into the request's blocks of vLLM's paged cache (and the debug file, when asked)."""
@@ -174,7 +196,7 @@ class Loader:
 
             atomic_write(Path(self.debug_dir) / f"{load.req_id}.json", json.dumps(
                 {"first": load.first, "end": load.end, "chunks": load.chunks, "selected": job.selected.tolist(),
-                 "ratio": load.ratio, "chosen_share": round(job.chosen, 6),
+                 "ratio": load.ratio, "chosen_share": round(job.chosen, 6), "shared_passes": job.shared_passes,
                  "worker": os.getpid()}))  # which replica's worker loaded it (data parallelism)
 
     def _read(self, load: ReqLoad) -> list[KV]:

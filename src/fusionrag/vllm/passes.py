@@ -14,7 +14,8 @@ stops at the last layer's attention (its MLP, the final norm and the LM head fee
 - :func:`question_scores` is the selection pre-pass: the question over the assembled context, its last
   layer's attention over it, summed over heads and question tokens (:func:`fusionrag.online.policies.
   attention_scores`' rule, one softmax over the whole prompt), and over the tensor-parallel ranks' heads;
-- :func:`recompute` refreshes the selected tokens through every layer, writing in place;
+- :func:`recompute_many` refreshes the selected tokens through every layer, writing in place, several
+  requests' pieces in one forward (each attends over its own KV only);
 - :func:`check_rotation` proves at start that a key vLLM computes at position ``p`` is the key it computes at
   0 moved by the store's rotation (the identity every reused chunk relies on).
 """
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -39,15 +41,28 @@ class _Stop(Exception):
     """Raised by the routed attention of the pass's last layer once its KV is written: the pass is over."""
 
 
+@dataclass
+class Segment:
+    """One request's tokens in a pass: how many, at which positions, over which request-local KV."""
+
+    work: KV
+    positions: torch.Tensor  # [n], on the model's device
+    memo: dict = field(default_factory=dict)
+
+    @property
+    def slots(self) -> torch.Tensor:
+        return self.positions - self.work.base_position
+
+
 @contextmanager
-def routed_attention(vm: VLLMModel, work: KV, positions: torch.Tensor,
-                     captured: list[torch.Tensor] | None = None, last: int | None = None) -> Iterator[None]:
-    """Inside: every layer's attention writes its new KV into ``work`` at ``positions`` and attends in place;
-    layer ``last`` (default: the last) writes, hands its queries to ``captured`` (``[heads, n, d]``, fp32) and
-    ends the pass."""
-    memo: dict = {}
-    slots = positions - work.base_position
+def routed_attention(vm: VLLMModel, segments: Sequence[Segment], captured: list[torch.Tensor] | None = None,
+                     last: int | None = None) -> Iterator[None]:
+    """Inside: every layer's attention writes each segment's new KV into its ``work`` at its positions and
+    attends in place over that ``work`` alone (the segments follow one another in the pass's tokens: several
+    requests' tokens go through vLLM's body in one forward, each reading only its own KV); layer ``last``
+    (default: the last) writes, hands its queries to ``captured`` (``[heads, n, d]``, fp32) and ends the pass."""
     last = vm.num_layers - 1 if last is None else last
+    sizes = [seg.positions.numel() for seg in segments]
 
     def route(index: int, attn: Any):
         def forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, output_shape: Any = None,
@@ -55,15 +70,25 @@ def routed_attention(vm: VLLMModel, work: KV, positions: torch.Tensor,
             n = query.shape[0]
             k = key.view(n, vm.num_kv_heads, vm.head_size).transpose(0, 1)
             v = value.view(n, vm.num_kv_heads, vm.head_size).transpose(0, 1)
-            work.keys[index][:, slots[-n:]] = k.to(work.keys.dtype)
-            work.values[index][:, slots[-n:]] = v.to(work.values.dtype)
             q = query.view(n, vm.num_heads, vm.head_size).transpose(0, 1)
+            if len(segments) > 1 and n != sum(sizes):
+                raise RuntimeError(f"a pass of {sum(sizes)} tokens reached layer {index}'s attention with {n}")
+            # a segment's last n tokens (one segment: vLLM's body may run a layer on its last rows only)
+            parts = [(seg, seg.positions.numel() - n if len(segments) == 1 else 0) for seg in segments]
+            outs, at = [], 0
+            for (seg, skip), size in zip(parts, sizes, strict=True):
+                m = size - skip
+                seg.work.keys[index][:, seg.slots[skip:]] = k[:, at:at + m].to(seg.work.keys.dtype)
+                seg.work.values[index][:, seg.slots[skip:]] = v[:, at:at + m].to(seg.work.values.dtype)
+                if index != last:
+                    outs.append(attend_in_place(q[:, at:at + m], seg.work.keys[index], seg.work.values[index],
+                                                seg.positions[skip:], seg.work.base_position, vm.scale, seg.memo))
+                at += m
             if index == last:
                 if captured is not None:
                     captured.append(q.float())
                 raise _Stop
-            out = attend_in_place(q, work.keys[index], work.values[index], positions[-n:], work.base_position,
-                                  vm.scale, memo)
+            out = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
             return out.transpose(0, 1).reshape(n, vm.num_heads * vm.head_size).to(output_dtype or query.dtype)
         return forward
 
@@ -80,9 +105,17 @@ def run_pass(vm: VLLMModel, ids: torch.Tensor, positions: torch.Tensor, work: KV
              captured: list[torch.Tensor] | None = None, last: int | None = None) -> None:
     """``ids`` at ``positions`` through vLLM's body over ``work`` (written in place), to layer ``last``'s
     attention (default: the last layer's)."""
-    ids = torch.as_tensor(ids, dtype=torch.long).reshape(-1).to(vm.device)
-    positions = torch.as_tensor(positions, dtype=torch.long).reshape(-1).to(vm.device)
-    with routed_attention(vm, work, positions, captured, last):
+    run_passes(vm, [(ids, positions, work)], captured, last)
+
+
+def run_passes(vm: VLLMModel, parts: Sequence[tuple[Any, Any, KV]], captured: list[torch.Tensor] | None = None,
+               last: int | None = None) -> None:
+    """Several requests' ``(ids, positions, work)`` through vLLM's body in one forward (the projections and MLPs
+    over all their tokens at once), each attending over its own ``work`` only."""
+    ids = torch.cat([torch.as_tensor(i, dtype=torch.long).reshape(-1) for i, _, _ in parts]).to(vm.device)
+    segments = [Segment(work, torch.as_tensor(p, dtype=torch.long).reshape(-1).to(vm.device)) for _, p, work in parts]
+    positions = torch.cat([seg.positions for seg in segments])
+    with routed_attention(vm, segments, captured, last):
         try:
             vm.run_body(ids, positions)
         except _Stop:
@@ -107,12 +140,12 @@ def question_scores(vm: VLLMModel, question_ids: Sequence[int], context_len: int
     return vm.tp.sum(probs.sum(dim=(0, 1))[:context_len])  # every head's, whichever rank holds it
 
 
-def recompute(vm: VLLMModel, context_ids: Sequence[int], selected: torch.Tensor, work: KV) -> None:
-    """Refresh the ``selected`` context slots (sorted) through every layer; their fresh KV replaces the old."""
-    if selected.numel() == 0:
-        return
-    ids = torch.tensor(list(context_ids))[selected.cpu()]
-    run_pass(vm, ids, selected, work)
+def recompute_many(vm: VLLMModel, pieces: Sequence[tuple[Sequence[int], torch.Tensor, KV]]) -> None:
+    """Refresh each request's ``selected`` context slots (sorted) through every layer, several requests in one
+    pass (``(context_ids, selected, work)`` each); their fresh KV replaces the old in each ``work``."""
+    parts = [(torch.as_tensor(list(ids))[sel.cpu()], sel, work) for ids, sel, work in pieces if sel.numel()]
+    if parts:
+        run_passes(vm, parts)
 
 
 def slot_mapping(block_ids: Sequence[int], block_size: int, start: int, stop: int) -> torch.Tensor:
