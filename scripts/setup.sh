@@ -35,6 +35,11 @@ if ! command -v redis-server >/dev/null 2>&1; then
   if [ "$(id -u)" = 0 ]; then (apt-get update -qq && apt-get install -y -qq redis-server) >/dev/null
   else echo "setup: redis-server is missing (apt-get install redis-server); the Redis tier's tests will be skipped" >&2; fi
 fi
+# The replicas' failover benchmark (benchmarks/vllm/vllm_failover_bench.py) balances two vLLM servers with a stock nginx.
+if ! command -v nginx >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+  (apt-get update -qq && apt-get install -y -qq nginx) >/dev/null 2>&1 \
+    || echo "setup: warning: nginx not installed; benchmarks/vllm/vllm_failover_bench.py needs it" >&2
+fi
 # Triton (a ~290 MB wheel, ~10 s here): the sparse-attention kernel's tests run it under its CPU
 # interpreter; without it they skip, saying so.
 .venv/bin/python -m pip install --quiet -e ".[triton]" \

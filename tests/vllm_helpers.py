@@ -58,6 +58,20 @@ def prompt_ids(store, chunk_ids):
     return ids + list(store.prompt.question_token_ids(QUESTION))
 
 
+def reset_prefix_cache(llm, within_s: float = 30.0) -> bool:
+    """Empty vLLM's prefix cache once no request holds blocks: a request aborted while its KV was loading
+    asynchronously keeps its blocks until the worker names its load finished, a step later (vLLM's contract:
+    the worker may still be writing them), and vLLM refuses to reset while blocks are held."""
+    import time
+
+    deadline = time.monotonic() + within_s
+    while not llm.reset_prefix_cache():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
 def run(parts, ids, cell, max_tokens=1, reset=True):
     """First-token log-probabilities over the whole vocabulary and the greedy tokens, for one cell; vLLM's
     prefix cache (on, as deployed) is emptied first unless ``reset`` is False."""
@@ -67,7 +81,7 @@ def run(parts, ids, cell, max_tokens=1, reset=True):
     for old in parts["debug"].glob("*.json"):  # what the connector writes now is this request's
         old.unlink()
     if reset:
-        assert parts["llm"].reset_prefix_cache()
+        assert reset_prefix_cache(parts["llm"])
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=VOCAB,
                             extra_args={"kv_transfer_params": {"fusionrag": cell}})
     out = parts["llm"].generate(TokensPrompt(prompt_token_ids=ids), params, use_tqdm=False)[0].outputs[0]

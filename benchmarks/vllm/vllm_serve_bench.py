@@ -120,9 +120,10 @@ def fallback_warnings(log: Path) -> list[str]:
 
 
 def start_server(folder: Path, port: int, threads: int, log: Path, config: dict | None,
-                 extra: list[str] | None = None, omp_threads: int | None = None) -> subprocess.Popen:
-    """vLLM's OpenAI server on cores ``0..threads-1`` (``omp_threads`` per engine: ``threads`` by default;
-    ``extra``: more vLLM flags, e.g. ``--data-parallel-size 2``)."""
+                 extra: list[str] | None = None, omp_threads: int | None = None,
+                 first_core: int = 0) -> subprocess.Popen:
+    """vLLM's OpenAI server on cores ``first_core..first_core+threads-1`` (``omp_threads`` per engine: ``threads``
+    by default; ``extra``: more vLLM flags, e.g. ``--data-parallel-size 2``)."""
     cmd = [str(venv_python("vllm")), "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
            "--dtype", "bfloat16", "--host", "127.0.0.1", "--port", str(port),
            "--served-model-name", "m", "--enable-prefix-caching", "--enforce-eager", "--max-model-len", "10240",
@@ -132,7 +133,7 @@ def start_server(folder: Path, port: int, threads: int, log: Path, config: dict 
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
            "OMP_NUM_THREADS": str(omp_threads or threads)}
     log.parent.mkdir(parents=True, exist_ok=True)
-    cores = ",".join(map(str, range(threads)))
+    cores = ",".join(map(str, range(first_core, first_core + threads)))
     return subprocess.Popen(["taskset", "-c", cores, *cmd], stdout=log.open("ab"), stderr=subprocess.STDOUT, env=env)
 
 
@@ -184,7 +185,10 @@ def wait_ready(port: int, proc: subprocess.Popen, timeout_s: float = 600) -> Non
 
 
 async def closed_loop(port: int, requests: list[list[dict]], clients: int, duration_s: float,
-                      max_tokens: int) -> tuple[list[dict], float]:
+                      max_tokens: int, stream: bool = True) -> tuple[list[dict], float]:
+    """``clients`` clients, each sending its next request when the last one ended. A streamed request is ok once
+    its stream ended with ``[DONE]`` after at least one token; a non-streamed one (``stream=False``) once it
+    answered 200 with a choice (its ``ttft_s`` is then the whole latency)."""
     import httpx
 
     queue = list(enumerate(requests))
@@ -196,12 +200,20 @@ async def closed_loop(port: int, requests: list[list[dict]], clients: int, durat
         t0 = time.perf_counter()
         first = None
         arrivals: list[float] = []  # when each streamed piece of the answer arrived (inter-token latency)
-        body = {"model": "m", "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+        body = {"model": "m", "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": stream}
+        done = False
         try:
+            if not stream:
+                r = await client.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body)
+                ok = r.status_code == 200 and bool(r.json().get("choices"))
+                latency = time.perf_counter() - t0
+                return {"i": i, "ok": ok, "ttft_s": latency, "latency_s": latency, "itl_s": [],
+                        **({} if ok else {"error": f"HTTP {r.status_code}"})}
             async with client.stream("POST", f"http://127.0.0.1:{port}/v1/chat/completions", json=body) as r:
                 if r.status_code != 200:
                     return {"i": i, "ok": False, "error": f"HTTP {r.status_code}"}
                 async for line in r.aiter_lines():
+                    done = done or line == "data: [DONE]"
                     if line.startswith("data: ") and line != "data: [DONE]":
                         chunk = json.loads(line[6:])
                         if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
@@ -209,8 +221,9 @@ async def closed_loop(port: int, requests: list[list[dict]], clients: int, durat
                             if first is None:
                                 first = arrivals[-1] - t0
             gaps = [b - a for a, b in itertools.pairwise(arrivals)]
-            return {"i": i, "ok": first is not None, "ttft_s": first, "latency_s": time.perf_counter() - t0,
-                    "itl_s": gaps}
+            return {"i": i, "ok": first is not None and done, "ttft_s": first,
+                    "latency_s": time.perf_counter() - t0, "itl_s": gaps,
+                    **({} if done else {"error": "the stream ended without [DONE]"})}
         except httpx.HTTPError as exc:
             return {"i": i, "ok": False, "error": type(exc).__name__}
 

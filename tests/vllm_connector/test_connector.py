@@ -18,7 +18,7 @@ vllm = pytest.importorskip("vllm", reason="vLLM is not installed here: the conne
                                           "(bash scripts/setup.sh --test makes it)")
 
 from fusionrag.online.engine import Engine  # noqa: E402
-from vllm_helpers import QUESTION, VOCAB, prompt_ids, run, selected_of  # noqa: E402
+from vllm_helpers import QUESTION, VOCAB, prompt_ids, reset_prefix_cache, run, selected_of  # noqa: E402
 
 
 def test_ratio_one_is_vllms_own_prefill(parts):
@@ -190,7 +190,7 @@ def test_asynchronous_loads_run_beside_decodes_and_several_at_once(parts):
     from vllm.inputs import TokensPrompt
 
     store, engine = parts["store"], parts["llm"].llm_engine
-    assert parts["llm"].reset_prefix_cache()
+    assert reset_prefix_cache(parts["llm"])
     chunk_sets = [store.chunk_ids()[i:i + 4] for i in (0, 1, 2)]
     alone = [run(parts, prompt_ids(store, c), "off")[0] for c in chunk_sets]
 
@@ -200,7 +200,7 @@ def test_asynchronous_loads_run_beside_decodes_and_several_at_once(parts):
 
     for old in parts["debug"].glob("*.json"):
         old.unlink()
-    assert parts["llm"].reset_prefix_cache()
+    assert reset_prefix_cache(parts["llm"])
     engine.add_request("decoding", TokensPrompt(prompt_token_ids=prompt_ids(store, store.chunk_ids()[5:6])),
                        params("off", max_tokens=200))
     while not any(o.request_id == "decoding" and o.outputs[0].token_ids for o in engine.step()):
