@@ -12,7 +12,8 @@ replica (``proxy_next_upstream error timeout http_502 http_503 non_idempotent``)
 ``vllm_serve_bench.py`` (passages shuffled, closed loop); ``--kill-after`` seconds into each run the first
 replica's processes are killed (SIGKILL: a crash, no drain). Two runs on fresh servers: non-streamed chat
 completions (what nginx can retry whole), then streamed ones (a stream that has begun on the killed replica
-cannot move: it ends without ``[DONE]``, and counts as failed). Per run: requests ok / failed, the failures'
+cannot move: it ends without ``[DONE]``, and counts as failed). ``--scaling`` adds one replica and two with
+nobody killed (streamed): the requests/s two replicas give. Per run: requests ok / failed, the failures'
 kinds, TTFT p50/p99, requests/s before and after the kill. Writes ``failover.json``, ``README.md``.
 """
 
@@ -51,8 +52,7 @@ http {{
   client_max_body_size 16m;
   upstream vllm {{
     least_conn;
-    server 127.0.0.1:{a} max_fails=1 fail_timeout=600s;
-    server 127.0.0.1:{b} max_fails=1 fail_timeout=600s;
+{upstreams}
   }}
   server {{
     listen 127.0.0.1:{port};
@@ -82,15 +82,20 @@ def kill_tree(pid: int) -> None:
         pass
 
 
-def one_run(folder: Path, store: Path, requests: list, stream: bool, args: argparse.Namespace, out: Path) -> dict:
+def one_run(folder: Path, store: Path, requests: list, stream: bool, args: argparse.Namespace, out: Path,
+            kill_after: float | None, n_replicas: int = 2) -> dict:
+    """One run on fresh servers: ``n_replicas`` behind nginx, the first killed ``kill_after`` s in (None: none);
+    the issue's row."""
     config = connector_config(store, 0.15, kv_tier=f"redis://127.0.0.1:{args.redis_port}")
     redis = subprocess.Popen(["redis-server", "--port", str(args.redis_port), "--bind", "127.0.0.1", "--save", "",
                               "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    mode = "stream" if stream else "whole"
+    mode = f"{'stream' if stream else 'whole'}-{n_replicas}{'-kill' if kill_after is not None else ''}"
     replicas = [start_server(folder, args.port + 1 + k, 1, out / "logs" / f"{mode}-replica{k}.log", config,
-                             first_core=k, extra=[]) for k in (0, 1)]
+                             first_core=k, extra=[]) for k in range(n_replicas)]
     tmp = Path(tempfile.mkdtemp(prefix="fusionrag-nginx-"))
-    (tmp / "nginx.conf").write_text(NGINX.format(tmp=tmp, a=args.port + 1, b=args.port + 2, port=args.port))
+    upstreams = "\n".join(f"    server 127.0.0.1:{args.port + 1 + k} max_fails=1 fail_timeout=600s;"
+                          for k in range(n_replicas))
+    (tmp / "nginx.conf").write_text(NGINX.format(tmp=tmp, upstreams=upstreams, port=args.port))
     nginx = None
     try:
         for k, proc in enumerate(replicas):
@@ -102,7 +107,9 @@ def one_run(folder: Path, store: Path, requests: list, stream: bool, args: argpa
 
         async def run() -> tuple[list[dict], float]:
             async def kill() -> None:
-                await asyncio.sleep(args.kill_after)
+                if kill_after is None:
+                    return
+                await asyncio.sleep(kill_after)
                 kill_tree(replicas[0].pid)  # a crash: the server, its engine core and worker, no drain
                 killed_at.append(time.perf_counter())
             killer = asyncio.create_task(kill())
@@ -121,7 +128,7 @@ def one_run(folder: Path, store: Path, requests: list, stream: bool, args: argpa
     for r in results:
         if not r["ok"]:
             errors[r.get("error", "?")] = errors.get(r.get("error", "?"), 0) + 1
-    row = {"engine": "vllm+fusionrag", "clients": args.clients, "replicas": 2, "stream": stream,
+    row = {"engine": "vllm+fusionrag", "clients": args.clients, "replicas": n_replicas, "stream": stream,
            "max_tokens": args.max_tokens, "killed_after_s": round(killed_at[0] - t0, 1) if killed_at else None,
            "ttft_p50_s": s["ttft_p50_s"], "ttft_p99_s": s["ttft_p99_s"], "requests_per_s": s["requests_per_s"],
            "requests": s["requests"], "failed": s["failed"], "failures": errors}
@@ -143,12 +150,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--port", type=int, default=8640)
     ap.add_argument("--redis-port", type=int, default=6396)
+    ap.add_argument("--scaling", action="store_true", help="also one replica and two, nobody killed (streamed)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     out = Path(args.out)
     _, store, folder = fused_workload(args.data)
     requests = requests_for(store, load_questions(args.data), args.max_requests, seed=2)
-    rows = [one_run(folder, store.path, requests, stream, args, out) for stream in (False, True)]
+    runs = [(False, args.kill_after, 2), (True, args.kill_after, 2)]
+    if args.scaling:
+        runs += [(True, None, 1), (True, None, 2)]
+    rows = [one_run(folder, store.path, requests, stream, args, out, kill, n) for stream, kill, n in runs]
     balancer = subprocess.run(["nginx", "-v"], capture_output=True, text=True).stderr.strip()
     meta = build_meta(command=shlex.join(["benchmarks/vllm/vllm_failover_bench.py", *sys.argv[1:]]),
                       model="qwen2.5-0.5b", data_files=[args.data],
@@ -159,12 +170,19 @@ def main(argv: list[str] | None = None) -> int:
           f"`{meta['command']}`: {args.clients} clients, closed loop, {args.duration:.0f} s per run, the first replica "
           f"killed (SIGKILL) {args.kill_after:.0f} s in, {args.max_tokens} tokens per answer, bf16, one thread per "
           f"replica, {meta['extra']['balancer']}, {meta['machine'].get('cpu_model')}.", "",
-          "| requests | ok / failed | failures | TTFT p50 s | TTFT p99 s | requests/s |", "|---|---|---|---|---|---|"]
+          "| replicas | killed | requests | ok / failed | failures | TTFT p50 s | TTFT p99 s | requests/s |",
+          "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         kinds = ", ".join(f"{k}: {v}" for k, v in r["failures"].items()) or "-"
-        md.append(f"| {'streamed' if r['stream'] else 'whole (non-streamed)'} | {r['requests'] - r['failed']} / "
-                  f"{r['failed']} | {kinds} | {r['ttft_p50_s']:.2f} | {r['ttft_p99_s']:.2f} | "
-                  f"{r['requests_per_s']:.3f} |")
+        killed = f"the first, {r['killed_after_s']:.0f} s in" if r["killed_after_s"] is not None else "none"
+        md.append(f"| {r['replicas']} | {killed} | {'streamed' if r['stream'] else 'whole (non-streamed)'} | "
+                  f"{r['requests'] - r['failed']} / {r['failed']} | {kinds} | {r['ttft_p50_s']:.2f} | "
+                  f"{r['ttft_p99_s']:.2f} | {r['requests_per_s']:.3f} |")
+    one = next((r for r in rows if r["replicas"] == 1), None)
+    two = next((r for r in rows if r["replicas"] == 2 and r["killed_after_s"] is None), None)
+    if one and two and one["requests_per_s"]:
+        md += ["", f"Two replicas, nobody killed: **{two['requests_per_s'] / one['requests_per_s']:.2f}x** the "
+                   "requests/s of one (the same requests, streamed)."]
     atomic_write(out / "README.md", "\n".join(md) + "\n")
     print("\n".join(md))
     return 0
