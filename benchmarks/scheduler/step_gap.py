@@ -92,7 +92,7 @@ def one_run(engine: Any, budget: int, method: str, passages: list[dict], stream_
         arrived = time.perf_counter()
         long = sched.submit(Request.of(LONG_QUESTION, max_new_tokens=1, method=method, chunks=passages, ratio=0.15))
         long.result(timeout=3600)
-        first = long.first_token_at
+        first = long.answer.first_token_at
         for s in streams:
             s.cancel()
         for s in streams:
@@ -100,15 +100,16 @@ def one_run(engine: Any, budget: int, method: str, passages: list[dict], stream_
                 s.result(timeout=600)
         gaps = []  # every stream's waits between tokens that end after the long request arrived
         for s in streams:
-            times = [t for t in s.token_times if t <= first]
+            times = [t for t in s.answer.token_times if t <= first]
             gaps += [b - a for a, b in itertools.pairwise(times) if b > arrived]
-            after = [t for t in s.token_times if t > first]
+            after = [t for t in s.answer.token_times if t > first]
             if times and after:  # the wait across the long request's first token
                 gaps.append(after[0] - times[-1])
         return {"max_gap_s": max(gaps), "median_gap_s": statistics.median(gaps),
                 "long_ttft_s": first - arrived, "long_ttft_ms": dict(long.ttft_ms),
                 "prompt_tokens": long.prompt_tokens, "method_run": long.method,
-                "stream_tokens_during_prefill": sum(1 for s in streams for t in s.token_times if arrived < t <= first),
+                "stream_tokens_during_prefill": sum(1 for s in streams for t in s.answer.token_times
+                                                    if arrived < t <= first),
                 "pieces": sched.stats.prefill_pieces - pieces}
     finally:
         sched.close()

@@ -36,17 +36,18 @@ def take_token(req: Request, logits: torch.Tensor, stop_ids: set[int], tokenizer
         return "stop"
     if run.streamer is None:
         run.streamer = TextStreamer(tokenizer, req.sampling.skip_special_tokens)
-    req.token_ids.append(picked.token)
-    req.token_times.append(time.perf_counter())
+    answer = req.answer
+    answer.token_ids.append(picked.token)
+    answer.token_times.append(time.perf_counter())
     stats.tokens_generated += 1
-    if req.first_token_at is None:
-        req.first_token_at = req.token_times[-1]
+    if answer.first_token_at is None:
+        answer.first_token_at = answer.token_times[-1]
     text = run.stop_matcher.push(run.streamer.push(picked.token))
-    req.emitted += text
+    answer.emitted += text
     req.emit(Event("token", token=picked.token, text=text, logprob=picked.logprob, top_logprobs=picked.top))
     if run.stop_matcher.stopped or (run.sampler.constraint is not None and run.sampler.constraint.done):
         return "stop"  # a stop string, or a structured answer that is complete
-    if len(req.token_ids) >= req.max_new_tokens:
+    if len(answer.token_ids) >= req.max_new_tokens:
         return "length"
     run.last_token = picked.token
     return None
@@ -58,6 +59,6 @@ def closing_text(req: Request) -> str:
     run = req.progress
     tail = run.stop_matcher.push(run.streamer.flush()) if run.streamer is not None else ""
     tail += run.stop_matcher.flush()
-    req.emitted += tail
-    req.text = run.streamer.text.strip() if run.streamer is not None else ""
+    req.answer.emitted += tail
+    req.answer.text = run.streamer.text.strip() if run.streamer is not None else ""
     return tail

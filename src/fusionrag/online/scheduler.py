@@ -306,7 +306,7 @@ class BatchScheduler(Admission):
         except Exception as exc:
             self._fail(req, exc)
             return
-        req.finish_reason = reason
+        req.answer.finish_reason = reason
         req.move(Status.FINISHED_STOPPED if reason == "stop" else Status.FINISHED_LENGTH)
         self.stats.completed += 1
         req.emit(Event("done", answer=req, finish_reason=reason, text=tail))

@@ -6,8 +6,10 @@ to pick its tokens, and handed to the scheduler (``submit``), the one way in. ``
 and only the scheduler moves it (:meth:`Request.move`, along :data:`MOVES`); each stage fills its own
 fields once: the prefetch its passages (``resolved``), the prefill plan
 (:class:`~fusionrag.online.prefill_plan.PrefillPlan`) the prompt's KV, the first token's logits and the
-stage timings, the output step (:mod:`fusionrag.online.output`) the tokens and the answer's text. The
-caller's side (``events``, ``result``, ``cancel``) is thread-safe; ``emit`` runs on the model thread.
+stage timings, the output step (:mod:`fusionrag.online.output`) the :class:`Answer` (its tokens, text, finish
+reason and their times: ``req.answer``; ``text``, ``token_ids`` and ``finish_reason`` read through). What the
+scheduler alone works with is the request's :class:`Progress`. The caller's side (``events``, ``result``,
+``cancel``) is thread-safe; ``emit`` runs on the model thread.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
@@ -60,6 +62,20 @@ MOVES: dict[Status, set[Status]] = {
     Status.PREFILLING: {Status.DECODING, Status.FINISHED_STOPPED, Status.FINISHED_LENGTH, *_ENDS},
     Status.DECODING: {Status.FINISHED_STOPPED, Status.FINISHED_LENGTH, *_ENDS},
 }
+
+
+@dataclass
+class Answer:
+    """What the request answered, written by the output step alone (:mod:`fusionrag.online.output`) as tokens
+    are picked and when it ends; the caller reads it (the server's responses and metrics, the Python API)."""
+
+    token_ids: list[int] = field(default_factory=list)  # the generated tokens (a stop token is not one)
+    emitted: str = ""  # the text sent so far (stop strings cut, held-back tails included at the end)
+    text: str = ""  # the whole answer: the tokens as the streamer decoded them, once
+    finish_reason: str | None = None  # "stop" | "length"
+    first_token_at: float | None = None  # perf_counter() of the first generated token
+    finished_at: float | None = None  # ... of the end (done or error)
+    token_times: list[float] = field(default_factory=list)  # ... of each generated token (inter-token latency)
 
 
 @dataclass
@@ -115,16 +131,10 @@ class Request:
         #: ``computed`` (by this request: new text, or every passage of a Full Attention prefill).
         self.kv_origins: list[str] = []
         self.first_token = -1  # the first answer token: Engine.prepare's greedy pick, or the scheduler's sampled one
-        # the decode steps and the answer
-        self.token_ids: list[int] = []
-        self.emitted = ""  # the text sent so far (stop strings cut, held-back tails included at the end)
-        self.text = ""  # the answer: the generated tokens as the streamer decoded them, once (online/output.py)
-        self.finish_reason: str | None = None  # "stop" | "length"
+        #: The answer (the output step's): its tokens, text, finish reason and their times.
+        self.answer = Answer()
         self.error: BaseException | None = None
         self.prefill_started_at: float | None = None
-        self.first_token_at: float | None = None
-        self.finished_at: float | None = None
-        self.token_times: list[float] = []  # perf_counter() of each generated token (inter-token latency)
         #: The scheduler's working state (model thread only), apart from what the caller reads.
         self.progress = Progress(TokenSampler(self.sampling),
                                  StopMatcher(self.sampling.stop, self.sampling.include_stop_str_in_output))
@@ -140,6 +150,21 @@ class Request:
         preamble, retrieval), or for a whole :class:`ReuseRequest`: what the Python API and tests submit."""
         reuse = question if isinstance(question, ReuseRequest) else ReuseRequest(question, **reuse_fields)
         return cls(reuse, max_new_tokens, sampling)
+
+    @property
+    def text(self) -> str:
+        """The answer's text (:attr:`answer`)."""
+        return self.answer.text
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The answer's tokens (:attr:`answer`)."""
+        return self.answer.token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        """Why the answer ended, ``stop`` or ``length`` (:attr:`answer`)."""
+        return self.answer.finish_reason
 
     @property
     def status(self) -> Status:
@@ -261,7 +286,8 @@ class Request:
     @property
     def server_ttft_ms(self) -> float | None:
         """Time to first token as the scheduler saw it: submission (queueing included) to the first token."""
-        return None if self.first_token_at is None else (self.first_token_at - self.submitted_at) * 1000.0
+        first = self.answer.first_token_at
+        return None if first is None else (first - self.submitted_at) * 1000.0
 
     def events(self, timeout: float | None = None) -> Iterator[Event]:
         """Yield this request's events until ``done``/``error`` (only without a listener)."""
@@ -288,7 +314,7 @@ class Request:
 
     def emit(self, ev: Event) -> None:
         if ev.kind in ("done", "error"):
-            self.finished_at = time.perf_counter()
+            self.answer.finished_at = time.perf_counter()
         try:
             if self._listener is not None:
                 self._listener(ev)

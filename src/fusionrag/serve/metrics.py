@@ -87,15 +87,16 @@ class Metrics:
         if req.server_ttft_ms is not None:
             self.ttft.labels(name).observe(req.server_ttft_ms / 1000.0)
             self.fr_ttft.labels(name, ans.method).observe(req.server_ttft_ms / 1000.0)
-        if req.finished_at is not None:
-            self.e2e.labels(name).observe(req.finished_at - req.submitted_at)
-        for a, b in zip(req.token_times, req.token_times[1:], strict=False):
+        answer = req.answer
+        if answer.finished_at is not None:
+            self.e2e.labels(name).observe(answer.finished_at - req.submitted_at)
+        for a, b in zip(answer.token_times, answer.token_times[1:], strict=False):
             self.itl.labels(name).observe(b - a)
         self.queue.labels(name).observe(req.queue_ms / 1000.0)
         self.prefill.labels(name).observe(ans.ttft_ms.get("total", 0.0) / 1000.0)
         self.prompt_tokens.labels(name).inc(req.prompt_tokens)
-        self.generation_tokens.labels(name).inc(len(req.token_ids))
-        self.success.labels(name, req.finish_reason or "unknown").inc()
+        self.generation_tokens.labels(name).inc(len(answer.token_ids))
+        self.success.labels(name, answer.finish_reason or "unknown").inc()
         self.recomputed.labels(name, ans.method).inc(ans.recomputed_tokens)
         self.context.labels(name, ans.method).inc(ans.context_tokens)
         if ans.method != "full":

@@ -81,7 +81,7 @@ def fusionrag_json(req: Request) -> dict[str, Any]:
     out["server"] = {
         "queue_ms": round(req.queue_ms, 2),
         "ttft_ms": None if req.server_ttft_ms is None else round(req.server_ttft_ms, 2),
-        "latency_ms": None if req.finished_at is None else round((req.finished_at - req.submitted_at) * 1000.0, 2),
+        "latency_ms": None if (end := req.answer.finished_at) is None else round((end - req.submitted_at) * 1000.0, 2),
     }
     return out
 
@@ -150,7 +150,7 @@ class Shape:
 
 def completion_json(req: Request, done: Event, shape: Shape, logprobs: Logprobs | None) -> dict[str, Any]:
     """The non-streamed body of a request that ended with the ``done`` event."""
-    text = req.emitted.strip() if shape.chat else req.emitted
+    text = req.answer.emitted.strip() if shape.chat else req.answer.emitted
     if shape.chat:
         lp = logprobs.chat() if logprobs is not None else None
         choice = {"index": 0, "message": {"role": "assistant", "content": text},
