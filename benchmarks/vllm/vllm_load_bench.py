@@ -119,7 +119,7 @@ def _plot(rows: list[dict], clients: list[int], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(12, 3.4))
+    fig, axes = plt.subplots(1, 3, figsize=(12, 4.2))
     for key in sorted({(r["engine"], r["context_tokens"]) for r in rows}):
         mine = [r for n in clients for r in rows if (r["engine"], r["context_tokens"]) == key and r["clients"] == n]
         label = f"{key[0]}, ~{key[1]:.0f} tokens"
@@ -127,8 +127,9 @@ def _plot(rows: list[dict], clients: list[int], path: Path) -> None:
             ax.plot([r["clients"] for r in mine], [r[field] for r in mine], "o-", label=label)
     for ax, title in zip(axes, ("TTFT p50 (s)", "inter-token latency p99 (s)", "requests/s"), strict=True):
         ax.set(title=title, xlabel="clients", xticks=clients)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=3, fontsize=8)
+    fig.tight_layout(rect=(0, 0.16, 1, 1))
     fig.savefig(path, dpi=110)
 
 
