@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     md = ["# Two replicas behind nginx, one killed mid-run (the connector on both, one store, a shared Redis tier)", "",
           f"`{meta['command']}`: {args.clients} clients, closed loop, {args.duration:.0f} s per run, the first replica "
           f"killed (SIGKILL) {args.kill_after:.0f} s in, {args.max_tokens} tokens per answer, bf16, one thread per "
-          f"replica, {meta['extra']['balancer']}, {meta['machine'].get('cpu_model')}.", "",
+          f"replica, {balancer}, {meta['machine'].get('cpu_model')}.", "",
           "| replicas | killed | requests | ok / failed | failures | TTFT p50 s | TTFT p99 s | requests/s |",
           "|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -183,6 +183,9 @@ def main(argv: list[str] | None = None) -> int:
     if one and two and one["requests_per_s"]:
         md += ["", f"Two replicas, nobody killed: **{two['requests_per_s'] / one['requests_per_s']:.2f}x** the "
                    "requests/s of one (the same requests, streamed)."]
+    md += ["", "TTFT of a non-streamed request is its whole answer's latency. A request that failed was in flight on "
+               "the killed replica: nginx passes a request to the other replica only while no byte of its answer has "
+               "come back, which holds for a whole answer, never for a stream that has begun."]
     atomic_write(out / "README.md", "\n".join(md) + "\n")
     print("\n".join(md))
     return 0
