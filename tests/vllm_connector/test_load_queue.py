@@ -88,3 +88,25 @@ def test_a_failed_load_falls_back_alone_and_a_cancelled_one_is_dropped(queue):
     assert done["a"] is None and done["c"] is None
     assert state["passes"] == [[("a", 0, 10), ("c", 0, 10)]]  # the others' pieces in one pass
     assert not loader.pending()
+
+
+def test_a_failed_load_is_reported_to_vllm_the_way_its_mode_needs():
+    """A synchronous load's failure is its first external block (vLLM prefills from there); an asynchronous
+    one's is a failed receive, also named finished. Each is reported once."""
+    pytest.importorskip("vllm", reason="the connector class needs vLLM (run in .venv-vllm)")
+    from collections import Counter
+
+    from fusionrag.vllm.connector import FusionRAGConnector
+
+    conn = object.__new__(FusionRAGConnector)
+    conn.loader, conn.fallbacks, conn._warned = None, Counter(), set()
+    conn._errors, conn._received, conn._failed_async = set(), set(), set()
+    sync, later = _load("s"), _load("a")
+    sync.asynchronous, sync.first = False, 40
+    conn._failed(sync, OSError("unreadable"))
+    conn._failed(later, OSError("unreadable"))
+    assert conn.get_block_ids_with_load_errors() == {sync.block_ids[1]}
+    assert conn.get_block_ids_with_load_errors() == set()
+    results = conn.get_transfer_results(set())
+    assert results.finished_recving == {"a"} and results.failed_recving == {"a"}
+    assert conn.get_transfer_results(set()).finished_recving == set()

@@ -226,6 +226,11 @@ class FusionRAGConnector(KVConnectorBase_V1):
             self._errors.add(load.block_ids[load.first // load.block_size])
         self._fallback(type(exc).__name__, exc)
 
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Synchronous loads that failed: their first external block, which vLLM (policy ``recompute``) prefills."""
+        errors, self._errors = self._errors, set()
+        return errors
+
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         """The asynchronous loads finished since the last call (written, or failed: ``failed_recving``), and
         those of requests vLLM finished (aborted) while queued, dropped now so that vLLM frees their blocks."""
