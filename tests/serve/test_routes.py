@@ -75,3 +75,12 @@ def test_each_error_class_is_answered_with_its_declared_status_and_no_server_pat
     api = as_api_error(exc)
     assert (api.status, api.code) == (status, code)
     assert "/srv" not in api.message or status == 400  # the caller's own input may be echoed; our files never
+
+
+def test_the_page_shows_the_servers_default_ratio_as_it_is():
+    """``serve --ratio auto`` puts ``auto`` in the page's ratio field (not a quoted JSON string, which the field
+    would send back as text the server refuses); a number stays a number."""
+    from fusionrag.serve.ui import ui_page
+
+    assert 'id="ratio" list="ratios" size="6" value="auto"' in ui_page(["fusionrag"], "fusionrag", "auto", False)
+    assert 'value="0.15"' in ui_page(["fusionrag"], "fusionrag", 0.15, False)

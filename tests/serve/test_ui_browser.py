@@ -62,6 +62,12 @@ def test_ui_renders_an_answer_with_ttft_and_recomputed_tokens(live, tmp_path):
     assert dom.count("<mark>") >= 1 and 'class="chunk"' in dom  # the recomputed tokens, highlighted
     assert f"{ref.recomputed_tokens} of {ref.context_tokens} context tokens recomputed" in dom
 
+    auto = urllib.parse.urlencode({"q": Q, "method": "fusionrag", "ratio": "auto", "retrieval_top_k": "2"})
+    run = headless(browser, f"{base}/ui?{auto}", "--dump-dom", f"--user-data-dir={tmp_path / 'profile-auto'}")
+    ref = serial(app, Q, 32, method="fusionrag", ratio="auto", top_k=2)  # issue 50: the field takes "auto" too
+    assert run.returncode == 0 and f"ratio {ref.ratio:.3f} (auto): {ref.recomputed_tokens} of" in run.stdout, \
+        run.stdout[-3000:]
+
     shot = Path(os.environ.get(SCREENSHOT_ENV) or tmp_path / "ui.png")
     shot.parent.mkdir(parents=True, exist_ok=True)
     run = headless(browser, url, f"--screenshot={shot}", f"--user-data-dir={tmp_path / 'profile2'}")

@@ -110,3 +110,22 @@ def test_a_failed_load_is_reported_to_vllm_the_way_its_mode_needs():
     results = conn.get_transfer_results(set())
     assert results.finished_recving == {"a"} and results.failed_recving == {"a"}
     assert conn.get_transfer_results(set()).finished_recving == set()
+
+
+def test_what_the_ranks_recomputed_merges_and_is_kept_only_for_requests_not_yet_reported():
+    """The workers' reports of a step (one per tensor-parallel rank) merge into one; the scheduler side keeps
+    a request's until its response is made, and drops one for a request already reported (the real path,
+    through vLLM, is ``test_prefix_cache.py::test_the_response_says_what_the_request_was_served``)."""
+    pytest.importorskip("vllm", reason="the connector class needs vLLM (run in .venv-vllm)")
+    from fusionrag.vllm.connector import FusionRAGServed
+    from fusionrag.vllm.planning import Planner
+
+    rank0 = FusionRAGServed({"a": {"chosen_share": 0.12, "recomputed_tokens": 12}})
+    meta = rank0.aggregate(FusionRAGServed({"a": {"chosen_share": 0.12, "recomputed_tokens": 12},
+                                            "b": {"chosen_share": 0.2, "recomputed_tokens": 30}}))
+    assert meta.served == {"a": {"chosen_share": 0.12, "recomputed_tokens": 12},
+                           "b": {"chosen_share": 0.2, "recomputed_tokens": 30}}
+    planner = object.__new__(Planner)
+    planner._plans, planner._served = {"a": None}, {}
+    planner.served(meta.served)
+    assert planner._served == {"a": meta.served["a"]}

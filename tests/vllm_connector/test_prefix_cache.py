@@ -75,9 +75,10 @@ def test_mixed_modes_over_shared_contexts_each_get_their_own_mode(parts):
 
 
 def test_the_response_says_what_the_request_was_served(parts):
-    """``kv_transfer_params["fusionrag"]`` of the response: method, ratio, the context tokens and the share of
-    them served from the store; an exact request says so; a second request of the same mode on the same
-    prompt was served by this mode's prefix-cache blocks (nothing loaded)."""
+    """``kv_transfer_params["fusionrag"]`` of the response: method, ratio (``auto``: the share chosen), the context
+    tokens and the share of them served from the store, the tokens recomputed; an exact request says so; a
+    second request of the same mode on the same prompt was served by this mode's prefix-cache blocks (nothing
+    loaded)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -93,6 +94,11 @@ def test_the_response_says_what_the_request_was_served(parts):
     context = len(ids) - len(store.prompt.system_token_ids) - len(store.prompt.question_token_ids(QUESTION))
     assert served["method"] == "fusionrag" and served["ratio"] == 0.3 and served["chunks"] == 4
     assert served["context_tokens"] == served["stored_tokens"] == context and served["stored_share"] == 1.0
-    assert served["loaded_tokens"] > 0
-    assert report({"ratio": 0.3})["fusionrag"]["loaded_tokens"] == 0
+    assert served["loaded_tokens"] > 0 and int(0.3 * context) <= served["recomputed_tokens"] <= context
+    again = report({"ratio": 0.3})["fusionrag"]
+    assert again["loaded_tokens"] == 0 and "recomputed_tokens" not in again  # this mode's prefix-cache blocks
+    assert llm.reset_prefix_cache()
+    auto = report({"ratio": "auto"})["fusionrag"]  # issue 50: the share its selection chose, and the setting
+    assert isinstance(auto["ratio"], float) and 0.0 < auto["ratio"] <= 1.0 and auto["auto_ratio"]
+    assert auto["recomputed_tokens"] >= int(auto["ratio"] * context)
     assert report("off")["fusionrag"] == {"method": "off", "reason": "off"}

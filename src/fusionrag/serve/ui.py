@@ -10,7 +10,6 @@ browser test).
 from __future__ import annotations
 
 import html
-import json
 
 _PAGE = """<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>fusionrag</title>
@@ -30,7 +29,10 @@ mark{background:#ffd8a8;padding:0;border-radius:2px} .tok{white-space:pre-wrap}
 <form id="ask">
   <textarea id="q" placeholder="Ask a question about the knowledge store"></textarea>
   <label>method <select id="method">__OPTIONS__</select></label>
-  <label>ratio <input id="ratio" type="number" min="0" max="1" step="0.05" value="__RATIO__"></label>
+  <label>ratio <input id="ratio" list="ratios" size="6" value="__RATIO__"
+    title="a share of the context to recompute (0 to 1), or auto: as much as the question needs"></label>
+  <datalist id="ratios"><option>auto</option><option>0.05</option><option>0.15</option><option>0.3</option>
+    <option>1</option></datalist>
   <label>retrieval_top_k <input id="topk" type="number" min="1" max="32" value="5"></label>
   <input id="key" type="password" placeholder="API key"__KEYSTYLE__>
   <button type="submit">Ask</button>
@@ -42,12 +44,15 @@ mark{background:#ffd8a8;padding:0;border-radius:2px} .tok{white-space:pre-wrap}
 <script>
 const $ = (id) => document.getElementById(id);
 const esc = (s) => String(s).replace(/[&<>"]/g, (c) => ({"&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;"}[c]));
+// empty: the server's default; a number as a number; anything else ("auto", a typo) as typed, for the server to
+// take ("auto": it sizes each request's recompute) or refuse with its message
+const ratioOf = (v) => v.trim() === "" ? undefined : Number.isFinite(Number(v)) ? Number(v) : v.trim();
 async function ask(ev) {
   if (ev) ev.preventDefault();
   const headers = {"Content-Type": "application/json"};
   if ($("key").value) headers["Authorization"] = "Bearer " + $("key").value;
   const body = {messages: [{role: "user", content: $("q").value}], method: $("method").value,
-                ratio: parseFloat($("ratio").value), retrieval_top_k: parseInt($("topk").value, 10), max_tokens: 32};
+                ratio: ratioOf($("ratio").value), retrieval_top_k: parseInt($("topk").value, 10), max_tokens: 32};
   $("status").textContent = "asking...";
   $("answer").textContent = ""; $("ttft").innerHTML = ""; $("explain").innerHTML = "";
   const t0 = performance.now();
@@ -57,7 +62,8 @@ async function ask(ev) {
     if (!r.ok) { $("status").textContent = "error: " + out.error.message; return; }
     const fr = out.fusionrag;
     $("answer").textContent = out.choices[0].message.content || "(empty answer)";
-    $("status").textContent = `${fr.method} on ${fr.kv} KV, ratio ${fr.ratio}: ${fr.recomputed_tokens} of ` +
+    const ratio = fr.auto_ratio ? `${Number(fr.ratio).toFixed(3)} (auto)` : fr.ratio;
+    $("status").textContent = `${fr.method} on ${fr.kv} KV, ratio ${ratio}: ${fr.recomputed_tokens} of ` +
       `${fr.context_tokens} context tokens recomputed; ${Math.round(performance.now() - t0)} ms in the browser`;
     const rows = Object.entries(fr.ttft_ms).map(([k, v]) => `<tr><th>${esc(k)}</th><td>${v.toFixed(1)} ms</td></tr>`);
     rows.push(`<tr><th>queue</th><td>${fr.server.queue_ms.toFixed(1)} ms</td></tr>`);
@@ -81,9 +87,9 @@ if (params.get("q")) { $("q").value = params.get("q"); ask(); }
 """
 
 
-def ui_page(methods: list[str], default_method: str, default_ratio: float, needs_key: bool) -> str:
-    """The page, with the server's methods and defaults filled in."""
+def ui_page(methods: list[str], default_method: str, default_ratio: float | str, needs_key: bool) -> str:
+    """The page, with the server's methods and defaults filled in (the ratio: a number, or ``auto``)."""
     options = "".join(f"<option{' selected' if m == default_method else ''}>{html.escape(m)}</option>"
                       for m in methods)
-    return (_PAGE.replace("__OPTIONS__", options).replace("__RATIO__", html.escape(json.dumps(default_ratio)))
+    return (_PAGE.replace("__OPTIONS__", options).replace("__RATIO__", html.escape(str(default_ratio)))
             .replace("__KEYSTYLE__", "" if needs_key else " hidden"))

@@ -29,7 +29,9 @@ served; false: each load runs whole inside the step that needs it, ``max_loads_p
 shared by servers, ``redis://HOST:PORT``: Redis down = disk reads), ``debug_dir`` (a folder: one JSON per
 loaded request, with the tokens recomputed). Per request,
 ``kv_transfer_params={"fusionrag": {"ratio": r}}`` or ``{"fusionrag": "off"}``; the response's
-``kv_transfer_params["fusionrag"]`` says what it was served (:meth:`~fusionrag.vllm.planning.Planner.report`).
+``kv_transfer_params["fusionrag"]`` says what it was served (:meth:`~fusionrag.vllm.planning.Planner.report`:
+for ``ratio: "auto"`` the share chosen, and the tokens recomputed, which the workers send back with their step's
+output, :class:`FusionRAGServed`).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    KVConnectorWorkerMetadata,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
@@ -66,6 +69,20 @@ DEFAULTS = {"ratio": 0.15, "method": "fusionrag", "min_context_tokens": 256, "as
 @dataclass
 class FusionRAGMetadata(KVConnectorMetadata):
     loads: list[ReqLoad] = field(default_factory=list)
+
+
+@dataclass
+class FusionRAGServed(KVConnectorWorkerMetadata):
+    """Worker -> scheduler, with a step's output: what each load written in that step recomputed, by request id
+    (``chosen_share``, ``recomputed_tokens``: :meth:`~fusionrag.vllm.loading.Loader.take_served`), for the
+    response's report. Tensor-parallel ranks recompute the same positions: their reports merge."""
+
+    served: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if isinstance(other, FusionRAGServed):
+            self.served = {**other.served, **self.served}
+        return self
 
 
 @dataclass
@@ -164,9 +181,13 @@ class FusionRAGConnector(KVConnectorBase_V1):
         return FusionRAGMetadata(self.planner.loads(scheduler_output))
 
     def update_connector_output(self, connector_output: Any) -> None:
-        """A failed asynchronous load: vLLM looks the request up again from scratch, and prefills it itself."""
+        """A failed asynchronous load: vLLM looks the request up again from scratch, and prefills it itself.
+        What the workers recomputed for the loads of the step is kept for the response's report."""
         for req_id in getattr(connector_output, "failed_recving", None) or ():
             self.planner.load_failed(req_id)
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if isinstance(meta, FusionRAGServed):
+            self.planner.served(meta.served)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return False, {"fusionrag": self.planner.report(request.request_id)}
@@ -239,6 +260,11 @@ class FusionRAGConnector(KVConnectorBase_V1):
         received, self._received = self._received, set()
         failed, self._failed_async = self._failed_async, set()
         return KVConnectorTransferResults(finished_recving=received, failed_recving=failed)
+
+    def build_connector_worker_meta(self) -> FusionRAGServed | None:
+        """What the loads written in this step recomputed, to the scheduler side (the response reports it)."""
+        served = self.loader.take_served() if self.loader is not None else {}
+        return FusionRAGServed(served) if served else None
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None

@@ -64,6 +64,8 @@ class Loader:
         self.auto = AutoRatio.from_settings(store.settings)  # how ratio="auto" is sized: the store's calibration
         self._system: dict[tuple[int, ...], KV] = {}
         self._queue: deque[LoadJob] = deque()
+        #: What each load written since :meth:`take_served` recomputed, by request id (the response reports it).
+        self._served: dict[str, dict[str, float | int]] = {}
 
     def load(self, load: ReqLoad) -> None:
         """The whole load of one request, now."""
@@ -78,6 +80,13 @@ class Loader:
 
     def pending(self) -> int:
         return len(self._queue)
+
+    def take_served(self) -> dict[str, dict[str, float | int]]:
+        """What the loads written since the last call recomputed (``chosen_share``: the share of the context's
+        candidates the selection chose, ``ratio="auto"``'s own; ``recomputed_tokens``: every position recomputed,
+        a client's gaps included), by request id; forgotten here once taken."""
+        served, self._served = self._served, {}
+        return served
 
     def cancel(self, req_ids: set[str]) -> list[str]:
         """Drop the queued loads of requests vLLM finished (aborted): the ids whose blocks it may now free."""
@@ -191,6 +200,7 @@ class Loader:
         write_paged(vm, work, load.first, load.end, slot_mapping(load.block_ids, load.block_size, load.first,
                                                                  load.end))
         job.work = None  # the request-local buffer is not kept past its load
+        self._served[load.req_id] = {"chosen_share": round(job.chosen, 4), "recomputed_tokens": job.selected.numel()}
         if self.debug_dir and vm.tp.rank == 0:  # what was loaded and recomputed, one JSON per request (tests)
             from fusionrag.files import atomic_write
 

@@ -10,8 +10,9 @@ allocated the blocks, the plan becomes a :class:`ReqLoad` for the workers. The p
 finishes (a preempted request is looked up again) and made again only when the store changes.
 
 What a request was served is reported back to the client in the response's ``kv_transfer_params``
-(:meth:`Planner.report`): the method and ratio, the context tokens and the share of them that came from
-the store.
+(:meth:`Planner.report`): the method and ratio (``ratio: "auto"``: the share its selection chose), the context
+tokens and the share of them that came from the store, and how many tokens the worker recomputed (what the
+workers send back with their step's output, :meth:`Planner.served`).
 """
 
 from __future__ import annotations
@@ -94,6 +95,7 @@ class Planner:
         self._firsts: dict[str, int] = {}
         self._ready: dict[str, tuple[Any, Plan, int]] = {}
         self._blocks: dict[str, list[int]] = {}  # an asynchronous load's blocks, as vLLM allocated them
+        self._served: dict[str, dict[str, Any]] = {}  # what a worker recomputed for a loaded request (report)
         self._loads_this_step = 0
         self.asynchronous = bool(options.get("async_loads", False))
 
@@ -139,6 +141,12 @@ class Planner:
             if self.asynchronous:
                 self._blocks[request.request_id] = block_ids()
 
+    def served(self, by_request: dict[str, dict[str, Any]]) -> None:
+        """What the workers recomputed for requests they loaded (their step's output): kept for :meth:`report`.
+        A request already reported is not kept (a synchronous load of a one-token answer: vLLM finishes it in
+        the step that loads it, before the step's worker output reaches the connector)."""
+        self._served.update({rid: served for rid, served in by_request.items() if rid in self._plans})
+
     def load_failed(self, req_id: str) -> None:
         """A worker could not load the request: vLLM prefills it (when it looks it up again, nothing is served)."""
         if self._plans.get(req_id) is not None:
@@ -170,6 +178,7 @@ class Planner:
         """What the request was served, for the response's ``kv_transfer_params`` (and forgets the request)."""
         plan = self._plans.pop(request_id, None)
         reason = self._reasons.pop(request_id, None)
+        served = self._served.pop(request_id, {})
         for held in (self._ready, self._firsts, self._client_salts, self._blocks):
             held.pop(request_id, None)
         if plan is None:
@@ -177,9 +186,11 @@ class Planner:
         context = plan.end - plan.match.system_len
         stored = plan.match.stored_tokens
         auto = {"auto_ratio": self.auto.summary()} if is_auto(plan.ratio) else {}
-        return {"method": plan.method, "ratio": plan.ratio, **auto, "context_tokens": context, "stored_tokens": stored,
+        ratio = served["chosen_share"] if auto and "chosen_share" in served else plan.ratio  # auto: the share chosen
+        recomputed = {"recomputed_tokens": served["recomputed_tokens"]} if "recomputed_tokens" in served else {}
+        return {"method": plan.method, "ratio": ratio, **auto, "context_tokens": context, "stored_tokens": stored,
                 "stored_share": round(stored / context, 4) if context > 0 else 0.0,
-                "chunks": len(plan.match.chunks), "loaded_tokens": plan.loaded_tokens}
+                "chunks": len(plan.match.chunks), "loaded_tokens": plan.loaded_tokens, **recomputed}
 
     def _plan_and_salt(self, request: Any) -> Plan | None:
         try:
