@@ -2,10 +2,11 @@
 
     .venv/bin/python benchmarks/vllm/vllm_load_bench.py --out benchmarks/vllm/results/load \\
         [--clients 8,16] [--contexts 2048] [--duration 240] [--max-requests 64] [--max-tokens 16] \\
-        [--servers vllm,async,sync]
+        [--servers vllm,async,sync,async256]
 
 Servers: ``vllm`` (vLLM alone), ``async`` (the connector at 15%, asynchronous loads in pieces: its default,
-decision 066), ``sync`` (the connector loading inside vLLM's step, ``async_loads: false``: what it did before).
+decision 066), ``sync`` (the connector loading inside vLLM's step, ``async_loads: false``: what it did before),
+``async256`` (asynchronous loads at half the default budget, ``load_tokens_per_step: 256``).
 ``--contexts``: each request's passages are a question's, then the next questions' until the prompt holds
 about that many tokens (one list of requests per context length, every server gets the same).
 
@@ -65,7 +66,8 @@ def main(argv: list[str] | None = None) -> int:
                                 tokens=lambda m: len(chat_prompt_ids(lm.tokenizer, m)))
         batches[target] = (requests, statistics.median(len(chat_prompt_ids(lm.tokenizer, m)) for m in requests[:20]))
     servers = {"vllm": ("vllm", None), "async": ("vllm+fusionrag", connector_config(store.path, 0.15)),
-               "sync": ("vllm+fusionrag sync", connector_config(store.path, 0.15, async_loads=False))}
+               "sync": ("vllm+fusionrag sync", connector_config(store.path, 0.15, async_loads=False)),
+               "async256": ("vllm+fusionrag 256", connector_config(store.path, 0.15, load_tokens_per_step=256))}
     rows = []
     for name in args.servers.split(","):
         engine, config = servers[name]
@@ -79,7 +81,8 @@ def main(argv: list[str] | None = None) -> int:
                     row = {"engine": engine, "loads": name if name != "vllm" else None, "clients": n, "replicas": 1,
                            "context_tokens": context, "max_tokens": args.max_tokens, "ttft_p50_s": s["ttft_p50_s"],
                            "ttft_p99_s": s["ttft_p99_s"], "itl_p50_s": s["itl_p50_s"], "itl_p99_s": s["itl_p99_s"],
-                           "requests_per_s": s["requests_per_s"], "requests": s["requests"], "failed": s["failed"]}
+                           "requests_per_s": s["requests_per_s"], "requests": s["requests"], "failed": s["failed"],
+                           "answer_tokens_p50": s["answer_tokens_p50"]}
                     rows.append(row)
                     print(f"[load] {json.dumps(row)}", file=sys.stderr, flush=True)
     meta = build_meta(command=shlex.join(["benchmarks/vllm/vllm_load_bench.py", *sys.argv[1:]]),
@@ -92,11 +95,11 @@ def main(argv: list[str] | None = None) -> int:
           f"core), {meta['machine'].get('cpu_model')}. `vllm+fusionrag` loads asynchronously in pieces (its "
           "default); `vllm+fusionrag sync` loads inside vLLM's step (`async_loads: false`).", "",
           "| engine | context tokens | clients | ok / failed | TTFT p50 s | TTFT p99 s | ITL p50 s | ITL p99 s "
-          "| requests/s |", "|---|---|---|---|---|---|---|---|---|"]
+          "| requests/s | answer tokens p50 |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         md.append(f"| {r['engine']} | {r['context_tokens']:.0f} | {r['clients']} | {r['requests'] - r['failed']} / "
                   f"{r['failed']} | {r['ttft_p50_s']:.2f} | {r['ttft_p99_s']:.2f} | {r['itl_p50_s']:.3f} | "
-                  f"{r['itl_p99_s']:.3f} | {r['requests_per_s']:.3f} |")
+                  f"{r['itl_p99_s']:.3f} | {r['requests_per_s']:.3f} | {r.get('answer_tokens_p50') or '-'} |")
     md += ["", "| connector | context tokens | clients | TTFT p50, vLLM / connector | TTFT p99 | ITL p99, connector / "
            "vLLM | requests/s, connector / vLLM |", "|---|---|---|---|---|---|---|"]
     for f in rows:

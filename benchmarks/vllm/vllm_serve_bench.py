@@ -200,14 +200,16 @@ async def closed_loop(port: int, requests: list[list[dict]], clients: int, durat
         t0 = time.perf_counter()
         first = None
         arrivals: list[float] = []  # when each streamed piece of the answer arrived (inter-token latency)
-        body = {"model": "m", "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": stream}
-        done = False
+        body = {"model": "m", "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": stream,
+                **({"stream_options": {"include_usage": True}} if stream else {})}
+        done, tokens = False, None  # tokens: the answer's, from the usage vLLM sends last
         try:
             if not stream:
                 r = await client.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body)
                 ok = r.status_code == 200 and bool(r.json().get("choices"))
                 latency = time.perf_counter() - t0
-                return {"i": i, "ok": ok, "ttft_s": latency, "latency_s": latency, "itl_s": [],
+                tokens = (r.json().get("usage") or {}).get("completion_tokens") if ok else None
+                return {"i": i, "ok": ok, "ttft_s": latency, "latency_s": latency, "itl_s": [], "tokens": tokens,
                         **({} if ok else {"error": f"HTTP {r.status_code}"})}
             async with client.stream("POST", f"http://127.0.0.1:{port}/v1/chat/completions", json=body) as r:
                 if r.status_code != 200:
@@ -216,13 +218,14 @@ async def closed_loop(port: int, requests: list[list[dict]], clients: int, durat
                     done = done or line == "data: [DONE]"
                     if line.startswith("data: ") and line != "data: [DONE]":
                         chunk = json.loads(line[6:])
+                        tokens = (chunk.get("usage") or {}).get("completion_tokens", tokens)
                         if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
                             arrivals.append(time.perf_counter())
                             if first is None:
                                 first = arrivals[-1] - t0
             gaps = [b - a for a, b in itertools.pairwise(arrivals)]
             return {"i": i, "ok": first is not None and done, "ttft_s": first,
-                    "latency_s": time.perf_counter() - t0, "itl_s": gaps,
+                    "latency_s": time.perf_counter() - t0, "itl_s": gaps, "tokens": tokens,
                     **({} if done else {"error": "the stream ended without [DONE]"})}
         except httpx.HTTPError as exc:
             return {"i": i, "ok": False, "error": type(exc).__name__}
@@ -252,6 +255,8 @@ def summary(results: list[dict], wall: float) -> dict:
     return {"requests": len(results), "ok": len(ok), "failed": len(results) - len(ok),
             "ttft_p50_s": pct(0.5), "ttft_p99_s": pct(0.99), "ttft_mean_s": statistics.fmean(ttft) if ttft else None,
             "itl_p50_s": gap(0.5), "itl_p99_s": gap(0.99),
+            "answer_tokens_p50": statistics.median(counts) if (counts := [r["tokens"] for r in ok
+                                                                            if r.get("tokens") is not None]) else None,
             "requests_per_s": len(ok) / wall if wall else None, "wall_s": wall}
 
 

@@ -92,3 +92,23 @@ def test_each_token_is_decoded_once(lm, monkeypatch):
     assert sum(decoded) <= 6 * n, (sum(decoded), decoded)  # quadratic would be ~1,900
     monkeypatch.undo()
     assert answer.text == lm.tokenizer.decode(answer.token_ids, skip_special_tokens=True).strip()
+
+
+def test_the_request_is_what_was_asked_what_was_served_and_what_was_answered(lm):
+    """Three objects, each written by one stage: before its prefill a request reads as asked (its method and
+    ratio) with nothing served; after it, what was served is one ``Served`` the prefill wrote, which nothing
+    else may set through the request, and the answer is the output step's (its first token included)."""
+    from fusionrag.online.served import Served
+
+    engine = Engine(None, lm)
+    req = Request.of("Who discovered polonium?", max_new_tokens=4, method="full", chunks=[{"text": "Marie Curie."}])
+    assert req.served is None and req.method == "full" and req.sources == [] and req.ttft_ms == {}
+    assert engine.prepare(req) is req  # the scheduler, inline, for one token
+    assert isinstance(req.served, Served) and req.sources == req.served.sources and req.method == "full"
+    assert req.first_token == req.answer.first_token >= 0
+    assert req.ttft_ms["total"] == pytest.approx(req.served.stages_ms["total"] + req.answer.first_token_ms)
+    for name in ("method", "note", "sources", "kv_origins", "pre"):
+        with pytest.raises(AttributeError):
+            setattr(req, name, None)
+    served_fields = set(Served.__dataclass_fields__)
+    assert not served_fields & set(vars(req)), served_fields & set(vars(req))  # none kept on the request itself

@@ -27,16 +27,15 @@ def take_token(req: Request, logits: torch.Tensor, stop_ids: set[int], tokenizer
     """Pick ``req``'s next token from ``logits`` and send it; the finish reason (``stop`` or ``length``) when this
     token ends the request, else None. A sampling failure raises: it is this request's, not the batch's."""
     run = req.progress
-    timing = clock() if req.first_token < 0 else None  # picking the first token: TTFT's last stage
+    answer = req.answer
+    timing = clock() if answer.first_token < 0 else None  # picking the first token: TTFT's last stage
     picked = run.sampler.pick(logits)
     if timing is not None:
-        req.first_token = picked.token
-        req.picked_first(timing.total())
+        answer.first_token, answer.first_token_ms = picked.token, timing.total()
     if picked.token in stop_ids or picked.token in req.sampling.stop_token_ids:
         return "stop"
     if run.streamer is None:
         run.streamer = TextStreamer(tokenizer, req.sampling.skip_special_tokens)
-    answer = req.answer
     answer.token_ids.append(picked.token)
     answer.token_times.append(time.perf_counter())
     stats.tokens_generated += 1

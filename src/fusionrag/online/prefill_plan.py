@@ -10,7 +10,7 @@
 4. :func:`choose` — the context tokens the method recomputes (the question's attention picks them for
    FusionRAG), with the gaps a client's prompt forces.
 5. the prefill pass (:mod:`fusionrag.online.prefill`), in pieces of the step's token budget, then
-   :func:`record` fills the request.
+   :func:`record` gives the request what it was served (:class:`~fusionrag.online.served.Served`).
 
 :class:`PrefillPlan` holds the stages' results and runs the next stage when the scheduler advances it; a
 prompt longer than the budget ends a piece after loading, after selecting, and after each piece of the
@@ -46,6 +46,7 @@ from fusionrag.online.prefill import (
     with_cut_starts,
 )
 from fusionrag.online.resolved import Resolved
+from fusionrag.online.served import Served
 from fusionrag.online.state import Request
 from fusionrag.prompt import PromptBuilder
 
@@ -189,25 +190,26 @@ def choose(engine: PlanEngine, r: Resolving, loaded: Loaded, a: Assembled) -> Se
 
 def record(engine: PlanEngine, req: Request, r: Resolving, loaded: Loaded | None, selection: Selection | None,
            pre: Prefilled, timings: dict[str, float]) -> None:
-    """Fill the request from its prefill: the prompt, its KV and first logits, what was reused and from where, and
-    the ratio used (``"auto"``: the share it chose)."""
+    """What the prefill served the request (:class:`Served`, written once): the prompt, its KV and first logits,
+    what was reused and from where, and the ratio used (``"auto"``: the share it chose)."""
     res = r.resolved
     origins = ["context_cache"] * len(res.pieces) if r.cached is not None else \
         loaded.origins if loaded is not None else ["computed"] * len(res.pieces)
     pre.timings_ms["recompute"] = timings["recompute"]
-    req.sources = [{"chunk_id": p.chunk_id, "title": p.title, "source": p.source, "score": score,
-                    "stored": p.chunk_id is not None, "part": list(p.span) if p.span else None, "origin": origin}
-                   for p, score, origin in zip(res.pieces, res.scores, origins, strict=True)]
-    req.pre, req.method, req.kv_kind = pre, r.method, r.kv_kind
-    req.ratio = selection.share if selection is not None and selection.share is not None else r.ratio
-    req.auto_ratio = engine.auto_ratio if is_auto(r.ratio) else None
-    req.prompt_token_ids = [*r.system_ids, *(t for c in r.token_ids for t in c), *r.question_ids]
-    req.progress.sampler.see_prompt(req.prompt_token_ids)
-    req.chunk_ids, req.passages, req.chunk_token_ids, req.ttft_ms = res.chunk_ids, res.passages, r.token_ids, timings
-    req.chunk_parts, req.fused_fallbacks = res.spans, loaded.fallbacks if loaded is not None else 0
-    req.note = r.note or ("context cache: this context's KV was computed by an earlier request"
-                          if r.cached is not None else "")
-    req.context_cache_hit, req.kv_origins = r.cached is not None, origins
+    prompt_ids = [*r.system_ids, *(t for c in r.token_ids for t in c), *r.question_ids]
+    req.served = Served(
+        pre=pre, method=r.method, kv_kind=r.kv_kind,
+        ratio=selection.share if selection is not None and selection.share is not None else r.ratio,
+        auto_ratio=engine.auto_ratio if is_auto(r.ratio) else None, prompt_token_ids=prompt_ids,
+        chunk_ids=res.chunk_ids, passages=res.passages, chunk_token_ids=r.token_ids, chunk_parts=res.spans,
+        stages_ms=timings, fused_fallbacks=loaded.fallbacks if loaded is not None else 0,
+        sources=[{"chunk_id": p.chunk_id, "title": p.title, "source": p.source, "score": score,
+                  "stored": p.chunk_id is not None, "part": list(p.span) if p.span else None, "origin": origin}
+                 for p, score, origin in zip(res.pieces, res.scores, origins, strict=True)],
+        note=r.note or ("context cache: this context's KV was computed by an earlier request"
+                        if r.cached is not None else ""),
+        context_cache_hit=r.cached is not None, kv_origins=origins)
+    req.progress.sampler.see_prompt(prompt_ids)
 
 
 class PrefillPlan:

@@ -3,13 +3,15 @@
 Like vLLM's ``Request``: created once, when a request is admitted (the server's parser, the CLI, the
 Python API: :meth:`Request.of`), from a validated :class:`~fusionrag.online.request.ReuseRequest` and how
 to pick its tokens, and handed to the scheduler (``submit``), the one way in. ``status`` says where it is,
-and only the scheduler moves it (:meth:`Request.move`, along :data:`MOVES`); each stage fills its own
-fields once: the prefetch its passages (``resolved``), the prefill plan
-(:class:`~fusionrag.online.prefill_plan.PrefillPlan`) the prompt's KV, the first token's logits and the
-stage timings, the output step (:mod:`fusionrag.online.output`) the :class:`Answer` (its tokens, text, finish
-reason and their times: ``req.answer``; ``text``, ``token_ids`` and ``finish_reason`` read through). What the
-scheduler alone works with is the request's :class:`Progress`. The caller's side (``events``, ``result``,
-``cancel``) is thread-safe; ``emit`` runs on the model thread.
+and only the scheduler moves it (:meth:`Request.move`, along :data:`MOVES`). Apart from what its caller asked
+(``reuse``, ``sampling``), each stage writes its own object, once: the prefetch its passages (``resolved``),
+the prefill plan (:class:`~fusionrag.online.prefill_plan.PrefillPlan`) what it served
+(:class:`~fusionrag.online.served.Served`: the prompt's KV and first logits, the method and ratio that ran,
+the passages and where their KV came from; read through the request, ``req.method``, ``req.sources``, ...),
+the output step (:mod:`fusionrag.online.output`) the :class:`Answer` (its tokens, text, finish reason and their
+times; ``text``, ``token_ids`` and ``finish_reason`` read through). What the scheduler alone works with is the
+request's :class:`Progress`. The caller's side (``events``, ``result``, ``cancel``) is thread-safe; ``emit``
+runs on the model thread.
 """
 
 from __future__ import annotations
@@ -29,10 +31,10 @@ import torch
 
 from fusionrag.execution.generate import TextStreamer
 from fusionrag.kvcache.kv import KV
-from fusionrag.online.prefill import Prefilled
 from fusionrag.online.request import ReuseRequest
 from fusionrag.online.sampling import SamplingParams, StopMatcher, TokenSampler
 from fusionrag.online.scheduled import Event, Listener
+from fusionrag.online.served import Served
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +75,8 @@ class Answer:
     emitted: str = ""  # the text sent so far (stop strings cut, held-back tails included at the end)
     text: str = ""  # the whole answer: the tokens as the streamer decoded them, once
     finish_reason: str | None = None  # "stop" | "length"
+    first_token: int = -1  # the first answer token picked (a stop token included; Engine.prepare's greedy pick)
+    first_token_ms: float | None = None  # how long picking it took after the prefill: TTFT's last stage
     first_token_at: float | None = None  # perf_counter() of the first generated token
     finished_at: float | None = None  # ... of the end (done or error)
     token_times: list[float] = field(default_factory=list)  # ... of each generated token (inter-token latency)
@@ -90,6 +94,25 @@ class Progress:
     last_token: int = -1
 
 
+class _FromServed:
+    """A field of the request's :class:`Served`, read through the request (``empty()`` before its prefill). The
+    prefill plan alone writes it, once, as a whole ``Served``: setting it on the request is refused."""
+
+    def __init__(self, empty: Any, field_name: str | None = None) -> None:
+        self.empty, self.field_name = empty, field_name
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.field_name = self.field_name or name
+
+    def __get__(self, req: Any, owner: type | None = None) -> Any:
+        if req is None:
+            return self
+        return self.empty() if req.served is None else getattr(req.served, str(self.field_name))
+
+    def __set__(self, req: Any, value: Any) -> None:
+        raise AttributeError(f"{self.field_name} is what the prefill served (Request.served), written once by it")
+
+
 class Request:
     """One request's state (see the module doc). Fields a stage has not filled yet are empty."""
 
@@ -103,34 +126,8 @@ class Request:
         self.submitted_at = time.perf_counter()
         # the prefetch: its Resolved passages, the request's own
         self.resolved: Future | None = None
-        # the prefill (Engine.prepare)
-        self.pre: Prefilled | None = None  # the prompt's KV and the logits of the first answer token
-        self.method = reuse.method  # the method it ran (method=auto's choice once prepared)
-        self.kv_kind = ""  # "plain" | "fused" | "plain-first" | "none" (Full Attention)
-        #: The ratio asked (a number, or "auto"); once prefilled, the one used ("auto": the share it chose).
-        self.ratio: float | str = reuse.ratio
-        self.auto_ratio: Any = None  # for ratio="auto": the AutoRatio that sized it (its mass, floor, ceiling)
-        self.chunk_ids: list[int | None] = []  # None for request-supplied passages not in the store
-        self.passages: list[dict] = []
-        self.chunk_token_ids: list[list[int]] = []
-        #: Per chunk, the stored chunk's tokens it holds when only part of the chunk is in the prompt (a client's
-        #: own split: :attr:`fusionrag.retrieval.matching.Piece.span`); None for a whole chunk or new text.
-        self.chunk_parts: list[tuple[int, int] | None] = []
-        self.prompt_token_ids: list[int] = []  # S + chunks + question (a raw prompt: its own ids), as prefilled
-        self.ttft_ms: dict[str, float] = {}  # retrieve / load / select / recompute / first_token / total
-        self.fused_fallbacks = 0
-        #: Where each chunk came from, for citing: ``{chunk_id, title, source, score, stored, part}`` (``part``: the
-        #: stored chunk's ``[first, stop]`` tokens when only part of it is in the prompt).
-        self.sources: list[dict] = []
-        #: Why the request ran as it did when that differs from what it asked; empty otherwise.
-        self.note = ""
-        #: The prompt's ``S`` + chunks came from the whole-context cache: only the question was prefilled.
-        self.context_cache_hit = False
-        #: Per passage, where its KV came from: ``store`` (precomputed), ``prefix_cache`` (a passage the store
-        #: does not hold, computed by an earlier request), ``context_cache`` (the whole context, earlier) or
-        #: ``computed`` (by this request: new text, or every passage of a Full Attention prefill).
-        self.kv_origins: list[str] = []
-        self.first_token = -1  # the first answer token: Engine.prepare's greedy pick, or the scheduler's sampled one
+        #: What the prefill served it (the plan's last stage writes it once): its KV, method, ratio, passages.
+        self.served: Served | None = None
         #: The answer (the output step's): its tokens, text, finish reason and their times.
         self.answer = Answer()
         self.error: BaseException | None = None
@@ -180,10 +177,6 @@ class Request:
         """Deliver this request's events to ``listener`` (on the model thread) instead of its queue."""
         self._listener, self._events = listener, None
 
-    def picked_first(self, ms: float) -> None:
-        """The first token was picked, in ``ms`` after the prefill: a stage of TTFT (``first_token``)."""
-        self.ttft_ms = {**self.ttft_ms, "first_token": ms, "total": self.ttft_ms.get("total", 0.0) + ms}
-
     @property
     def question(self) -> str:
         return self.reuse.question
@@ -198,23 +191,50 @@ class Request:
         except Exception:  # best effort: the prefill resolves the request itself
             return None
 
-    # -- after prefill ---------------------------------------------------------------------
+    # -- what the prefill served (:class:`Served`), read through; empty before the prefill ------------------
+
+    pre = _FromServed(lambda: None)  # the prompt's KV and the logits of the first answer token (Prefilled)
+    kv_kind = _FromServed(str)
+    kv = _FromServed(str, "kv_kind")  # the answer's name for it: which stored KV the request reused
+    auto_ratio = _FromServed(lambda: None)
+    prompt_token_ids = _FromServed(list)
+    chunk_ids = _FromServed(list)
+    passages = _FromServed(list)
+    chunk_token_ids = _FromServed(list)
+    chunk_parts = _FromServed(list)
+    fused_fallbacks = _FromServed(int)
+    sources = _FromServed(list)
+    note = _FromServed(str)
+    context_cache_hit = _FromServed(bool)
+    kv_origins = _FromServed(list)
+    prompt_tokens = _FromServed(int)
+    precomputed_tokens = _FromServed(int)
+    reused_by_origin = _FromServed(dict)
 
     @property
-    def prompt_tokens(self) -> int:
-        return 0 if self.pre is None else self.pre.kv.base_position + len(self.pre.kv)
-
-    def take_kv(self) -> KV:
-        """Hand the prompt KV to a decoder; this object stops holding it (so its memory can go)."""
-        assert self.pre is not None
-        kv = self.pre.kv
-        self.pre.kv = KV.empty_like(kv, kv.base_position + len(kv))
-        return kv
+    def method(self) -> str:
+        """The method that ran (``auto``'s choice), or before the prefill the one asked."""
+        return self.reuse.method if self.served is None else self.served.method
 
     @property
-    def kv(self) -> str:
-        """Which stored KV the request reused (the answer's name for ``kv_kind``)."""
-        return self.kv_kind
+    def ratio(self) -> float | str:
+        """The ratio asked (a number, or "auto"); once prefilled, the one used ("auto": the share it chose)."""
+        return self.reuse.ratio if self.served is None else self.served.ratio
+
+    @property
+    def first_token(self) -> int:
+        """The first answer token (:attr:`Answer.first_token`); -1 before it is picked."""
+        return self.answer.first_token
+
+    @property
+    def ttft_ms(self) -> dict[str, float]:
+        """Time to first token by stage: the prefill's (retrieve / load / select / recompute), then picking the
+        first token (``first_token``), and their ``total``."""
+        stages = {} if self.served is None else dict(self.served.stages_ms)
+        if self.answer.first_token_ms is not None:
+            stages["first_token"] = self.answer.first_token_ms
+            stages["total"] = stages.get("total", 0.0) + self.answer.first_token_ms
+        return stages
 
     @property
     def context_tokens(self) -> int:
@@ -225,31 +245,9 @@ class Request:
         return 0 if self.pre is None else self.pre.recomputed
 
     @property
-    def precomputed_tokens(self) -> int:
-        """Context tokens of passages whose KV came precomputed (the store or a cache, :attr:`kv_origins`),
-        before any recompute: how much of the context the request found ready."""
-        if self.pre is None or self.method == "full":
-            return 0
-        return sum(b - a for (a, b), origin in zip(self.pre.spans, self.kv_origins, strict=False)
-                   if origin != "computed")
-
-    @property
     def reused_tokens(self) -> int:
-        """Context tokens served from KV this request did not compute: those of passages whose KV came from
-        the store or a cache (:attr:`kv_origins`), less the ones it recomputed."""
+        """Context tokens served from KV this request did not compute (:attr:`Served.reused_by_origin`)."""
         return sum(self.reused_by_origin.values())
-
-    @property
-    def reused_by_origin(self) -> dict[str, int]:
-        """:attr:`reused_tokens` by where the KV came from (``store``, ``prefix_cache``, ``context_cache``)."""
-        if self.pre is None:
-            return {}
-        chosen = self.pre.selected.cpu() if self.pre.selected is not None else torch.empty(0, dtype=torch.long)
-        out: dict[str, int] = {}
-        for (a, b), origin in zip(self.pre.spans, self.kv_origins, strict=False):
-            if origin != "computed":
-                out[origin] = out.get(origin, 0) + (b - a) - int(((chosen >= a) & (chosen < b)).sum())
-        return out
 
     @property
     def first_logits(self) -> torch.Tensor | None:
@@ -262,6 +260,13 @@ class Request:
     @property
     def spans(self) -> list[tuple[int, int]]:
         return [] if self.pre is None else self.pre.spans
+
+    def take_kv(self) -> KV:
+        """Hand the prompt KV to a decoder; this object stops holding it (so its memory can go)."""
+        assert self.pre is not None
+        kv = self.pre.kv
+        self.pre.kv = KV.empty_like(kv, kv.base_position + len(kv))
+        return kv
 
     # -- caller side --------------------------------------------------------------------
 
