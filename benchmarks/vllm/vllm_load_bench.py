@@ -1,7 +1,7 @@
 """Under load: vLLM alone vs vLLM with the connector, 8 and 16 closed-loop clients, the issue's JSON rows.
 
     .venv/bin/python benchmarks/vllm/vllm_load_bench.py --out benchmarks/vllm/results/load \\
-        [--clients 8,16] [--contexts 2048] [--duration 240] [--max-requests 64] [--max-tokens 16] \\
+        [--clients 8,16] [--contexts 2048] [--duration 240] [--max-requests 64] [--max-tokens 16] [--ignore-eos] \\
         [--servers vllm,async,sync,async256]
 
 Servers: ``vllm`` (vLLM alone), ``async`` (the connector at 15%, asynchronous loads in pieces: its default,
@@ -52,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--duration", type=float, default=240.0)
     ap.add_argument("--max-requests", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--ignore-eos", action="store_true", help="every answer runs to --max-tokens (vLLM's ignore_eos)")
     ap.add_argument("--port", type=int, default=8630)
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
@@ -76,10 +77,12 @@ def main(argv: list[str] | None = None) -> int:
                 requests, context = batches[target]
                 for k, n in enumerate(clients):
                     batch = requests[k * args.max_requests:(k + 1) * args.max_requests]
-                    results, wall = asyncio.run(closed_loop(args.port, batch, n, args.duration, args.max_tokens))
+                    results, wall = asyncio.run(closed_loop(args.port, batch, n, args.duration, args.max_tokens,
+                                                                ignore_eos=args.ignore_eos))
                     s = summary(results, wall)
                     row = {"engine": engine, "loads": name if name != "vllm" else None, "clients": n, "replicas": 1,
-                           "context_tokens": context, "max_tokens": args.max_tokens, "ttft_p50_s": s["ttft_p50_s"],
+                           "context_tokens": context, "max_tokens": args.max_tokens, "ignore_eos": args.ignore_eos,
+                           "ttft_p50_s": s["ttft_p50_s"],
                            "ttft_p99_s": s["ttft_p99_s"], "itl_p50_s": s["itl_p50_s"], "itl_p99_s": s["itl_p99_s"],
                            "requests_per_s": s["requests_per_s"], "requests": s["requests"], "failed": s["failed"],
                            "answer_tokens_p50": s["answer_tokens_p50"]}
@@ -89,9 +92,11 @@ def main(argv: list[str] | None = None) -> int:
                       model="qwen2.5-0.5b", data_files=[args.data],
                       extra={"duration_s": args.duration, "max_requests": args.max_requests, "threads": 1})
     atomic_write(out / "load.json", json.dumps({"meta": meta, "rows": rows}, indent=1))
+    eos = " (ignore_eos: every answer that long)" if args.ignore_eos else ""
     md = ["# Under load: vLLM alone vs vLLM + fusionrag's connector (15%)", "",
           f"`{meta['command']}`: closed loop, at most {args.duration:.0f} s or {args.max_requests} requests per cell, "
-          f"{args.max_tokens} tokens per answer, bf16, one thread per server (every process of a server on one "
+          f"up to {args.max_tokens} tokens per answer{eos}"
+          ", bf16, one thread per server (every process of a server on one "
           f"core), {meta['machine'].get('cpu_model')}. `vllm+fusionrag` loads asynchronously in pieces (its "
           "default); `vllm+fusionrag sync` loads inside vLLM's step (`async_loads: false`).", "",
           "| engine | context tokens | clients | ok / failed | TTFT p50 s | TTFT p99 s | ITL p50 s | ITL p99 s "

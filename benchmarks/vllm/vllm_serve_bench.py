@@ -185,10 +185,11 @@ def wait_ready(port: int, proc: subprocess.Popen, timeout_s: float = 600) -> Non
 
 
 async def closed_loop(port: int, requests: list[list[dict]], clients: int, duration_s: float,
-                      max_tokens: int, stream: bool = True) -> tuple[list[dict], float]:
+                      max_tokens: int, stream: bool = True, ignore_eos: bool = False) -> tuple[list[dict], float]:
     """``clients`` clients, each sending its next request when the last one ended. A streamed request is ok once
     its stream ended with ``[DONE]`` after at least one token; a non-streamed one (``stream=False``) once it
-    answered 200 with a choice (its ``ttft_s`` is then the whole latency)."""
+    answered 200 with a choice (its ``ttft_s`` is then the whole latency). ``ignore_eos`` (vLLM's extension):
+    every answer runs to ``max_tokens`` (the model's own answers here end after ~5 tokens)."""
     import httpx
 
     queue = list(enumerate(requests))
@@ -201,7 +202,8 @@ async def closed_loop(port: int, requests: list[list[dict]], clients: int, durat
         first = None
         arrivals: list[float] = []  # when each streamed piece of the answer arrived (inter-token latency)
         body = {"model": "m", "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": stream,
-                **({"stream_options": {"include_usage": True}} if stream else {})}
+                **({"stream_options": {"include_usage": True}} if stream else {}),
+                **({"ignore_eos": True} if ignore_eos else {})}
         done, tokens = False, None  # tokens: the answer's, from the usage vLLM sends last
         try:
             if not stream:
