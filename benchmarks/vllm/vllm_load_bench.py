@@ -67,8 +67,8 @@ def main(argv: list[str] | None = None) -> int:
                                 tokens=lambda m: len(chat_prompt_ids(lm.tokenizer, m)))
         batches[target] = (requests, statistics.median(len(chat_prompt_ids(lm.tokenizer, m)) for m in requests[:20]))
     servers = {"vllm": ("vllm", None), "async": ("vllm+fusionrag", connector_config(store.path, 0.15)),
-               "sync": ("vllm+fusionrag sync", connector_config(store.path, 0.15, async_loads=False)),
-               "async256": ("vllm+fusionrag 256", connector_config(store.path, 0.15, load_tokens_per_step=256))}
+               "sync": ("vllm+fusionrag", connector_config(store.path, 0.15, async_loads=False)),
+               "async256": ("vllm+fusionrag", connector_config(store.path, 0.15, load_tokens_per_step=256))}
     rows = []
     for name in args.servers.split(","):
         engine, config = servers[name]
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
           "| engine | context tokens | clients | ok / failed | TTFT p50 s | TTFT p99 s | ITL p50 s | ITL p99 s "
           "| requests/s | answer tokens p50 |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        md.append(f"| {r['engine']} | {r['context_tokens']:.0f} | {r['clients']} | {r['requests'] - r['failed']} / "
+        md.append(f"| {_label(r)} | {r['context_tokens']:.0f} | {r['clients']} | {r['requests'] - r['failed']} / "
                   f"{r['failed']} | {r['ttft_p50_s']:.2f} | {r['ttft_p99_s']:.2f} | {r['itl_p50_s']:.3f} | "
                   f"{r['itl_p99_s']:.3f} | {r['requests_per_s']:.3f} | {r.get('answer_tokens_p50') or '-'} |")
     md += ["", "| connector | context tokens | clients | TTFT p50, vLLM / connector | TTFT p99 | ITL p99, connector / "
@@ -112,13 +112,19 @@ def main(argv: list[str] | None = None) -> int:
                   and r["context_tokens"] == f["context_tokens"]), None)
         if f["engine"] == "vllm" or v is None:
             continue
-        md.append(f"| {f['engine']} | {f['context_tokens']:.0f} | {f['clients']} | "
+        md.append(f"| {_label(f)} | {f['context_tokens']:.0f} | {f['clients']} | "
                   f"{v['ttft_p50_s'] / f['ttft_p50_s']:.2f}x | {v['ttft_p99_s'] / f['ttft_p99_s']:.2f}x | "
                   f"{f['itl_p99_s'] / v['itl_p99_s']:.2f}x | {f['requests_per_s'] / v['requests_per_s']:.2f}x |")
     atomic_write(out / "README.md", "\n".join(md) + "\n")
     _plot(rows, clients, out / "load.png")
     print("\n".join(md))
     return 0
+
+
+def _label(row: dict) -> str:
+    """The row's engine, and for the connector which loads ran (issue 49's rows keep ``engine`` to its two names)."""
+    return {None: "vllm", "async": "vllm+fusionrag", "sync": "vllm+fusionrag sync"}.get(
+        row.get("loads"), f"vllm+fusionrag {row.get('loads')}")
 
 
 def _plot(rows: list[dict], clients: list[int], path: Path) -> None:
@@ -128,8 +134,8 @@ def _plot(rows: list[dict], clients: list[int], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(12, 4.2))
-    for key in sorted({(r["engine"], r["context_tokens"]) for r in rows}):
-        mine = [r for n in clients for r in rows if (r["engine"], r["context_tokens"]) == key and r["clients"] == n]
+    for key in sorted({(_label(r), r["context_tokens"]) for r in rows}):
+        mine = [r for n in clients for r in rows if (_label(r), r["context_tokens"]) == key and r["clients"] == n]
         label = f"{key[0]}, ~{key[1]:.0f} tokens"
         for ax, field in zip(axes, ("ttft_p50_s", "itl_p99_s", "requests_per_s"), strict=True):
             ax.plot([r["clients"] for r in mine], [r[field] for r in mine], "o-", label=label)
