@@ -62,7 +62,8 @@ async function ask(ev) {
     if (!r.ok) { $("status").textContent = "error: " + out.error.message; return; }
     const fr = out.fusionrag;
     $("answer").textContent = out.choices[0].message.content || "(empty answer)";
-    const ratio = fr.auto_ratio ? `${Number(fr.ratio).toFixed(3)} (auto)` : fr.ratio;
+    // auto: the share chosen (none when the whole context came from an earlier request: no selection ran)
+    const ratio = fr.auto_ratio && typeof fr.ratio === "number" ? `${fr.ratio.toFixed(3)} (auto)` : fr.ratio;
     $("status").textContent = `${fr.method} on ${fr.kv} KV, ratio ${ratio}: ${fr.recomputed_tokens} of ` +
       `${fr.context_tokens} context tokens recomputed; ${Math.round(performance.now() - t0)} ms in the browser`;
     const rows = Object.entries(fr.ttft_ms).map(([k, v]) => `<tr><th>${esc(k)}</th><td>${v.toFixed(1)} ms</td></tr>`);
