@@ -51,6 +51,26 @@ class Served:
         return self.pre.kv.base_position + len(self.pre.kv)
 
     @property
+    def context_tokens(self) -> int:
+        return self.pre.context_tokens
+
+    @property
+    def recomputed_tokens(self) -> int:
+        return self.pre.recomputed
+
+    @property
+    def first_logits(self) -> torch.Tensor:
+        return self.pre.last_logits
+
+    @property
+    def selected(self) -> torch.Tensor | None:
+        return self.pre.selected
+
+    @property
+    def spans(self) -> list[tuple[int, int]]:
+        return self.pre.spans
+
+    @property
     def precomputed_tokens(self) -> int:
         """Context tokens of passages whose KV came precomputed (the store or a cache), before any recompute."""
         if self.method == "full":
@@ -68,3 +88,8 @@ class Served:
             if origin != "computed":
                 out[origin] = out.get(origin, 0) + (b - a) - int(((chosen >= a) & (chosen < b)).sum())
         return out
+
+    @property
+    def reused_tokens(self) -> int:
+        """Context tokens served from KV this request did not compute (:attr:`reused_by_origin`, summed)."""
+        return sum(self.reused_by_origin.values())

@@ -27,8 +27,6 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-import torch
-
 from fusionrag.execution.generate import TextStreamer
 from fusionrag.kvcache.kv import KV
 from fusionrag.online.request import ReuseRequest
@@ -210,6 +208,12 @@ class Request:
     prompt_tokens = _FromServed(int)
     precomputed_tokens = _FromServed(int)
     reused_by_origin = _FromServed(dict)
+    reused_tokens = _FromServed(int)
+    context_tokens = _FromServed(int)
+    recomputed_tokens = _FromServed(int)
+    first_logits = _FromServed(lambda: None)
+    selected = _FromServed(lambda: None)
+    spans = _FromServed(list)
 
     @property
     def method(self) -> str:
@@ -235,31 +239,6 @@ class Request:
             stages["first_token"] = self.answer.first_token_ms
             stages["total"] = stages.get("total", 0.0) + self.answer.first_token_ms
         return stages
-
-    @property
-    def context_tokens(self) -> int:
-        return 0 if self.pre is None else self.pre.context_tokens
-
-    @property
-    def recomputed_tokens(self) -> int:
-        return 0 if self.pre is None else self.pre.recomputed
-
-    @property
-    def reused_tokens(self) -> int:
-        """Context tokens served from KV this request did not compute (:attr:`Served.reused_by_origin`)."""
-        return sum(self.reused_by_origin.values())
-
-    @property
-    def first_logits(self) -> torch.Tensor | None:
-        return None if self.pre is None else self.pre.last_logits
-
-    @property
-    def selected(self) -> torch.Tensor | None:
-        return None if self.pre is None else self.pre.selected
-
-    @property
-    def spans(self) -> list[tuple[int, int]]:
-        return [] if self.pre is None else self.pre.spans
 
     def take_kv(self) -> KV:
         """Hand the prompt KV to a decoder; this object stops holding it (so its memory can go)."""
